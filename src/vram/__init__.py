@@ -1,0 +1,58 @@
+"""vram: PyTorch's CUDA caching allocator, byte-faithful, on a simulated GPU.
+
+The top level mirrors ``torch.cuda``'s memory API (``vram.memory_allocated()``,
+``vram.memory_summary()``, ``vram.empty_cache()``, …) over simulated GPUs made by
+`vram.simulate`, plus tensor-like buffers (`vram.empty`) whose memory is freed when the last
+reference dies. `vram.memory` holds the private history/snapshot functions as in
+``torch.cuda.memory`` (``_record_memory_history``, ``_snapshot``, ``_dump_snapshot``).
+"""
+from . import memory
+from .allocator import CachingAllocator, allocation_size, round_size
+from .config import AllocatorConfig, ConfigError, parse_alloc_conf
+from .device import Device, SimulatedDevice
+from .errors import OutOfMemoryError
+from .memory import (
+    Stream, caching_allocator_alloc, caching_allocator_delete, current_device, current_stream,
+    default_stream, device_count, empty_cache, get_allocator, get_device,
+    get_per_process_memory_fraction, list_gpu_processes, max_memory_allocated, max_memory_cached,
+    max_memory_reserved, mem_get_info, memory_allocated, memory_cached, memory_reserved,
+    memory_snapshot, memory_stats, memory_stats_as_nested_dict, memory_summary,
+    reset_accumulated_memory_stats, reset_max_memory_allocated, reset_max_memory_cached,
+    reset_peak_memory_stats, set_device, set_per_process_memory_fraction, simulate, stream,
+    synchronize,
+)
+from .tensor import (
+    Storage, Tensor, dtype, empty, empty_like, ones, ones_like, rand, randn, zeros, zeros_like,
+)
+from .tensor import DTYPES as _DTYPES
+
+float32 = _DTYPES["float32"]
+float64 = _DTYPES["float64"]
+float16 = _DTYPES["float16"]
+bfloat16 = _DTYPES["bfloat16"]
+int64 = _DTYPES["int64"]
+int32 = _DTYPES["int32"]
+int16 = _DTYPES["int16"]
+int8 = _DTYPES["int8"]
+uint8 = _DTYPES["uint8"]
+bool = _DTYPES["bool"]  # noqa: A001 - torch.bool
+float = float32  # noqa: A001
+half = float16
+double = float64
+long = int64
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "memory", "CachingAllocator", "SimulatedDevice", "Device", "OutOfMemoryError", "AllocatorConfig",
+    "ConfigError", "parse_alloc_conf", "round_size", "allocation_size", "simulate", "Stream",
+    "Tensor", "Storage", "dtype", "empty", "empty_like", "zeros", "ones", "rand", "randn",
+    "zeros_like", "ones_like", "memory_allocated", "max_memory_allocated", "memory_reserved",
+    "max_memory_reserved", "memory_stats", "memory_stats_as_nested_dict", "memory_summary",
+    "empty_cache", "reset_peak_memory_stats", "reset_accumulated_memory_stats",
+    "set_per_process_memory_fraction", "get_per_process_memory_fraction", "mem_get_info",
+    "memory_snapshot", "caching_allocator_alloc", "caching_allocator_delete", "device_count",
+    "current_device", "set_device", "current_stream", "default_stream", "stream", "synchronize",
+    "list_gpu_processes", "get_allocator", "get_device", "memory_cached", "max_memory_cached",
+    "reset_max_memory_allocated", "reset_max_memory_cached",
+]

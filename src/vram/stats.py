@@ -1,0 +1,120 @@
+"""Allocator statistics (spec §16): the numbers behind ``torch.cuda.memory_stats()``.
+
+A `Stat` has current / peak / allocated / freed. Array stats have one Stat per pool kind:
+index 0 ``all``, 1 ``small_pool``, 2 ``large_pool`` (every update hits ``all`` plus the pool kind
+of the block's pool).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+POOL_KEYS = ("all", "small_pool", "large_pool")
+ARRAY_STATS = (
+    "allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+    "active_bytes", "inactive_split_bytes", "requested_bytes",
+)
+#: plain counters; ``num_oom_rejections`` exists from torch 2.13 on (123 keys in all)
+COUNTERS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
+            "num_device_free", "num_oom_rejections")
+
+
+class Stat:
+    """One statistic (spec §16.1): increase raises peak; decrease leaves it."""
+
+    __slots__ = ("current", "peak", "allocated", "freed")
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self.allocated = 0
+        self.freed = 0
+
+    def increase(self, amount: int) -> None:
+        c = self.current + amount
+        self.current = c
+        if c > self.peak:
+            self.peak = c
+        self.allocated += amount
+
+    def decrease(self, amount: int) -> None:
+        self.current -= amount
+        self.freed += amount
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def reset_accumulated(self) -> None:
+        self.allocated = 0
+        self.freed = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"current": self.current, "peak": self.peak, "allocated": self.allocated,
+                "freed": self.freed}
+
+
+def stat_array() -> list[Stat]:
+    return [Stat(), Stat(), Stat()]
+
+
+class DeviceStats:
+    """Every statistic of one device's allocator (spec §16.1)."""
+
+    __slots__ = ARRAY_STATS + ("oversize_allocations", "oversize_segments", "max_split_size") + COUNTERS
+
+    def __init__(self, max_split_size: int = -1) -> None:
+        for name in ARRAY_STATS:
+            setattr(self, name, stat_array())
+        self.oversize_allocations = Stat()
+        self.oversize_segments = Stat()
+        self.max_split_size = max_split_size
+        for name in COUNTERS:
+            setattr(self, name, 0)
+
+    def _all_stats(self) -> list[Stat]:
+        out = [s for name in ARRAY_STATS for s in getattr(self, name)]
+        return out + [self.oversize_allocations, self.oversize_segments]
+
+    def reset_peak(self) -> None:
+        for s in self._all_stats():
+            s.reset_peak()
+
+    def reset_accumulated(self) -> None:
+        for s in self._all_stats():
+            s.reset_accumulated()
+        for name in COUNTERS:
+            setattr(self, name, 0)
+
+    def as_nested_dict(self) -> dict[str, Any]:
+        """``torch.cuda.memory_stats_as_nested_dict`` shape (spec §16.2)."""
+        out: dict[str, Any] = {}
+        for name in ARRAY_STATS:
+            arr = getattr(self, name)
+            out[name] = {POOL_KEYS[i]: arr[i].as_dict() for i in range(3)}
+        out["oversize_allocations"] = self.oversize_allocations.as_dict()
+        out["oversize_segments"] = self.oversize_segments.as_dict()
+        out["max_split_size"] = self.max_split_size
+        for name in COUNTERS:
+            out[name] = getattr(self, name)
+        return out
+
+    def as_flat_dict(self) -> "OrderedDict[str, int]":
+        """``torch.cuda.memory_stats``: nested keys joined with '.', sorted by key (spec §16.2)."""
+        return flatten_stats(self.as_nested_dict())
+
+
+def flatten_stats(nested: dict[str, Any]) -> "OrderedDict[str, int]":
+    """Flatten like torch.cuda.memory_stats: depth-first '.'-joined keys, sorted lexicographically."""
+    items: list[tuple[str, Any]] = []
+
+    def walk(prefix: str, obj: Any) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                k = "_".join(str(x) for x in k) if isinstance(k, tuple) else k
+                walk(prefix + "." + k if prefix else k, v)
+        else:
+            items.append((prefix, obj))
+
+    walk("", nested)
+    items.sort()
+    return OrderedDict(items)
