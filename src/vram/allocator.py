@@ -145,8 +145,10 @@ class CachingAllocator:
     # -- malloc -----------------------------------------------------------------------------
     def malloc(self, size: int, stream: int = 0) -> int:
         """Allocate `size` bytes on `stream`; returns the block address (0 for 0 bytes) (spec §9)."""
-        size = _check_size(size)
-        stream = _check_stream(stream)
+        if type(size) is not int or size < 0:
+            size = _check_size(size)
+        if type(stream) is not int or stream < 0:
+            stream = _check_stream(stream)
         if size >= ONE_EB:
             raise OutOfMemoryError(EB_MESSAGE)
         if size == 0:
@@ -232,15 +234,12 @@ class CachingAllocator:
         block = Block(stream, alloc_size, pool, ptr)
         block.segment_frames = frames
         self.total_allocated_memory += alloc_size
-        i = pool.stat_index
-        for s in (stats.segment[0], stats.segment[i]):
-            s.increase(1)
-        for s in (stats.reserved_bytes[0], stats.reserved_bytes[i]):
-            s.increase(alloc_size)
+        stats.on_segment(pool.stat_index, 1, alloc_size)
         if alloc_size >= self.config.max_split_size:
             stats.oversize_segments.increase(1)
         stats.num_device_alloc += 1
-        self.history.record("segment_alloc", ptr, alloc_size, stream, frames)
+        if self.history.enabled:
+            self.history.record("segment_alloc", ptr, alloc_size, stream, frames)
         return block
 
     def _alloc_found_block(self, block: Block, pool: BlockPool, stream: int, size: int,
@@ -271,32 +270,23 @@ class CachingAllocator:
             rest.size = remaining
             pool.insert(rest)
             if not is_expandable:
-                if already_split:
-                    for s in (stats.inactive_split_bytes[0], stats.inactive_split_bytes[i]):
-                        s.decrease(size)
-                else:
-                    for s in (stats.inactive_split_bytes[0], stats.inactive_split_bytes[i]):
-                        s.increase(remaining)
-                    for s in (stats.inactive_split[0], stats.inactive_split[i]):
-                        s.increase(1)
-        elif already_split and not is_expandable:
-            for s in (stats.inactive_split_bytes[0], stats.inactive_split_bytes[i]):
-                s.decrease(block.size)
-            for s in (stats.inactive_split[0], stats.inactive_split[i]):
-                s.decrease(1)
+                if already_split:  # an inactive split block shrinks by `size`
+                    stats.on_inactive_split(i, 0, -size)
+                else:  # a whole segment becomes split: its remainder is a new inactive split block
+                    stats.on_inactive_split(i, 1, remaining)
+        elif already_split and not is_expandable:  # an inactive split block becomes active
+            stats.on_inactive_split(i, -1, -block.size)
         block.allocated = True
         block.requested_size = orig_size
         block.frames = frames
         ptr = block.ptr
         self.active[ptr] = block
         bsize = block.size
-        for arr, amount in ((stats.allocation, 1), (stats.allocated_bytes, bsize), (stats.active, 1),
-                            (stats.active_bytes, bsize), (stats.requested_bytes, orig_size)):
-            arr[0].increase(amount)
-            arr[i].increase(amount)
+        stats.on_alloc(i, bsize, orig_size)
         if bsize >= config.max_split_size:
             stats.oversize_allocations.increase(1)
-        self.history.record("alloc", ptr, orig_size, stream, frames)
+        if self.history.enabled:
+            self.history.record("alloc", ptr, orig_size, stream, frames)
         return ptr
 
     def _raise_oom(self, pool: BlockPool, stream: int, size: int, alloc_size: int, frames: Any) -> None:
@@ -324,8 +314,10 @@ class CachingAllocator:
     # -- free -------------------------------------------------------------------------------
     def free(self, ptr: int) -> None:
         """The last reference to the block at `ptr` died (spec §10.1)."""
-        if isinstance(ptr, bool) or not isinstance(ptr, int):
-            raise TypeError(f"pointer must be an int, got {type(ptr).__name__}")
+        if type(ptr) is not int:
+            if isinstance(ptr, bool) or not isinstance(ptr, int):
+                raise TypeError(f"pointer must be an int, got {type(ptr).__name__}")
+            ptr = int(ptr)
         if ptr == 0:
             return
         with self.lock:
@@ -342,14 +334,11 @@ class CachingAllocator:
             frames = history.gather(ALL) if history.context >= ALL else None
             block.allocated = False
             stats = self.stats
-            i = block.pool.stat_index
             bsize = block.size
-            for s in (stats.allocation[0], stats.allocation[i]):
-                s.decrease(1)
-            for s in (stats.allocated_bytes[0], stats.allocated_bytes[i]):
-                s.decrease(bsize)
-            history.record("free_requested", ptr, block.requested_size, block.stream,
-                           frames if frames is not None else block.frames)
+            stats.on_free_requested(block.pool.stat_index, bsize)
+            if history.enabled:
+                history.record("free_requested", ptr, block.requested_size, block.stream,
+                               frames if frames is not None else block.frames)
             if bsize >= self.config.max_split_size:
                 stats.oversize_allocations.decrease(1)
             if block.stream_uses:
@@ -359,8 +348,9 @@ class CachingAllocator:
 
     def _free_block(self, block: Block, frames: Any) -> None:
         """Free completion (spec §10.2): merge with free neighbours, back into the pool, stats."""
-        self.history.record("free_completed", block.ptr, block.requested_size, block.stream,
-                            frames if frames is not None else block.frames)
+        if self.history.enabled:
+            self.history.record("free_completed", block.ptr, block.requested_size, block.stream,
+                                frames if frames is not None else block.frames)
         block.frames = None
         original_size = block.size
         requested = block.requested_size
@@ -379,18 +369,9 @@ class CachingAllocator:
             net_bytes += block.size
         stats = self.stats
         i = pool.stat_index
-        if block.expandable_segment is None:
-            for arr, net in ((stats.inactive_split, net_blocks), (stats.inactive_split_bytes, net_bytes)):
-                if net > 0:
-                    arr[0].increase(net)
-                    arr[i].increase(net)
-                elif net < 0:
-                    arr[0].decrease(-net)
-                    arr[i].decrease(-net)
-        for arr, amount in ((stats.active, 1), (stats.active_bytes, original_size),
-                            (stats.requested_bytes, requested)):
-            arr[0].decrease(amount)
-            arr[i].decrease(amount)
+        if block.expandable_segment is None and (net_blocks or net_bytes):
+            stats.on_inactive_split(i, net_blocks, net_bytes)
+        stats.on_free_completed(i, original_size, requested)
 
     # -- streams and events (spec §10.1, §10.3, §10.4) -----------------------------------------
     def record_stream(self, ptr: int, stream: int) -> None:
@@ -477,11 +458,7 @@ class CachingAllocator:
         self.device.free(block.ptr)
         self.total_allocated_memory -= block.size
         stats = self.stats
-        i = pool.stat_index
-        for s in (stats.segment[0], stats.segment[i]):
-            s.decrease(1)
-        for s in (stats.reserved_bytes[0], stats.reserved_bytes[i]):
-            s.decrease(block.size)
+        stats.on_segment(pool.stat_index, -1, -block.size)
         stats.num_device_free += 1
         if block.size >= self.config.max_split_size:
             stats.oversize_segments.decrease(1)

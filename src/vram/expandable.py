@@ -127,8 +127,7 @@ def map_block(alloc: "CachingAllocator", to_map: Block, size: int, frames: Any) 
     pool.insert(to_map)
     alloc.total_allocated_memory += mapped
     stats = alloc.stats
-    for s in (stats.reserved_bytes[0], stats.reserved_bytes[pool.stat_index]):
-        s.increase(mapped)
+    stats.on_segment(pool.stat_index, 0, mapped)  # reserved bytes only: no `segment` change
     stats.num_device_alloc += 1
     alloc.history.record("segment_map", ptr, mapped, to_map.stream, frames)
     if to_map.prev is None and to_map.segment_frames is None:
@@ -188,8 +187,7 @@ def unmap_block(alloc: "CachingAllocator", block: Block, frames: Any) -> None:
     pool.insert_unmapped(block)
     alloc.total_allocated_memory -= size
     stats = alloc.stats
-    for s in (stats.reserved_bytes[0], stats.reserved_bytes[pool.stat_index]):
-        s.decrease(size)
+    stats.on_segment(pool.stat_index, 0, -size)
     stats.num_device_free += 1
     alloc.history.record("segment_unmap", ptr, size, block.stream, frames)
     if block.prev is None and block.next is None:

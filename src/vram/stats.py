@@ -53,6 +53,15 @@ class Stat:
                 "freed": self.freed}
 
 
+def _change(stats: tuple[Stat, ...], n: int) -> None:
+    """Increase (n > 0) or decrease (n < 0) each stat by |n|."""
+    for s in stats:
+        if n > 0:
+            s.increase(n)
+        elif n < 0:
+            s.decrease(-n)
+
+
 def stat_array() -> list[Stat]:
     return [Stat(), Stat(), Stat()]
 
@@ -60,7 +69,9 @@ def stat_array() -> list[Stat]:
 class DeviceStats:
     """Every statistic of one device's allocator (spec §16.1)."""
 
-    __slots__ = ARRAY_STATS + ("oversize_allocations", "oversize_segments", "max_split_size") + COUNTERS
+    __slots__ = ARRAY_STATS + ("oversize_allocations", "oversize_segments", "max_split_size") + COUNTERS + (
+        "_counts", "_bytes", "_requested", "_allocation", "_allocated_bytes", "_active",
+        "_active_bytes", "_segment", "_reserved", "_split", "_split_bytes")
 
     def __init__(self, max_split_size: int = -1) -> None:
         for name in ARRAY_STATS:
@@ -70,6 +81,74 @@ class DeviceStats:
         self.max_split_size = max_split_size
         for name in COUNTERS:
             setattr(self, name, 0)
+        # Per pool index (1 small, 2 large): the Stats each allocator event moves, `all` included.
+        def group(*names: str) -> list[tuple[Stat, ...]]:
+            return [()] + [tuple(getattr(self, n)[k] for n in names for k in (0, i)) for i in (1, 2)]
+        self._counts = group("allocation", "active")
+        self._bytes = group("allocated_bytes", "active_bytes")
+        self._requested = group("requested_bytes")
+        self._allocation = group("allocation")
+        self._allocated_bytes = group("allocated_bytes")
+        self._active = group("active")
+        self._active_bytes = group("active_bytes")
+        self._segment = group("segment")
+        self._reserved = group("reserved_bytes")
+        self._split = group("inactive_split")
+        self._split_bytes = group("inactive_split_bytes")
+
+    # Allocator events (spec §16.1 table). `i` is the pool's stat index: 1 small, 2 large.
+    # The bodies repeat Stat.increase/decrease inline: this is the allocator's hot path.
+    def on_alloc(self, i: int, size: int, requested: int) -> None:
+        """A block was carved: allocation, active (+1), allocated/active bytes, requested bytes."""
+        for s in self._counts[i]:
+            c = s.current + 1
+            s.current = c
+            if c > s.peak:
+                s.peak = c
+            s.allocated += 1
+        for s in self._bytes[i]:
+            c = s.current + size
+            s.current = c
+            if c > s.peak:
+                s.peak = c
+            s.allocated += size
+        for s in self._requested[i]:
+            c = s.current + requested
+            s.current = c
+            if c > s.peak:
+                s.peak = c
+            s.allocated += requested
+
+    def on_free_requested(self, i: int, size: int) -> None:
+        """The last reference died: allocation −1, allocated bytes −size (spec §10.1)."""
+        for s in self._allocation[i]:
+            s.current -= 1
+            s.freed += 1
+        for s in self._allocated_bytes[i]:
+            s.current -= size
+            s.freed += size
+
+    def on_free_completed(self, i: int, size: int, requested: int) -> None:
+        """The block went back to its pool: active −1, active and requested bytes (spec §10.2)."""
+        for s in self._active[i]:
+            s.current -= 1
+            s.freed += 1
+        for s in self._active_bytes[i]:
+            s.current -= size
+            s.freed += size
+        for s in self._requested[i]:
+            s.current -= requested
+            s.freed += requested
+
+    def on_segment(self, i: int, count: int, size: int) -> None:
+        """Segments allocated (count, size > 0) or freed (< 0); expandable mappings pass count 0."""
+        _change(self._segment[i], count)
+        _change(self._reserved[i], size)
+
+    def on_inactive_split(self, i: int, count: int, size: int) -> None:
+        """Net change of the non-releasable (inactive split) blocks (spec §16.3)."""
+        _change(self._split[i], count)
+        _change(self._split_bytes[i], size)
 
     def _all_stats(self) -> list[Stat]:
         out = [s for name in ARRAY_STATS for s in getattr(self, name)]
