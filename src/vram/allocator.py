@@ -14,8 +14,8 @@ from typing import Any, Mapping
 
 from . import expandable as _expandable
 from .block import SIZE_SHIFT, STREAM_SHIFT, Block, BlockPool, try_merge_blocks
-from .config import SIZE_MAX, AllocatorConfig, alloc_conf_from_env, caching_disabled_from_env, \
-    parse_alloc_conf
+from .config import SIZE_MAX, AllocatorConfig, alloc_conf_from_env, as_int64, \
+    caching_disabled_from_env, parse_alloc_conf
 from .device import Device, Event
 from .errors import EB_MESSAGE, OutOfMemoryError, oom_message
 from .history import ALL, STATE, History
@@ -102,8 +102,8 @@ class CachingAllocator:
         self.large_blocks = BlockPool(is_small=False)
         #: active blocks (allocated, or freed but waiting for events), by address
         self.active: dict[int, Block] = {}
-        self.stats = DeviceStats(-1 if self.config.max_split_size == SIZE_MAX
-                                 else self.config.max_split_size)
+        # The stat is M as int64 at creation (spec §16.1): SIZE_MAX shows as -1.
+        self.stats = DeviceStats(as_int64(self.config.max_split_size))
         self.total_allocated_memory = 0
         self.allowed_memory_maximum: int | None = None
         self.cuda_events: dict[int, deque[tuple[Event, Block]]] = {}
