@@ -403,7 +403,7 @@ def caching_disabled_from_env(environ: Mapping[str, str] | None = None) -> bool:
 
 # ---------------------------------------------------------------------------- snapshot form
 
-def asas_int64(value: int) -> int:
+def as_int64(value: int) -> int:
     """``int64_t(size_t)``: SIZE_MAX -> -1."""
     return value - 2**64 if value >= 2**63 else value
 
