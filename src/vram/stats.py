@@ -147,8 +147,18 @@ class DeviceStats:
 
     def on_inactive_split(self, i: int, count: int, size: int) -> None:
         """Net change of the non-releasable (inactive split) blocks (spec §16.3)."""
-        _change(self._split[i], count)
-        _change(self._split_bytes[i], size)
+        for stats, n in ((self._split[i], count), (self._split_bytes[i], size)):
+            if n > 0:
+                for s in stats:
+                    c = s.current + n
+                    s.current = c
+                    if c > s.peak:
+                        s.peak = c
+                    s.allocated += n
+            elif n < 0:
+                for s in stats:
+                    s.current += n
+                    s.freed -= n
 
     def _all_stats(self) -> list[Stat]:
         out = [s for name in ARRAY_STATS for s in getattr(self, name)]
