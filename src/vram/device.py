@@ -32,7 +32,7 @@ SEGMENT_ALIGNMENT = 2 * MiB
 #: The simulated virtual window: addresses look like a Linux process's CUDA mappings (0x7f…).
 VA_BOTTOM = 0x7000_0000_0000
 VA_TOP = 0x7F80_0000_0000
-DEVICE_VA_SPAN = 1 << 41
+DEVICE_VA_SPAN = 1 << 43  # 8 TiB per device index: room for expandable segments' reserves
 
 
 class Event:
@@ -94,9 +94,11 @@ class OtherProcess:
 class VirtualAddressSpace:
     """Top-down first-fit allocator of 2 MiB-aligned virtual ranges (spec §22)."""
 
-    __slots__ = ("_starts", "_ends", "_ranges")
+    __slots__ = ("_starts", "_ends", "_ranges", "bottom", "top")
 
     def __init__(self, bottom: int = VA_BOTTOM, top: int = VA_TOP) -> None:
+        self.bottom = bottom
+        self.top = top
         # Free holes as parallel sorted lists of starts and ends.
         self._starts = [bottom]
         self._ends = [top]
@@ -114,13 +116,33 @@ class VirtualAddressSpace:
                     ends[i] = base
                 self._ranges[base] = size
                 return base
-        raise MemoryError("simulated virtual address space exhausted")
+        raise MemoryError(f"simulated virtual address space exhausted: no {size}-byte range left")
+
+    def take(self, base: int, size: int) -> None:
+        """Mark [base, base+size) as used (a range handed out elsewhere); outside holes is fine."""
+        starts, ends = self._starts, self._ends
+        end = base + size
+        i = bisect.bisect_right(starts, base) - 1
+        if i >= 0 and ends[i] > base:
+            if ends[i] < end:
+                raise ValueError(f"range {base:#x}+{size} overlaps a range in use")
+            left, right = (starts[i], base), (end, ends[i])
+            del starts[i], ends[i]
+            for lo, hi in (right, left):
+                if hi > lo:
+                    starts.insert(i, lo)
+                    ends.insert(i, hi)
+        elif i + 1 < len(starts) and starts[i + 1] < end:
+            raise ValueError(f"range {base:#x}+{size} overlaps a range in use")
+        self._ranges[base] = size
 
     def free(self, base: int) -> int:
         size = self._ranges.pop(base)
+        end = base + size
+        if base < self.bottom or end > self.top:
+            return size  # an adopted range outside the window: nothing to give back
         starts, ends = self._starts, self._ends
         i = bisect.bisect_left(starts, base)
-        end = base + size
         # Coalesce with the hole before and/or after.
         if i > 0 and ends[i - 1] == base:
             if i < len(starts) and starts[i] == end:
@@ -189,8 +211,9 @@ class SimulatedDevice:
         self.pid = os.getpid() if pid is None else pid
         #: bytes this process holds from the driver (cudaMalloc'd plus mapped pages)
         self.used = 0
-        # One unified virtual address space, as CUDA's: each device index gets its own 2 TiB slice.
-        top = VA_TOP - index * DEVICE_VA_SPAN
+        # One unified virtual address space, as CUDA's: each device index gets its own 8 TiB slice
+        # (indices past 14 share slices; only pointer lookups across devices would notice).
+        top = VA_TOP - (index % 15) * DEVICE_VA_SPAN
         self._va = VirtualAddressSpace(top - DEVICE_VA_SPAN, top)
         self._allocations: dict[int, int] = {}  # cudaMalloc base -> size
         self._reservations: dict[int, int] = {}  # reserved base -> size
@@ -216,6 +239,19 @@ class SimulatedDevice:
         self._allocations[ptr] = size
         self.used += size
         return ptr
+
+    def adopt(self, ptr: int, size: int) -> bool:
+        """Take over a segment that already exists at `ptr` (a recorded run's starting state).
+
+        False when it does not fit in the capacity left. The range is taken out of the virtual
+        address space when it lies in it, so no later segment can overlap it.
+        """
+        if size <= 0 or not self._fits(size) or ptr in self._allocations:
+            return False
+        self._va.take(ptr, size)
+        self._allocations[ptr] = size
+        self.used += size
+        return True
 
     def free(self, ptr: int) -> None:
         size = self._allocations.pop(ptr, None)

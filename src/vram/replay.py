@@ -1,0 +1,284 @@
+"""Layer 4: replay a recorded snapshot's trace through the allocator — what-if and verification.
+
+`replay(snapshot, gpu=..., context=..., conf=..., verify=...)`:
+1. rewinds the recording to the state at its first event (`vram.rewind`) and installs it;
+2. replays every ``alloc`` / ``free_requested`` / ``free_completed`` (per stream; a free whose
+   completion the recording shows later is held back with an event, as ``record_stream`` does),
+   ``segment_free`` runs (an ``empty_cache()`` call) and ``oom`` (a request that failed);
+3. reports peaks, fragmentation at the reserved peak, driver calls, retries and the first OOM;
+4. with ``verify=True``, compares event by event with the recording: every ``segment_alloc``
+   (size, order, address), every ``alloc`` address, every ``segment_free``, and the final
+   segments and blocks.
+
+Segment addresses come from a `TraceDevice`: the recorded ones for as long as the replay asks
+for the same segments, so under the recorded config differences come only from what changed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from .allocator import CachingAllocator
+from .config import parse_alloc_conf
+from .errors import OutOfMemoryError
+from .rewind import rewind
+from .snapshot import segments as snapshot_segments
+from .state import import_segments
+from .tracedevice import TraceDevice
+from .units import parse_size
+
+#: capacity of the replay GPU when none is given: large enough for any recording
+UNLIMITED = 1 << 40
+#: pseudo streams that stand for "whatever the recording waited on" before a free completed
+PENDING_STREAM_BASE = 1 << 62
+
+
+@dataclass
+class ReplayResult:
+    """What a replay found. Sizes in bytes."""
+
+    conf: str
+    gpu: int
+    context: int
+    events: int = 0
+    seconds_replay: float = 0.0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    peak_device_used: int = 0
+    allocated_at_reserved_peak: int = 0
+    largest_free_block_at_reserved_peak: int = 0
+    segment_allocs: int = 0
+    segment_frees: int = 0
+    alloc_retries: int = 0
+    ooms: int = 0
+    oom: dict[str, Any] | None = None
+    final_allocated: int = 0
+    final_reserved: int = 0
+    verification: dict[str, Any] | None = None
+    allocator: CachingAllocator | None = field(default=None, repr=False)
+
+    @property
+    def fragmentation_at_reserved_peak(self) -> int:
+        return self.peak_reserved - self.allocated_at_reserved_peak
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k not in ("allocator", "verification")}
+        out["fragmentation_at_reserved_peak"] = self.fragmentation_at_reserved_peak
+        if self.verification is not None:
+            out.update(self.verification)
+        return out
+
+
+def _recorded_conf(snapshot: Mapping[str, Any]) -> str:
+    settings = snapshot.get("allocator_settings") or {}
+    conf = settings.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    return conf if isinstance(conf, str) else ""
+
+
+def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context: int | str = 0,
+           conf: str | None = None, verify: bool = False, device: int = 0,
+           progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+    """Replay one device's trace of `snapshot` (a loaded snapshot dict); see the module doc.
+
+    `conf` None means the recording's own ``PYTORCH_CUDA_ALLOC_CONF``; `gpu` None means a GPU
+    large enough for anything (1 TiB).
+    """
+    recorded_conf = _recorded_conf(snapshot)
+    conf_text = recorded_conf if conf is None else conf
+    total = UNLIMITED if gpu is None else parse_size(gpu, "gpu")
+    ctx = parse_size(context, "context")
+    traces = snapshot.get("device_traces") or []
+    trace: Sequence[Mapping[str, Any]] = traces[device] if device < len(traces) else []
+    final = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
+    initial = rewind(final, trace, parse_alloc_conf(recorded_conf).roundup_power2_divisions)
+    recorded = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
+    dev = TraceDevice(recorded, total, ctx, device)
+    alloc = CachingAllocator(dev, conf_text)
+    import_segments(alloc, initial)
+    result = ReplayResult(conf=conf_text, gpu=total, context=ctx, allocator=alloc)
+    checks = _Checks(trace) if verify else None
+    t0 = time.perf_counter()
+    _run(alloc, dev, trace, result, checks, verify, progress)
+    result.seconds_replay = time.perf_counter() - t0
+    stats = alloc.stats
+    result.events = len(trace)
+    result.peak_allocated = stats.allocated_bytes[0].peak
+    result.peak_reserved = stats.reserved_bytes[0].peak
+    result.peak_device_used = result.peak_reserved + ctx + dev.other_used
+    result.segment_allocs = stats.num_device_alloc
+    result.segment_frees = stats.num_device_free
+    result.alloc_retries = stats.num_alloc_retries
+    result.ooms = stats.num_ooms
+    result.final_allocated = stats.allocated_bytes[0].current
+    result.final_reserved = stats.reserved_bytes[0].current
+    if checks is not None:
+        result.verification = checks.finish(alloc, dev, final, recorded)
+    return result
+
+
+def _largest_free_block(alloc: CachingAllocator) -> int:
+    return max((b.size for pool in (alloc.small_blocks, alloc.large_blocks)
+                for b in pool.blocks.values()), default=0)
+
+
+def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str, Any]],
+         result: ReplayResult, checks: "_Checks | None", verify: bool,
+         progress: Callable[[int, int], None] | None) -> None:
+    malloc, free = alloc.malloc, alloc.free
+    reserved = alloc.stats.reserved_bytes[0]
+    allocated = alloc.stats.allocated_bytes[0]
+    best_reserved = reserved.current  # the starting state is the first candidate for the peak
+    result.allocated_at_reserved_peak = allocated.current
+    result.largest_free_block_at_reserved_peak = _largest_free_block(alloc)
+    ptr_of: dict[int, int | None] = {}  # recorded address -> our address (None: the alloc failed)
+    pending: dict[int, int] = {}  # recorded address -> pseudo stream of a held-back free
+    n = len(trace)
+    skip_next = False
+    in_empty_cache = False
+    for i in range(n):
+        if skip_next:
+            skip_next = False
+            continue
+        if progress is not None and not i & 0xFFFF:
+            progress(i, n)
+        e = trace[i]
+        action = e["action"]
+        if action != "segment_free":
+            in_empty_cache = False
+        if action == "alloc":
+            addr = e["addr"]
+            try:
+                p = malloc(e["size"], e.get("stream", 0))
+            except OutOfMemoryError as ex:
+                p = None
+                if result.oom is None:
+                    result.oom = {"event_index": i, "message": str(ex), "size": e["size"],
+                                  "frames": list(e.get("frames") or [])}
+            ptr_of[addr] = p
+            if checks is not None:
+                checks.alloc(i, addr, p)
+            if reserved.current > best_reserved:
+                best_reserved = reserved.current
+                result.allocated_at_reserved_peak = allocated.current
+                result.largest_free_block_at_reserved_peak = _largest_free_block(alloc)
+        elif action == "free_requested":
+            addr = e["addr"]
+            p = ptr_of.pop(addr, addr)
+            if p is None:
+                continue
+            nxt = trace[i + 1] if i + 1 < n else None
+            if nxt is not None and nxt["action"] == "free_completed" and nxt["addr"] == addr:
+                free(p)
+                skip_next = True
+            else:  # completes later: hold it back with an event, as record_stream does
+                stream = PENDING_STREAM_BASE + len(pending)
+                alloc.record_stream(p, stream)
+                free(p)
+                pending[addr] = stream
+        elif action == "free_completed":
+            addr = e["addr"]
+            if addr in pending:
+                dev.complete_events(pending.pop(addr))
+                alloc.process_events()
+            else:  # freed before the trace began, completing now
+                p = ptr_of.pop(addr, addr)
+                if p is not None and p in alloc.active and alloc.active[p].allocated:
+                    free(p)
+        elif action == "segment_free":
+            if not in_empty_cache:  # a run of segment_free events is one empty_cache() call
+                alloc.empty_cache()
+                in_empty_cache = True
+        elif action == "oom":
+            size = e["size"]
+            dev.fail_mallocs = verify  # verification: the device fails as the real one did
+            try:
+                p = malloc(size, e.get("stream", 0))
+                free(p)  # the program never got this tensor
+                if checks is not None:
+                    checks.note(i, "oom", "OutOfMemoryError", "allocation succeeded")
+            except OutOfMemoryError as ex:
+                if result.oom is None and not verify:
+                    result.oom = {"event_index": i, "message": str(ex), "size": size,
+                                  "frames": list(e.get("frames") or [])}
+            finally:
+                dev.fail_mallocs = False
+    if progress is not None:
+        progress(n, n)
+
+
+class _Checks:
+    """Event-by-event comparison with the recording (verification mode)."""
+
+    def __init__(self, trace: Sequence[Mapping[str, Any]]) -> None:
+        self.trace = trace
+        self.allocs_total = 0
+        self.allocs_matched = 0
+        self.divergences: list[dict[str, Any]] = []
+
+    def note(self, i: int, kind: str, expected: Any, actual: Any) -> None:
+        if len(self.divergences) < 10:
+            lo, hi = max(0, i - 3), min(len(self.trace), i + 4)
+            context = [f"{'>' if k == i else ' '} {k}: {_describe(self.trace[k])}" for k in range(lo, hi)]
+            self.divergences.append({"kind": kind, "event_index": i, "expected": expected,
+                                     "actual": actual, "context": context})
+
+    def alloc(self, i: int, addr: int, ours: int | None) -> None:
+        self.allocs_total += 1
+        if ours == addr:
+            self.allocs_matched += 1
+        else:
+            self.note(i, "alloc_address", _hex(addr), _hex(ours) if ours is not None else "OOM")
+
+    def finish(self, alloc: CachingAllocator, dev: TraceDevice, final: Sequence[Mapping[str, Any]],
+               recorded: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        ours = [(a, s) for a, s, _ in dev.mallocs]
+        seg_matched = sum(1 for x, y in zip(ours, recorded) if x == y)
+        rec_frees = [(e["addr"], e["size"]) for e in self.trace if e["action"] == "segment_free"]
+        free_matched = sum(1 for x, y in zip(dev.frees, rec_frees) if x == y)
+        mine = snapshot_segments(alloc)
+        want_segs = {(s["address"], s["total_size"]) for s in final}
+        have_segs = {(s["address"], s["total_size"]) for s in mine}
+        want_blocks = {_block_key(s, b) for s in final for b in _with_addresses(s)}
+        have_blocks = {_block_key(s, b) for s in mine for b in _with_addresses(s)}
+        missing = sorted(want_blocks - have_blocks)[:5]
+        extra = sorted(have_blocks - want_blocks)[:5]
+        for b in missing:
+            self.note(len(self.trace) - 1, "final_block_missing", _fmt_block(b), None)
+        for b in extra:
+            self.note(len(self.trace) - 1, "final_block_unexpected", None, _fmt_block(b))
+        return {
+            "segment_allocs": {"matched": seg_matched, "total": max(len(recorded), len(ours))},
+            "segment_frees": {"matched": free_matched, "total": max(len(rec_frees), len(dev.frees))},
+            "alloc_addresses": {"matched": self.allocs_matched, "total": self.allocs_total},
+            "final_segments": {"matched": len(want_segs & have_segs),
+                               "total": len(want_segs | have_segs)},
+            "final_blocks": {"matched": len(want_blocks & have_blocks),
+                             "total": len(want_blocks | have_blocks)},
+            "divergences": self.divergences,
+        }
+
+
+def _with_addresses(seg: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    out, addr = [], seg["address"]
+    for b in seg["blocks"]:
+        out.append({**b, "address": b.get("address", addr)})
+        addr += b["size"]
+    return out
+
+
+def _block_key(seg: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[int, int, str, int]:
+    return (b["address"], b["size"], b["state"], b.get("requested_size", 0))
+
+
+def _fmt_block(b: tuple[int, int, str, int]) -> str:
+    return f"{b[0]:#x} size {b[1]} {b[2]} requested {b[3]}"
+
+
+def _hex(x: int) -> str:
+    return f"{x:#x}"
+
+
+def _describe(e: Mapping[str, Any]) -> str:
+    where = e.get("addr", e.get("device_free", 0))
+    return f"{e['action']} {where:#x} size {e['size']} stream {e.get('stream', 0)}"
