@@ -1,98 +1,305 @@
-"""The ``vram`` command line.
+"""The ``vram`` command line: replay, summary, plot, export, demo.
 
-``vram demo`` walks through the classic GPU-memory experiments on a simulated GPU: reserved vs
-allocated, the cache after ``del``, fragmentation that ``empty_cache`` cannot return, the summary
-table, and PyTorch's OOM message.
+Every subcommand reads any supported snapshot (PyTorch pickle, current or legacy; JSON; RMM's
+allocation-log CSV) through the safe loader, exits non-zero with a one-line error on bad input,
+and has ``--help`` with examples.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import Sequence
+import time
+from typing import Any, Sequence
 
-from .units import parse_size
+from .units import format_size, parse_size
 
 MiB = 1024 * 1024
 
+EXAMPLES = """examples:
+  vram replay run.pickle                          replay under the recorded config, report peaks
+  vram replay run.pickle --gpu 24GiB --context 500MiB
+                                                  would this run have fit on a 24 GiB card?
+  vram replay run.pickle --conf '' --conf expandable_segments:True --conf max_split_size_mb:128
+                                                  compare allocator configs side by side
+  vram replay run.pickle --verify                 check vram reproduces the recording exactly
+  vram replay run.pickle --json                   one JSON object on stdout, for scripts
+  vram replay state.pickle --alloc 2GiB           would a 2 GiB allocation succeed now?
+  vram summary run.pickle [--at 1200]             torch.cuda.memory_summary() at the end or an event
+  vram plot run.pickle -o out.png --conf expandable_segments:True
+  vram export rmm_log.csv -o run.pickle           any input -> a snapshot memory_viz opens
+  vram demo                                       a tour on a simulated GPU
+"""
 
-def _mib(n: int) -> str:
-    if n < MiB:
-        return f"{n / 1024:,.1f} KiB"
-    return f"{n / MiB:,.1f} MiB"
+
+class _Progress:
+    """A progress bar on stderr for replays that take more than a moment (only on a terminal)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.start = time.perf_counter()
+        self.shown = False
+        self.enabled = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total == 0:
+            return
+        if not self.shown and time.perf_counter() - self.start < 0.5:
+            return
+        self.shown = True
+        width = 30
+        filled = width * done // total
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{' ' * (width - filled)}] "
+                         f"{100 * done // total:3d}% {done:,}/{total:,} events")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
 
 
-def demo(gpu: str, context: str, conf: str | None) -> int:
-    import vram
+def _load(path: str) -> dict[str, Any]:
+    from .loader import load_snapshot
 
-    vram.simulate(total_memory=gpu, context=context, alloc_conf=conf)
-    total = vram.get_device().total_memory
-    print(f"Simulated GPU: {_mib(total)} total, {_mib(parse_size(context))} CUDA context, "
-          f"PYTORCH_CUDA_ALLOC_CONF={conf or ''!r}\n")
+    return load_snapshot(path)
 
-    def line(what: str) -> None:
-        free, _ = vram.mem_get_info()
-        print(f"{what:<52} allocated {_mib(vram.memory_allocated()):>14}   "
-              f"reserved {_mib(vram.memory_reserved()):>14}   free {_mib(free):>14}")
 
-    line("start")
-    x = vram.empty(1000)                      # 1000 floats = 4000 bytes
-    line("x = empty(1000) float32 (4000 B -> 4096 B block)")
-    del x
-    line("del x (block back in the cache)")
-    vram.empty_cache()
-    line("empty_cache() (whole free segment returned)")
+def _label(conf: str) -> str:
+    return conf if conf else "default config"
 
-    blocks = [vram.empty(4 * MiB // 4) for _ in range(4)]  # 4 MiB each, share one 20 MiB segment
-    line("four 4 MiB tensors (one 20 MiB segment)")
-    del blocks[:2]
-    line("free the first two (a free 8 MiB hole)")
-    vram.empty_cache()
-    line("empty_cache() (segment still in use: nothing freed)")
-    big = vram.empty(100 * MiB // 4)
-    line("a 100 MiB tensor (its own segment)")
-    alias = big[: 10]
-    del big
-    line("del big, a view of it still alive")
-    del alias
-    line("del the view too")
-    vram.empty_cache()
-    line("empty_cache()")
-    print()
-    print(vram.memory_summary(abbreviated=True))
 
-    free, _ = vram.mem_get_info()
-    print(f"Now ask for more than is free ({_mib(free)}):")
-    try:
-        vram.empty(free // 4 + MiB)
-    except vram.OutOfMemoryError as e:
-        print(f"torch.OutOfMemoryError: {e}")
+def _fmt(n: int) -> str:
+    return f"{format_size(n)} ({n:,} B)" if n > 1024 else f"{n} B"
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from .replay import replay
+
+    snap = _load(args.snapshot)
+    confs = args.conf if args.conf else [None]
+    results = []
+    for conf in confs:
+        label = _label(conf if conf is not None else "recorded config")
+        results.append(replay(snap, gpu=args.gpu, context=args.context, conf=conf,
+                              verify=args.verify, device=args.device,
+                              progress=_Progress(f"replaying ({label})")))
+    trials = [_try_alloc(r, parse_size(args.alloc, "--alloc")) for r in results] if args.alloc else None
+    if args.json:
+        objs = [r.to_json() for r in results]
+        if trials:
+            for o, t in zip(objs, trials):
+                o["alloc_trial"] = t
+        print(json.dumps(objs[0] if len(objs) == 1 else {"runs": objs}))
+        return 0
+    print(_report(args.snapshot, snap, results, trials))
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _try_alloc(result: Any, size: int) -> dict[str, Any]:
+    from .errors import OutOfMemoryError
+
+    alloc = result.allocator
+    try:
+        ptr = alloc.malloc(size)
+    except OutOfMemoryError as e:
+        return {"size": size, "ok": False, "message": str(e)}
+    alloc.free(ptr)
+    return {"size": size, "ok": True, "message": None}
+
+
+def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[dict[str, Any]] | None) -> str:
+    r0 = results[0]
+    lines = [f"{path}: {r0.events:,} events replayed ({snap['format']}"
+             f"{', legacy format' if snap.get('legacy') else ''}), GPU "
+             f"{format_size(r0.gpu)}, context {format_size(r0.context)}"]
+    rows = [
+        ("config", lambda r: _label(r.conf)),
+        ("peak allocated", lambda r: format_size(r.peak_allocated)),
+        ("peak reserved", lambda r: format_size(r.peak_reserved)),
+        ("peak nvidia-smi (reserved + context)", lambda r: format_size(r.peak_device_used)),
+        ("reserved - allocated at reserved peak", lambda r: format_size(r.fragmentation_at_reserved_peak)),
+        ("largest free block at reserved peak", lambda r: format_size(r.largest_free_block_at_reserved_peak)),
+        ("segment allocations (cudaMalloc/map)", lambda r: f"{r.segment_allocs:,}"),
+        ("segment frees (cudaFree/unmap)", lambda r: f"{r.segment_frees:,}"),
+        ("cudaMalloc retries", lambda r: f"{r.alloc_retries:,}"),
+        ("first OOM", lambda r: "none" if r.oom is None else f"event {r.oom['event_index']:,}"),
+        ("replay time", lambda r: f"{r.seconds_replay:.2f} s"),
+    ]
+    if trials:
+        rows.append(("then allocate " + format_size(trials[0]["size"]),
+                     lambda r, it=iter(trials): "succeeds" if next(it)["ok"] else "OOM"))
+    width = max(len(name) for name, _ in rows) + 2
+    cells = [[fn(r) for r in results] for _, fn in rows]
+    colw = [max(len(c[k]) for c in cells) + 2 for k in range(len(results))]
+    lines.append("")
+    for (name, _), vals in zip(rows, cells):
+        lines.append(name.ljust(width) + "".join(v.rjust(w) for v, w in zip(vals, colw)))
+    for r in results:
+        if r.oom is not None:
+            lines += ["", f"[{_label(r.conf)}] OOM at event {r.oom['event_index']:,}:", r.oom["message"]]
+            frames = [f for f in r.oom["frames"] if f.get("line")][:6]
+            if frames:
+                lines.append("recorded stack (innermost first):")
+                lines += [f"  {f['filename']}:{f['line']} in {f['name']}" for f in frames]
+    if trials:
+        for r, t in zip(results, trials):
+            if not t["ok"]:
+                lines += ["", f"[{_label(r.conf)}] allocating {format_size(t['size'])} now fails:", t["message"]]
+    for r in results:
+        if r.verification is not None:
+            lines += ["", "verification against the recording:"]
+            for key, name in (("segment_allocs", "segment_alloc (size, order, address)"),
+                              ("segment_frees", "segment_free (address, size, order)"),
+                              ("alloc_addresses", "alloc addresses"),
+                              ("final_segments", "final segments"), ("final_blocks", "final blocks")):
+                m, t = r.verification[key]["matched"], r.verification[key]["total"]
+                pct = 100.0 * m / t if t else 100.0
+                lines.append(f"  {name:<40} {m:>8,} / {t:<8,} {pct:6.2f}%")
+            for d in r.verification["divergences"][:5]:
+                lines += [f"  divergence ({d['kind']}) at event {d['event_index']}: expected "
+                          f"{d['expected']}, got {d['actual']}"] + [f"      {c}" for c in d["context"]]
+    return "\n".join(lines)
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    from .replay import replay
+    from .summary import memory_summary_from_stats
+
+    snap = _load(args.snapshot)
+    result = replay(snap, device=args.device, stop_at=args.at, progress=_Progress("replaying"))
+    stats = result.allocator.memory_stats()
+    print(memory_summary_from_stats(stats, args.device, args.abbreviated), end="")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import plot_replays
+    from .replay import replay
+    from .snapshot import segments
+
+    snap = _load(args.snapshot)
+    confs = [None] + list(args.conf or [])
+    runs = []
+    for conf in confs:
+        label = "recorded config" if conf is None else _label(conf)
+        gpu = None if conf is None else args.gpu
+        runs.append((label, replay(snap, gpu=gpu, context=args.context, conf=conf, device=args.device,
+                                   timeline=True, progress=_Progress(f"replaying ({label})"))))
+    ref = runs[0][1]
+    at = ref.reserved_peak_event + 1 if ref.reserved_peak_event >= 0 else 0
+    peak = replay(snap, device=args.device, stop_at=at)
+    plot_replays(runs, segments(peak.allocator), args.output, title=args.snapshot)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import pickle
+
+    snap = _load(args.snapshot)
+    out = to_pytorch_snapshot(snap)
+    if args.output.endswith(".json"):
+        with open(args.output, "w") as f:
+            json.dump(out, f)
+    else:
+        with open(args.output, "wb") as f:
+            pickle.dump(out, f)
+    print(f"wrote {args.output}: {len(out['segments'])} segments, "
+          f"{sum(len(t) for t in out['device_traces']):,} trace events")
+    return 0
+
+
+def to_pytorch_snapshot(snap: dict[str, Any]) -> dict[str, Any]:
+    """A loaded (normalised) snapshot back in ``torch.cuda.memory._snapshot()``'s shape."""
+    traces = []
+    for t in snap["device_traces"]:
+        entries = []
+        for e in t:
+            d: dict[str, Any] = {"action": e["action"]}
+            d["device_free" if e["action"] == "oom" else "addr"] = e.get("device_free", e["addr"])
+            d.update(size=e["size"], stream=e["stream"])
+            if e.get("time_us") is not None:
+                d["time_us"] = e["time_us"]
+            if e.get("frames"):
+                d["frames"] = e["frames"]
+            entries.append(d)
+        traces.append(entries)
+    out: dict[str, Any] = {"segments": snap["segments"], "device_traces": traces}
+    if snap.get("allocator_settings") is not None:
+        out["allocator_settings"] = snap["allocator_settings"]
+    return out
+
+
+def demo(gpu: str, context: str, conf: str | None) -> int:
+    from .demo import run_demo
+
+    return run_demo(gpu, context, conf)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="vram",
-        description="PyTorch's CUDA caching allocator, byte-faithful, on a simulated GPU.",
-        epilog="examples:\n  vram demo\n  vram demo --gpu 24GiB --context 500MiB "
-               "--conf expandable_segments:True",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+        prog="vram", description="PyTorch's CUDA caching allocator, byte-faithful, on a simulated GPU: "
+                                 "replay memory snapshots, ask what-if questions, explain OOMs.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p_demo = sub.add_parser("demo", help="walk through reserved vs allocated, the summary table and an OOM")
-    p_demo.add_argument("--gpu", default="8GiB", help="GPU capacity, e.g. 24GiB (default 8GiB)")
-    p_demo.add_argument("--context", default="500MiB", help="CUDA context size (default 500MiB)")
-    p_demo.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF string")
+
+    def snapshot_cmd(name: str, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_, epilog=EXAMPLES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("snapshot", help="a torch.cuda.memory._dump_snapshot pickle, a JSON snapshot "
+                                        "or an RMM allocation-log CSV")
+        p.add_argument("--device", type=int, default=0, help="device index in the snapshot (default 0)")
+        return p
+
+    p = snapshot_cmd("replay", "replay a recorded snapshot through the allocator (what-if, verification)")
+    p.add_argument("--gpu", help="GPU capacity, e.g. 24GiB (default: large enough for anything)")
+    p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
+    p.add_argument("--conf", action="append", metavar="CONF",
+                   help="PYTORCH_CUDA_ALLOC_CONF to replay under (repeat to compare; default: the recorded one)")
+    p.add_argument("--verify", action="store_true", help="compare event by event with the recording")
+    p.add_argument("--alloc", metavar="SIZE", help="after the replay, try allocating SIZE (e.g. 2GiB)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=cmd_replay)
+
+    p = snapshot_cmd("summary", "print torch.cuda.memory_summary() for the recorded state")
+    p.add_argument("--at", type=int, metavar="EVENT", help="the state before this event index (default: the end)")
+    p.add_argument("--abbreviated", action="store_true", help="only the 'all' rows")
+    p.set_defaults(func=cmd_summary)
+
+    p = snapshot_cmd("plot", "plot memory over the trace and a segment map at the reserved peak")
+    p.add_argument("-o", "--output", required=True, help="output image, e.g. out.png")
+    p.add_argument("--gpu", help="GPU capacity for the what-if runs")
+    p.add_argument("--context", default="0", help="CUDA context bytes")
+    p.add_argument("--conf", action="append", metavar="CONF", help="what-if config to overlay (repeatable)")
+    p.set_defaults(func=cmd_plot)
+
+    p = snapshot_cmd("export", "convert any supported input to a PyTorch snapshot pickle (or .json)")
+    p.add_argument("-o", "--output", required=True, help="output path (.pickle, or .json for JSON)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("demo", help="walk through reserved vs allocated, the summary table and an OOM")
+    p.add_argument("--gpu", default="8GiB", help="GPU capacity (default 8GiB)")
+    p.add_argument("--context", default="500MiB", help="CUDA context size (default 500MiB)")
+    p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF string")
+    p.set_defaults(func=lambda a: demo(a.gpu, a.context, a.conf))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    from .config import ConfigError
+    from .errors import OutOfMemoryError
+
     try:
-        if args.command == "demo":
-            return demo(args.gpu, args.context, args.conf)
-    except (ValueError, TypeError) as e:
-        print(f"vram: error: {e}", file=sys.stderr)
+        return int(args.func(args))
+    except (OSError, ValueError, TypeError, RuntimeError, OutOfMemoryError, ConfigError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"vram: error: {msg}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:  # pragma: no cover
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,6 +16,7 @@ for the same segments, so under the recorded config differences come only from w
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -56,14 +57,17 @@ class ReplayResult:
     final_allocated: int = 0
     final_reserved: int = 0
     verification: dict[str, Any] | None = None
+    reserved_peak_event: int = -1
     allocator: CachingAllocator | None = field(default=None, repr=False)
+    timeline: tuple[array, array] | None = field(default=None, repr=False)
 
     @property
     def fragmentation_at_reserved_peak(self) -> int:
         return self.peak_reserved - self.allocated_at_reserved_peak
 
     def to_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("allocator", "verification")}
+        out = {k: v for k, v in self.__dict__.items()
+               if k not in ("allocator", "verification", "timeline")}
         out["fragmentation_at_reserved_peak"] = self.fragmentation_at_reserved_peak
         if self.verification is not None:
             out.update(self.verification)
@@ -78,11 +82,14 @@ def _recorded_conf(snapshot: Mapping[str, Any]) -> str:
 
 def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context: int | str = 0,
            conf: str | None = None, verify: bool = False, device: int = 0,
-           progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+           progress: Callable[[int, int], None] | None = None, stop_at: int | None = None,
+           timeline: bool = False) -> ReplayResult:
     """Replay one device's trace of `snapshot` (a loaded snapshot dict); see the module doc.
 
     `conf` None means the recording's own ``PYTORCH_CUDA_ALLOC_CONF``; `gpu` None means a GPU
-    large enough for anything (1 TiB).
+    large enough for anything (1 TiB). `stop_at` replays only events before that index (the
+    allocator is left in that state: ``result.allocator``). `timeline` keeps allocated and
+    reserved bytes after every event (``result.timeline``).
     """
     recorded_conf = _recorded_conf(snapshot)
     conf_text = recorded_conf if conf is None else conf
@@ -97,7 +104,13 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     alloc = CachingAllocator(dev, conf_text)
     import_segments(alloc, initial)
     result = ReplayResult(conf=conf_text, gpu=total, context=ctx, allocator=alloc)
+    if stop_at is not None:
+        if not 0 <= stop_at <= len(trace):
+            raise ValueError(f"event index {stop_at} is outside the trace (0..{len(trace)})")
+        trace = trace[:stop_at]
     checks = _Checks(trace) if verify else None
+    if timeline:
+        result.timeline = (array("q"), array("q"))
     t0 = time.perf_counter()
     _run(alloc, dev, trace, result, checks, verify, progress)
     result.seconds_replay = time.perf_counter() - t0
@@ -136,7 +149,11 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
     n = len(trace)
     skip_next = False
     in_empty_cache = False
+    tl_alloc, tl_res = result.timeline if result.timeline is not None else (None, None)
     for i in range(n):
+        if tl_alloc is not None and i:
+            tl_alloc.append(allocated.current)
+            tl_res.append(reserved.current)
         if skip_next:
             skip_next = False
             continue
@@ -160,6 +177,7 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
                 checks.alloc(i, addr, p)
             if reserved.current > best_reserved:
                 best_reserved = reserved.current
+                result.reserved_peak_event = i
                 result.allocated_at_reserved_peak = allocated.current
                 result.largest_free_block_at_reserved_peak = _largest_free_block(alloc)
         elif action == "free_requested":
@@ -203,6 +221,9 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
                                   "frames": list(e.get("frames") or [])}
             finally:
                 dev.fail_mallocs = False
+    if tl_alloc is not None and n:
+        tl_alloc.append(allocated.current)
+        tl_res.append(reserved.current)
     if progress is not None:
         progress(n, n)
 
