@@ -58,7 +58,9 @@ def allocation_size(size: int, large_segment_size: int = 20971520) -> int:
 
 
 def _check_size(size: Any) -> int:
-    if isinstance(size, bool) or not isinstance(size, int):
+    if isinstance(size, bool):
+        raise TypeError("allocation size must be an int number of bytes, got bool")
+    if not isinstance(size, int):
         try:
             import operator
             size = operator.index(size)
