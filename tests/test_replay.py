@@ -164,3 +164,36 @@ def test_cli_help_has_examples(capsys):
     with pytest.raises(SystemExit):
         main(["replay", "--help"])
     assert "examples:" in capsys.readouterr().out
+
+
+def _everything(r):
+    from vram.snapshot import segments
+
+    out = r.to_json()
+    out.pop("seconds_replay"), out.pop("skipped_events")
+    return (dict(r.allocator.memory_stats()), segments(r.allocator), out,
+            list(r.timeline[0]), list(r.timeline[1]))
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"verify": True}, {"conf": "expandable_segments:True"},
+    {"conf": "per_process_memory_fraction:0.9,garbage_collection_threshold:0.5", "gpu": "1GiB"},
+    {"conf": "max_split_size_mb:20,roundup_power2_divisions:4"},
+    {"conf": "roundup_power2_divisions:2", "gpu": "840MiB"}])  # OOMs from event 2,629 on
+def test_cycle_skipping_changes_nothing(kw):
+    """A periodic trace (the steady-state recording repeated) gives identical results — every
+    stat, the final segments, the report and the timeline — with and without skipping."""
+    snap = load("cs336-s-forward-bf16-128")
+    snap["device_traces"] = [snap["device_traces"][0] * 12]
+    fast = replay(snap, timeline=True, skip_cycles=True, **kw)
+    slow = replay(snap, timeline=True, skip_cycles=False, **kw)
+    assert _everything(fast) == _everything(slow)
+    if not kw:
+        assert fast.skipped_events > 0.7 * fast.events
+
+
+def test_cycle_skipping_on_a_non_periodic_trace():
+    snap = load("ftcourse-memory-snapshot")
+    fast = replay(snap, timeline=True)
+    slow = replay(snap, timeline=True, skip_cycles=False)
+    assert _everything(fast) == _everything(slow)

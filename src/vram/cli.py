@@ -80,7 +80,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         label = _label(conf if conf is not None else "recorded config")
         results.append(replay(snap, gpu=args.gpu, context=args.context, conf=conf,
                               verify=args.verify, device=args.device,
-                              progress=_Progress(f"replaying ({label})")))
+                              progress=_Progress(f"replaying ({label})"),
+                              skip_cycles=not args.no_cycle_skip))
     trials = [_try_alloc(r, parse_size(args.alloc, "--alloc")) for r in results] if args.alloc else None
     if args.json:
         objs = [r.to_json() for r in results]
@@ -121,7 +122,8 @@ def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[di
         ("segment frees (cudaFree/unmap)", lambda r: f"{r.segment_frees:,}"),
         ("cudaMalloc retries", lambda r: f"{r.alloc_retries:,}"),
         ("first OOM", lambda r: "none" if r.oom is None else f"event {r.oom['event_index']:,}"),
-        ("replay time", lambda r: f"{r.seconds_replay:.2f} s"),
+        ("replay time", lambda r: f"{r.seconds_replay:.2f} s"
+                                  + (f" ({r.skipped_events:,} events in repeated periods)" if r.skipped_events else "")),
     ]
     if trials:
         rows.append(("then allocate " + format_size(trials[0]["size"]),
@@ -257,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="compare event by event with the recording")
     p.add_argument("--alloc", metavar="SIZE", help="after the replay, try allocating SIZE (e.g. 2GiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--no-cycle-skip", action="store_true",
+                   help="replay every event even where a period provably repeats (same results, slower)")
     p.set_defaults(func=cmd_replay)
 
     p = snapshot_cmd("summary", "print torch.cuda.memory_summary() for the recorded state")

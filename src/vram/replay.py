@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .allocator import CachingAllocator
 from .config import parse_alloc_conf
+from .cycles import CycleSkipper
 from .errors import OutOfMemoryError
 from .rewind import rewind
 from .snapshot import segments as snapshot_segments
@@ -58,6 +59,7 @@ class ReplayResult:
     final_reserved: int = 0
     verification: dict[str, Any] | None = None
     reserved_peak_event: int = -1
+    skipped_events: int = 0
     allocator: CachingAllocator | None = field(default=None, repr=False)
     timeline: tuple[array, array] | None = field(default=None, repr=False)
 
@@ -83,13 +85,15 @@ def _recorded_conf(snapshot: Mapping[str, Any]) -> str:
 def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context: int | str = 0,
            conf: str | None = None, verify: bool = False, device: int = 0,
            progress: Callable[[int, int], None] | None = None, stop_at: int | None = None,
-           timeline: bool = False) -> ReplayResult:
+           timeline: bool = False, skip_cycles: bool = True) -> ReplayResult:
     """Replay one device's trace of `snapshot` (a loaded snapshot dict); see the module doc.
 
     `conf` None means the recording's own ``PYTORCH_CUDA_ALLOC_CONF``; `gpu` None means a GPU
     large enough for anything (1 TiB). `stop_at` replays only events before that index (the
     allocator is left in that state: ``result.allocator``). `timeline` keeps allocated and
-    reserved bytes after every event (``result.timeline``).
+    reserved bytes after every event (``result.timeline``). `skip_cycles` lets periods that
+    provably repeat be applied as deltas instead of replayed (`vram.cycles`); results are
+    identical either way.
     """
     recorded_conf = _recorded_conf(snapshot)
     conf_text = recorded_conf if conf is None else conf
@@ -112,7 +116,7 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     if timeline:
         result.timeline = (array("q"), array("q"))
     t0 = time.perf_counter()
-    _run(alloc, dev, trace, result, checks, verify, progress)
+    _run(alloc, dev, trace, result, checks, verify, progress, skip_cycles)
     result.seconds_replay = time.perf_counter() - t0
     stats = alloc.stats
     result.events = len(trace)
@@ -135,9 +139,19 @@ def _largest_free_block(alloc: CachingAllocator) -> int:
                 for b in pool.blocks.values()), default=0)
 
 
+_CODES = {"alloc": 0, "free_requested": 1, "free_completed": 2, "segment_free": 3, "oom": 4}
+
+
+def compact_events(trace: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, int, int]]:
+    """(action code, address, size, stream) per event: what the replay acts on."""
+    codes = _CODES
+    return [(codes.get(e["action"], 5), e.get("addr", e.get("device_free", 0)), e["size"],
+             e.get("stream", 0)) for e in trace]
+
+
 def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str, Any]],
          result: ReplayResult, checks: "_Checks | None", verify: bool,
-         progress: Callable[[int, int], None] | None) -> None:
+         progress: Callable[[int, int], None] | None, skip_cycles: bool) -> None:
     malloc, free = alloc.malloc, alloc.free
     reserved = alloc.stats.reserved_bytes[0]
     allocated = alloc.stats.allocated_bytes[0]
@@ -146,32 +160,61 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
     result.largest_free_block_at_reserved_peak = _largest_free_block(alloc)
     ptr_of: dict[int, int | None] = {}  # recorded address -> our address (None: the alloc failed)
     pending: dict[int, int] = {}  # recorded address -> pseudo stream of a held-back free
-    n = len(trace)
-    skip_next = False
-    in_empty_cache = False
+    ev = compact_events(trace)
+    n = len(ev)
     tl_alloc, tl_res = result.timeline if result.timeline is not None else (None, None)
-    for i in range(n):
-        if tl_alloc is not None and i:
-            tl_alloc.append(allocated.current)
-            tl_res.append(reserved.current)
-        if skip_next:
-            skip_next = False
-            continue
-        if progress is not None and not i & 0xFFFF:
+    skipper = CycleSkipper(alloc, dev, alloc._gc_active(), verify) if skip_cycles else None
+    anchor_checks: dict[int, tuple[int, int, int]] = {}
+    in_empty_cache = False
+    just_skipped = False
+    next_progress = 0
+    i = 0
+    while i < n:
+        if progress is not None and i >= next_progress:
             progress(i, n)
-        e = trace[i]
-        action = e["action"]
-        if action != "segment_free":
+            next_progress = i + 0x10000
+        code, addr, size, stream = ev[i]
+        if skipper is not None and code == 0 and not just_skipped and skipper.is_anchor(ev[i]):
+            fp = skipper.fingerprint(ptr_of, pending, ())
+            hit = skipper.check(i, ev[i], fp)
+            if checks is not None:
+                anchor_checks[i] = (checks.allocs_total, checks.allocs_matched, len(checks.divergences))
+            if hit is not None:
+                j, before = hit
+                period = i - j
+                pattern = ev[j:i]
+                k = 0
+                while i + (k + 1) * period <= n and ev[i + k * period:i + (k + 1) * period] == pattern:
+                    k += 1
+                if checks is not None and anchor_checks.get(j, (0, 0, -1))[2] != len(checks.divergences):
+                    k = 0  # a period with divergences is replayed, so they are all listed
+                if k:
+                    skipper.apply(before, k)
+                    if checks is not None:
+                        t0, m0, _ = anchor_checks[j]
+                        checks.allocs_total += (checks.allocs_total - t0) * k
+                        checks.allocs_matched += (checks.allocs_matched - m0) * k
+                    if tl_alloc is not None:
+                        seg_a, seg_r = tl_alloc[j:i], tl_res[j:i]
+                        for _ in range(k):
+                            tl_alloc.extend(seg_a)
+                            tl_res.extend(seg_r)
+                    skipper.skipped_events += k * period
+                    i += k * period
+                    just_skipped = True
+                    continue
+        just_skipped = False
+        nxt = i + 1
+        if code != 3:
             in_empty_cache = False
-        if action == "alloc":
-            addr = e["addr"]
+        if code == 0:  # alloc
             try:
-                p = malloc(e["size"], e.get("stream", 0))
+                p = malloc(size, stream)
             except OutOfMemoryError as ex:
                 p = None
                 if result.oom is None:
-                    result.oom = {"event_index": i, "message": str(ex), "size": e["size"],
-                                  "frames": list(e.get("frames") or [])}
+                    result.oom = {"event_index": i, "message": str(ex), "size": size,
+                                  "frames": list(trace[i].get("frames") or [])}
             ptr_of[addr] = p
             if checks is not None:
                 checks.alloc(i, addr, p)
@@ -180,22 +223,18 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
                 result.reserved_peak_event = i
                 result.allocated_at_reserved_peak = allocated.current
                 result.largest_free_block_at_reserved_peak = _largest_free_block(alloc)
-        elif action == "free_requested":
-            addr = e["addr"]
+        elif code == 1:  # free_requested
             p = ptr_of.pop(addr, addr)
-            if p is None:
-                continue
-            nxt = trace[i + 1] if i + 1 < n else None
-            if nxt is not None and nxt["action"] == "free_completed" and nxt["addr"] == addr:
-                free(p)
-                skip_next = True
-            else:  # completes later: hold it back with an event, as record_stream does
-                stream = PENDING_STREAM_BASE + len(pending)
-                alloc.record_stream(p, stream)
-                free(p)
-                pending[addr] = stream
-        elif action == "free_completed":
-            addr = e["addr"]
+            if p is not None:
+                if nxt < n and ev[nxt][0] == 2 and ev[nxt][1] == addr:
+                    free(p)  # completes at once: the next event is its free_completed
+                    nxt += 1
+                else:  # completes later: hold it back with an event, as record_stream does
+                    pseudo = PENDING_STREAM_BASE + len(pending)
+                    alloc.record_stream(p, pseudo)
+                    free(p)
+                    pending[addr] = pseudo
+        elif code == 2:  # free_completed
             if addr in pending:
                 dev.complete_events(pending.pop(addr))
                 alloc.process_events()
@@ -203,27 +242,30 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
                 p = ptr_of.pop(addr, addr)
                 if p is not None and p in alloc.active and alloc.active[p].allocated:
                     free(p)
-        elif action == "segment_free":
-            if not in_empty_cache:  # a run of segment_free events is one empty_cache() call
+        elif code == 3:  # segment_free: a run of them is one empty_cache() call
+            if not in_empty_cache:
                 alloc.empty_cache()
                 in_empty_cache = True
-        elif action == "oom":
-            size = e["size"]
+        elif code == 4:  # oom: a request that failed in the recording
             dev.fail_mallocs = verify  # verification: the device fails as the real one did
             try:
-                p = malloc(size, e.get("stream", 0))
+                p = malloc(size, stream)
                 free(p)  # the program never got this tensor
                 if checks is not None:
                     checks.note(i, "oom", "OutOfMemoryError", "allocation succeeded")
             except OutOfMemoryError as ex:
                 if result.oom is None and not verify:
                     result.oom = {"event_index": i, "message": str(ex), "size": size,
-                                  "frames": list(e.get("frames") or [])}
+                                  "frames": list(trace[i].get("frames") or [])}
             finally:
                 dev.fail_mallocs = False
-    if tl_alloc is not None and n:
-        tl_alloc.append(allocated.current)
-        tl_res.append(reserved.current)
+        if tl_alloc is not None:
+            a_now, r_now = allocated.current, reserved.current
+            for _ in range(nxt - i):
+                tl_alloc.append(a_now)
+                tl_res.append(r_now)
+        i = nxt
+    result.skipped_events = skipper.skipped_events if skipper is not None else 0
     if progress is not None:
         progress(n, n)
 
