@@ -197,3 +197,20 @@ def test_cycle_skipping_on_a_non_periodic_trace():
     fast = replay(snap, timeline=True)
     slow = replay(snap, timeline=True, skip_cycles=False)
     assert _everything(fast) == _everything(slow)
+
+
+def test_rmm_log_replays_from_an_empty_allocator(tmp_path):
+    log = tmp_path / "rmm.csv"
+    log.write_text(
+        "Thread,Time,Action,Pointer,Size,Stream\n"
+        "140,10:00:00.000001,allocate,0x7f0000000000,4000000,0x0\n"
+        "140,10:00:00.000002,allocate,0x7f0000400000,1000,0x0\n"
+        "140,10:00:00.000003,free,0x7f0000000000,4000000,0x0\n"
+        "140,10:00:00.000004,free,0x7f9999999999,64,0x0\n"  # never allocated in the log: ignored
+        "140,10:00:00.000005,allocate,0x7f0000800000,300000000,0x0\n")
+    r = replay(load_snapshot(log), gpu="24GiB")
+    # 4,000,000 -> 4,000,256 B in a 20 MiB segment; 1000 -> 1024 B in a 2 MiB segment;
+    # 300,000,000 -> 300,000,256 B in a 144 x 2 MiB segment (spec §4, §6).
+    assert r.peak_reserved == (20 + 2 + 288) * MiB
+    assert r.peak_allocated == 300_000_256 + 1024
+    assert r.final_allocated == 300_000_256 + 1024

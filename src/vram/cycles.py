@@ -48,7 +48,8 @@ class CycleSkipper:
     def is_anchor(self, ev: tuple[Any, ...]) -> bool:
         return ev[0] == 0 and not (hash(ev[1:3]) & self.mask)
 
-    def fingerprint(self, ptr_of: dict[int, Any], pending: dict[int, int], extra: tuple[Any, ...]) -> tuple[int, int]:
+    def fingerprint(self, ptr_of: dict[int, Any], pending: dict[int, int],
+                    extra: tuple[Any, ...]) -> tuple[int, int]:
         a = self.alloc
         gc = self.gc_active
         rows = []

@@ -102,7 +102,10 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     traces = snapshot.get("device_traces") or []
     trace: Sequence[Mapping[str, Any]] = traces[device] if device < len(traces) else []
     final = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
-    initial = rewind(final, trace, parse_alloc_conf(recorded_conf).roundup_power2_divisions)
+    if final or not trace:
+        initial = rewind(final, trace, parse_alloc_conf(recorded_conf).roundup_power2_divisions)
+    else:  # no segment layout (an RMM log): the trace is taken to start from an empty allocator
+        initial = []
     recorded = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
     dev = TraceDevice(recorded, total, ctx, device)
     alloc = CachingAllocator(dev, conf_text)
@@ -116,7 +119,8 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     if timeline:
         result.timeline = (array("q"), array("q"))
     t0 = time.perf_counter()
-    _run(alloc, dev, trace, result, checks, verify, progress, skip_cycles)
+    live = {b["address"] for seg in initial for b in seg["blocks"] if b["state"] != "inactive"}
+    _run(alloc, dev, trace, result, checks, verify, progress, skip_cycles, live)
     result.seconds_replay = time.perf_counter() - t0
     stats = alloc.stats
     result.events = len(trace)
@@ -151,7 +155,8 @@ def compact_events(trace: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, i
 
 def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str, Any]],
          result: ReplayResult, checks: "_Checks | None", verify: bool,
-         progress: Callable[[int, int], None] | None, skip_cycles: bool) -> None:
+         progress: Callable[[int, int], None] | None, skip_cycles: bool,
+         live_at_start: set[int]) -> None:
     malloc, free = alloc.malloc, alloc.free
     reserved = alloc.stats.reserved_bytes[0]
     allocated = alloc.stats.allocated_bytes[0]
@@ -175,7 +180,7 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
             next_progress = i + 0x10000
         code, addr, size, stream = ev[i]
         if skipper is not None and code == 0 and not just_skipped and skipper.is_anchor(ev[i]):
-            fp = skipper.fingerprint(ptr_of, pending, ())
+            fp = skipper.fingerprint(ptr_of, pending, tuple(sorted(live_at_start)))
             hit = skipper.check(i, ev[i], fp)
             if checks is not None:
                 anchor_checks[i] = (checks.allocs_total, checks.allocs_matched, len(checks.divergences))
@@ -224,7 +229,10 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
                 result.allocated_at_reserved_peak = allocated.current
                 result.largest_free_block_at_reserved_peak = _largest_free_block(alloc)
         elif code == 1:  # free_requested
-            p = ptr_of.pop(addr, addr)
+            p = ptr_of.pop(addr, -1)
+            if p == -1:  # not allocated in the trace: live at the start, or unknown (skipped)
+                p = addr if addr in live_at_start else None
+                live_at_start.discard(addr)
             if p is not None:
                 if nxt < n and ev[nxt][0] == 2 and ev[nxt][1] == addr:
                     free(p)  # completes at once: the next event is its free_completed
@@ -238,10 +246,10 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
             if addr in pending:
                 dev.complete_events(pending.pop(addr))
                 alloc.process_events()
-            else:  # freed before the trace began, completing now
-                p = ptr_of.pop(addr, addr)
-                if p is not None and p in alloc.active and alloc.active[p].allocated:
-                    free(p)
+            elif addr in live_at_start:  # free requested before the trace began, completing now
+                live_at_start.discard(addr)
+                if addr in alloc.active and alloc.active[addr].allocated:
+                    free(addr)
         elif code == 3:  # segment_free: a run of them is one empty_cache() call
             if not in_empty_cache:
                 alloc.empty_cache()
