@@ -36,11 +36,6 @@ class _Segment:
         self.frames = frames
         self.live: dict[int, tuple[int, int, list[Any]]] = {}  # addr -> (size, requested, frames)
 
-    def end_of(self, addr: int) -> int:
-        """Start of the next live block after `addr`, or the segment end."""
-        after = [a for a in self.live if a > addr]
-        return min(after) if after else self.address + self.total_size
-
 
 def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
            divisions: list[int] | None = None) -> list[dict[str, Any]]:
@@ -85,17 +80,12 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
             if seg.live.pop(e["addr"], None) is None:
                 raise TraceError(f"event {i}: alloc at {e['addr']:#x}, but no block is live there later")
         elif action == "free_completed":
-            addr, n = e["addr"], e["size"]
+            addr = e["addr"]
             seg = find(addr, i)
             if addr in seg.live:
                 raise TraceError(f"event {i}: free_completed at {addr:#x}, but a block is live there later")
-            size = round_size(n, divisions)
-            end = seg.end_of(addr)
-            gap = end - addr - size
-            small = seg.segment_type == "small"
-            if gap < 0 or (small and gap < K_MIN_BLOCK_SIZE) or (not small and gap <= K_SMALL_SIZE):
-                size = end - addr
-            seg.live[addr] = (size, n, list(e.get("frames") or []))
+            # Size unknown (-1) until the end: only blocks still live at the start need it.
+            seg.live[addr] = (-1, e["size"], e.get("frames") or [])
         elif action == "segment_alloc":
             seg = segs.pop(e["addr"], None)
             if seg is None:
@@ -112,7 +102,28 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
             insort(starts, e["addr"])
         elif action in ("segment_map", "segment_unmap"):
             raise TraceError(f"event {i}: {action}: rewinding expandable segments is not supported yet")
+    for a in starts:
+        _infer_sizes(segs[a], divisions)
     return [_as_snapshot_segment(segs[a], final_free) for a in starts]
+
+
+def _infer_sizes(seg: _Segment, divisions: list[int]) -> None:
+    """Sizes of blocks allocated before the trace and freed in it: ``round_size(n)``, extended
+    over a following gap that cannot be a free block of the pool (spec §8: a large-pool block is
+    always > 1 MiB, a small-pool one ≥ 512 B), clamped at the next live block."""
+    addrs = sorted(seg.live)
+    end_of_seg = seg.address + seg.total_size
+    small = seg.segment_type == "small"
+    for k, addr in enumerate(addrs):
+        size, n, frames = seg.live[addr]
+        if size >= 0:
+            continue
+        end = addrs[k + 1] if k + 1 < len(addrs) else end_of_seg
+        size = round_size(n, divisions)
+        gap = end - addr - size
+        if gap < 0 or (small and gap < K_MIN_BLOCK_SIZE) or (not small and gap <= K_SMALL_SIZE):
+            size = end - addr
+        seg.live[addr] = (size, n, list(frames))
 
 
 def _stale_requested(final_free: Mapping[tuple[int, int], int], addr: int, end: int) -> int:
