@@ -119,6 +119,7 @@ class _Walker:
         self._memo: dict[tuple[str, int], Any] = {}  # frames lists, frames, entries, traces
         self._seen: dict[int, str] = {}  # segments, block lists, blocks: must not repeat
         self._plain_nodes = 0
+        self._frame_by_id: dict[int, dict[str, Any]] = {}  # id(frame dict) -> normalised frame
 
     def _once(self, obj: Any, path: str) -> None:
         first = self._seen.setdefault(id(obj), path)
@@ -156,6 +157,15 @@ class _Walker:
         """Frame lists ``[{filename, line, name}]`` (§18.3); shared ones are normalised once."""
         if ("frames", id(value)) in self._memo:
             return self._memo["frames", id(value)]  # type: ignore[no-any-return]
+        if type(value) is list:  # fast path: every frame of the list was normalised before
+            seen = self._frame_by_id
+            try:
+                out = [seen[id(f)] for f in value]
+            except KeyError:
+                pass
+            else:
+                self._memo["frames", id(value)] = out
+                return out
         out = []
         for i, f in enumerate(_of(value, list, path)):
             if ("frame", id(f)) not in self._memo:
@@ -165,6 +175,7 @@ class _Walker:
                     raise _Invalid(f"{fp} has a non-str name or filename")
                 line = _int(_req(f, "line", fp), f"{fp}.line")
                 self._memo["frame", id(f)] = {"filename": filename, "line": line, "name": name}
+                self._frame_by_id[id(f)] = self._memo["frame", id(f)]
             out.append(self._memo["frame", id(f)])
         self._memo["frames", id(value)] = out
         return out

@@ -1,0 +1,213 @@
+"""Replay speed on a large real trace: load time, events/s and peak RSS, vs dynapipe's simulator.
+
+Run: ``python3 benchmarks/bench_replay.py`` (``--quick`` for ~100k events, ``--passes N``).
+
+The trace is cs336-s-forward-bf16-128.pickle (steady state: 937 alloc / 937 free_requested /
+937 free_completed per pass, end state = start state) repeated N times: every entry a distinct
+dict with ``time_us`` shifted by one pass length per pass, frame lists shared within a pass as in
+the recording, frame dicts shared across passes (as torch interns them). Each measurement runs in
+a fresh subprocess, so peak RSS (``ru_maxrss`` of that process: load + replay) is honest.
+
+Comparison peer: awslabs/optimizing-multitask-training-through-dynamic-pipelines,
+``dynapipe/memory_opt/allocation_simulator.py`` (needs ``sortedcontainers``). Set DYNAPIPE_SRC to
+a directory holding that repository's ``dynapipe/`` (only that one module is loaded, by path) to
+replay the same alloc/free sequence through it: same sizes, same order, frees matched by recorded
+address; events counted as alloc + free_requested + free_completed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import pickle
+import platform
+import resource
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from vram.loader import load_snapshot  # noqa: E402
+from vram.replay import UNLIMITED, replay  # noqa: E402
+
+TRACES = Path(os.environ.get("VRAM_TRACES", "/work/shared/traces"))
+PERIODIC = TRACES / "cs336-s-forward-bf16-128.pickle"
+SMALL = TRACES / "ftcourse-memory-snapshot.pickle"
+DYNAPIPE_MODULE = Path("dynapipe") / "memory_opt" / "allocation_simulator.py"
+ALLOC_FREE = ("alloc", "free_requested", "free_completed")
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Recordings are plain data: refuse every global, so nothing callable can be built."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+
+def build_big_trace(passes: int, target: int, out: Path) -> dict[str, Any]:
+    """Write the periodic recording repeated `passes` times (0: enough for `target` events)."""
+    t0 = time.perf_counter()
+    with open(PERIODIC, "rb") as f:
+        snap: dict[str, Any] = _PlainUnpickler(f).load()
+    trace: list[dict[str, Any]] = snap["device_traces"][0]
+    passes = passes or -(-target // len(trace))
+    times = [e["time_us"] for e in trace]
+    period = max(times) - min(times) + 1
+    big: list[dict[str, Any]] = []
+    for k in range(passes):
+        lists: dict[int, list[Any]] = {}  # one new frame list per distinct list in the pass
+        for e in trace:
+            fr = e["frames"]
+            copy = lists.get(id(fr))
+            if copy is None:
+                copy = lists[id(fr)] = list(fr)
+            big.append({**e, "time_us": e["time_us"] + k * period, "frames": copy})
+    snap["device_traces"] = [big]
+    with open(out, "wb") as f:
+        pickle.dump(snap, f)
+    return {"passes": passes, "events": len(big), "bytes": out.stat().st_size,
+            "seconds": time.perf_counter() - t0}
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _load_dynapipe() -> Any:
+    src = os.environ["DYNAPIPE_SRC"]
+    spec = importlib.util.spec_from_file_location("dynapipe_allocation_simulator",
+                                                  Path(src) / DYNAPIPE_MODULE)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def child(kind: str, path: str) -> dict[str, Any]:
+    """One measurement, in this (fresh) process."""
+    t0 = time.perf_counter()
+    snap = load_snapshot(path)
+    load_s = time.perf_counter() - t0
+    out: dict[str, Any] = {"load_s": load_s, "rss_load": _rss_mib()}
+    if kind == "load":
+        out.update(events=len(snap["device_traces"][0]), seconds=load_s)
+    elif kind.startswith("dynapipe"):
+        mod = _load_dynapipe()
+        cfg = mod.TorchCachingAllocatorConfig()
+        if kind == "dynapipe-small":
+            cfg.kSmallSize = 1 << 20  # PyTorch's small pool; its default (0) puts all in large
+        sim = mod.TorchCachingAllocatorSimulator(UNLIMITED / 1e6, cfg)  # takes 10^6-byte MB
+        trace = snap["device_traces"][0]
+        malloc, free = sim.malloc, sim.free
+        live: dict[int, Any] = {}  # recorded address -> its block
+        unmatched = 0
+        t0 = time.perf_counter()
+        for e in trace:
+            action = e["action"]
+            if action == "alloc":
+                live[e["addr"]] = malloc(e["size"], e["stream"])
+            elif action == "free_completed":  # the memory returns to the cache here
+                block = live.pop(e["addr"], None)
+                if block is None:
+                    unmatched += 1  # allocated before the recording began
+                else:
+                    free(block)
+        out["seconds"] = time.perf_counter() - t0
+        out["events"] = sum(1 for e in trace if e["action"] in ALLOC_FREE)
+        out["peak_reserved"] = sim.peak_backend_allocated_bytes
+        out["note"] = f"{unmatched} frees of pre-trace blocks skipped; starts empty"
+    else:
+        base, noskip = kind.removesuffix("-noskip"), kind.endswith("-noskip")
+        conf = "expandable_segments:True" if base == "expandable" else None
+        kw: dict[str, Any] = {"skip_cycles": False} if noskip else {}
+        r = replay(snap, gpu=None, conf=conf, verify=base == "verify", **kw)
+        out.update(events=r.events, seconds=r.seconds_replay, peak_reserved=r.peak_reserved)
+        notes = []
+        if getattr(r, "skipped_events", 0):
+            notes.append(f"{r.skipped_events:,} events skipped as repeated cycles")
+        if r.verification is not None:
+            v = r.verification
+            notes.append(f"alloc addresses {v['alloc_addresses']['matched']:,}/"
+                         f"{v['alloc_addresses']['total']:,} matched, final blocks "
+                         f"{v['final_blocks']['matched']}/{v['final_blocks']['total']}")
+        out["note"] = "; ".join(notes)
+    out["rss_peak"] = _rss_mib()
+    return out
+
+
+def measure(kind: str, path: Path, *extra: str) -> dict[str, Any]:
+    """Run `child` in a fresh process. The parent stays small: on Linux a child's ru_maxrss
+    includes its parent's RSS at the fork, so even the big trace is built in a child."""
+    proc = subprocess.run([sys.executable, __file__, *extra, "--child", kind, str(path)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"child {kind} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def row(name: str, m: dict[str, Any], rate: bool = True) -> str:
+    peak = f"{m['peak_reserved'] / 2**30:.2f}" if "peak_reserved" in m else "—"
+    eps = f"{m['events'] / m['seconds']:,.0f}" if rate else "—"
+    return (f"| {name} | {m['events']:,} | {m['seconds']:.2f} | {eps} | {m['rss_load']:,.0f} | "
+            f"{m['rss_peak']:,.0f} | {peak} | {m.get('note', '')} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--passes", type=int, help="repetitions of the trace (default: ≥ 1M events)")
+    ap.add_argument("--quick", action="store_true", help="about 100k events")
+    ap.add_argument("--child", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    target = 100_000 if args.quick else 1_000_000
+    if args.child:
+        kind, path = args.child
+        if kind == "build":
+            print(json.dumps(build_big_trace(args.passes or 0, target, Path(path))))
+        else:
+            print(json.dumps(child(kind, path)))
+        return
+    dyn = os.environ.get("DYNAPIPE_SRC")
+    can_skip = "skip_cycles" in inspect.signature(replay).parameters
+    if dyn and not (Path(dyn) / DYNAPIPE_MODULE).is_file():
+        raise SystemExit(f"DYNAPIPE_SRC={dyn} has no {DYNAPIPE_MODULE}")
+    cmd = shlex.join([Path(sys.executable).name, *sys.argv])
+    print(f"Command: `{f'DYNAPIPE_SRC={dyn} ' if dyn else ''}{cmd}`")
+    print(f"Python {platform.python_version()} on {platform.machine()} "
+          f"({os.cpu_count()} CPUs), {platform.platform(terse=True)}\n")
+    with tempfile.TemporaryDirectory(prefix="bench_replay_") as tmp:
+        big = Path(tmp) / "big.pickle"
+        b = measure("build", big, *sys.argv[1:])
+        print(f"Big trace: {PERIODIC.name} x {b['passes']} passes = {b['events']:,} events, "
+              f"pickle {b['bytes'] / 2**20:,.1f} MiB (built and written in {b['seconds']:.1f} s)\n")
+        runs: list[tuple[str, str, Path]] = [("load_snapshot (big)", "load", big)]
+        for name, kind in (("default config", "default"), ("verify=True", "verify"),
+                           ("expandable_segments:True", "expandable")):
+            runs.append((f"replay, {name}", kind, big))
+            if can_skip:  # every event replayed: the like-for-like figure for the peer
+                runs.append((f"replay, {name}, skip_cycles=False", f"{kind}-noskip", big))
+        runs.append((f"replay, {SMALL.name}", "default", SMALL))
+        if dyn:
+            runs += [("dynapipe simulator (its defaults)", "dynapipe", big),
+                     ("dynapipe simulator, kSmallSize=1 MiB", "dynapipe-small", big),
+                     (f"dynapipe simulator, {SMALL.name}", "dynapipe-small", SMALL)]
+        print("| measurement | events | seconds | events/s | RSS after load (MiB) | "
+              "peak RSS (MiB) | peak reserved (GiB) | notes |")
+        print("|---|---:|---:|---:|---:|---:|---:|---|")
+        for name, kind, path in runs:
+            print(row(name, measure(kind, path), rate=kind != "load"), flush=True)
+    if not dyn:
+        print("\ndynapipe comparison skipped: set DYNAPIPE_SRC to a checkout of "
+              "awslabs/optimizing-multitask-training-through-dynamic-pipelines (the directory "
+              f"holding {DYNAPIPE_MODULE}; needs sortedcontainers) to enable it.")
+
+
+if __name__ == "__main__":
+    main()
