@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from vram.loader import load_snapshot  # noqa: E402
 from vram.replay import UNLIMITED, replay  # noqa: E402
 
-TRACES = Path(os.environ.get("VRAM_TRACES", "/work/shared/traces"))
+TRACES = Path(os.environ.get("VRAM_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
 PERIODIC = TRACES / "cs336-s-forward-bf16-128.pickle"
 SMALL = TRACES / "ftcourse-memory-snapshot.pickle"
 DYNAPIPE_MODULE = Path("dynapipe") / "memory_opt" / "allocation_simulator.py"
