@@ -8,6 +8,7 @@ on other streams, waits for events first.
 """
 from __future__ import annotations
 
+import operator
 import threading
 from collections import deque
 from typing import Any, Mapping
@@ -62,7 +63,6 @@ def _check_size(size: Any) -> int:
         raise TypeError("allocation size must be an int number of bytes, got bool")
     if not isinstance(size, int):
         try:
-            import operator
             size = operator.index(size)
         except TypeError:
             raise TypeError(f"allocation size must be an int number of bytes, got {type(size).__name__}") from None
