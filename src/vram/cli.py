@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -29,6 +30,8 @@ EXAMPLES = """examples:
   vram plot run.pickle -o out.png --conf expandable_segments:True
   vram export rmm_log.csv -o run.pickle           any input -> a snapshot memory_viz opens
   vram demo                                       a tour on a simulated GPU
+  vram run --gpu 24GiB --context 500MiB train.py --epochs 1
+                                                  run an unmodified PyTorch script on a simulated GPU
 """
 
 
@@ -236,6 +239,18 @@ def demo(gpu: str, context: str, conf: str | None) -> int:
     return run_demo(gpu, context, conf)
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """``vram run``: execute a PyTorch script as if on a CUDA GPU (see `vram.torch_run`)."""
+    try:
+        from .torch_run import run_script
+    except ImportError as e:  # pragma: no cover - torch missing
+        raise RuntimeError(f"vram run needs PyTorch ({e})") from None
+    if not os.path.isfile(args.script):
+        raise OSError(f"can't open file {args.script!r}: no such file")
+    return run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
+                      context=args.context, conf=args.conf, device_count=args.devices)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vram", description="PyTorch's CUDA caching allocator, byte-faithful, on a simulated GPU: "
@@ -284,6 +299,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", default="500MiB", help="CUDA context size (default 500MiB)")
     p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF string")
     p.set_defaults(func=lambda a: demo(a.gpu, a.context, a.conf))
+
+    help_ = "run an unmodified PyTorch script as if on a CUDA GPU (needs torch)"
+    p = sub.add_parser("run", help=help_, description=help_ + ": tensors live on the meta device, "
+                       "every allocation goes through the simulated caching allocator, and an OOM is "
+                       "PyTorch's torch.OutOfMemoryError.", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpu", default="80GiB", help="GPU capacity (default 80GiB)")
+    p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
+    p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF (default: the environment's)")
+    p.add_argument("--devices", type=int, default=1, help="number of simulated GPUs (default 1)")
+    p.add_argument("--summary", action="store_true", help="print torch.cuda.memory_summary() at the end")
+    p.add_argument("script", help="the Python script to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.set_defaults(func=cmd_run)
     return parser
 
 

@@ -1,0 +1,288 @@
+"""`vram run` / `vram.torch_run`: unmodified PyTorch code on a simulated CUDA GPU.
+
+Expected figures come from the allocator spec (shared/spec/pytorch-allocator.md: §4 rounding —
+512-byte multiples; §6 segment sizes — 2 MiB for ≤ 1 MiB, 20 MiB below 10 MiB; §15.1 the OOM
+text) and from PyTorch's CUDA sources as cited (cuBLAS workspaces: aten/src/ATen/cuda/
+CublasHandlePool.cpp; flash attention: aten/src/ATen/native/transformers/cuda/flash_attn/
+flash_api.cpp), never from printing this module's output.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+F = torch.nn.functional
+
+from vram import cli  # noqa: E402
+from vram.torch_run import DataDependentError, run_script, simulated_cuda  # noqa: E402
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+CUBLAS_SM90 = 4096 * 8 * 1024          # getChosenWorkspaceSize() default on sm90
+CUBLAS_OTHER = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8" elsewhere: 8,519,680 B
+CUBLASLT = 1024 * 1024                 # CUBLASLT_WORKSPACE_SIZE default: 1024 KiB
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING",
+                "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_factory_is_a_cuda_tensor_charged_to_the_allocator() -> None:
+    with simulated_cuda(gpu="24GiB"):
+        x = torch.randn(1024, 1024, device="cuda")
+        assert x.device == torch.device("cuda", 0) and x.is_cuda
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+        assert torch.cuda.memory_allocated() == 4 * MiB      # 4 MiB: already a 512 multiple
+        assert torch.cuda.memory_reserved() == 20 * MiB      # 1 MiB < 4 MiB < 10 MiB: 20 MiB segment
+        assert x.data_ptr() != 0
+        y = torch.zeros(100, device=x.device)               # device taken from a tensor
+        assert y.is_cuda and torch.cuda.memory_allocated() == 4 * MiB + 512
+    assert not torch.cuda.is_available()                     # torch.cuda restored (CPU build)
+
+
+def test_alias_keeps_memory_del_frees_empty_cache_releases() -> None:
+    with simulated_cuda():
+        x = torch.empty(1024, 1024, device="cuda")
+        y = x.view(-1)[:10]
+        del x
+        assert torch.cuda.memory_allocated() == 4 * MiB      # the view keeps the storage alive
+        del y
+        assert torch.cuda.memory_allocated() == 0
+        assert torch.cuda.memory_reserved() == 20 * MiB      # cached, not returned
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved() == 0
+
+
+def test_autograd_saved_tensor_lives_until_the_graph_dies() -> None:
+    with simulated_cuda():
+        a = torch.empty(1024, 1024, device="cuda", requires_grad=True)
+        b = a.exp()                                          # exp saves its result for backward
+        c = b.sum()
+        del b
+        assert torch.cuda.memory_allocated() == 8 * MiB + 512
+        del c                                                # the graph, and the saved result, die
+        assert torch.cuda.memory_allocated() == 4 * MiB
+
+
+def test_module_cuda_and_to() -> None:
+    with simulated_cuda():
+        lin = nn.Linear(1024, 1024).cuda()
+        assert lin.weight.device.type == "cuda"
+        # weight 4 MiB in a 20 MiB segment, bias 4096 B in a 2 MiB small segment
+        assert torch.cuda.memory_allocated() == 4 * MiB + 4096
+        assert torch.cuda.memory_reserved() == 20 * MiB + 2 * MiB
+        assert lin.cuda() is lin and torch.cuda.memory_allocated() == 4 * MiB + 4096
+        lin2 = nn.Linear(1024, 1024).to("cuda")
+        assert torch.cuda.memory_allocated() == 2 * (4 * MiB + 4096)
+        del lin2
+
+
+def test_forward_allocates_output_and_first_matmul_cublas_workspaces() -> None:
+    with simulated_cuda():
+        lin = nn.Linear(1024, 1024).cuda()
+        x = torch.randn(64, 1024, device="cuda")
+        out_bytes = 64 * 1024 * 4
+        a0 = torch.cuda.memory_allocated()
+        y1 = lin(x)
+        # addmm with a 1-D bias takes the cuBLASLt path: output, cuBLAS and cuBLASLt workspaces
+        assert torch.cuda.memory_allocated() - a0 == out_bytes + CUBLAS_SM90 + CUBLASLT
+        a1 = torch.cuda.memory_allocated()
+        y2 = lin(x)
+        assert torch.cuda.memory_allocated() - a1 == out_bytes   # workspaces are kept and reused
+        del y1, y2
+        assert torch.cuda.memory_allocated() == a0 + CUBLAS_SM90 + CUBLASLT
+        torch.cuda.empty_cache()                                   # does not free workspaces
+        assert torch.cuda.memory_allocated() == a0 + CUBLAS_SM90 + CUBLASLT
+
+
+def test_cublas_workspace_size_off_hopper() -> None:
+    with simulated_cuda(major=8, minor=0):
+        a = torch.empty(64, 64, device="cuda")
+        before = torch.cuda.memory_allocated()
+        b = a @ a                                              # mm: no cuBLASLt workspace
+        assert torch.cuda.memory_allocated() - before == 64 * 64 * 4 + CUBLAS_OTHER
+        del b
+
+
+def test_backward_creates_grads_and_a_second_workspace() -> None:
+    with simulated_cuda():
+        lin = nn.Linear(1024, 1024).cuda()
+        x = torch.randn(64, 1024, device="cuda")
+        lin(x)                                                 # forward workspaces out of the way
+        a0 = torch.cuda.memory_allocated()
+        lin(x).sum().backward()
+        assert lin.weight.grad.shape == (1024, 1024) and lin.weight.grad.is_cuda
+        assert lin.bias.grad.shape == (1024,)
+        # grads (4 MiB + 4096) and the cuBLAS workspace of the autograd engine's thread; the
+        # output, the loss and every intermediate are freed
+        assert torch.cuda.memory_allocated() - a0 == 4 * MiB + 4096 + CUBLAS_SM90
+
+
+def test_oom_is_torch_out_of_memory_error_with_pytorchs_text() -> None:
+    with simulated_cuda(gpu="1GiB"):
+        keep = torch.empty(1024, device="cuda")
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")
+        assert isinstance(info.value, torch.cuda.OutOfMemoryError) and isinstance(info.value, RuntimeError)
+        assert str(info.value) == (
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 1024.00 MiB "
+            "of which 1022.00 MiB is free. Of the allocated memory 4.00 KiB is allocated by PyTorch, and "
+            "2.00 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
+            "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+            "documentation for Memory Management  (https://docs.pytorch.org/docs/stable/notes/cuda.html"
+            "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)")
+        assert torch.cuda.memory_stats()["num_ooms"] == 1
+        assert torch.cuda.memory_allocated() == 4096
+        del keep
+
+
+def test_item_print_and_host_copies_raise_naming_the_line() -> None:
+    with simulated_cuda():
+        x = torch.ones((), device="cuda")
+        line = inspect.currentframe().f_lineno + 2  # type: ignore[union-attr]
+        with pytest.raises(DataDependentError) as info:
+            x.item()
+        assert str(info.value) == (f"{__file__}:{line}: x.item() needs tensor values, which a "
+                                   "simulated GPU does not have")
+        for fn in (lambda: bool(x), lambda: print(x), lambda: x.cpu(), lambda: x.to("cpu"),
+                   lambda: x.tolist(), lambda: torch.nonzero(x.expand(3))):
+            with pytest.raises(DataDependentError, match=os.path.basename(__file__)):
+                fn()
+        assert torch.ones(3).sum().item() == 3.0                # host tensors keep their values
+
+
+def test_sdpa_takes_the_flash_path_without_the_attention_matrix() -> None:
+    with simulated_cuda():
+        b, h, s, d = 4, 8, 1024, 64
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        a0 = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # mha_fwd: out, softmax_lse float32 [B, H, S], rng_state uint64[2], an unused uint64: no
+        # B*H*S*S probabilities (the math path's 128 MiB here); B*H*ceil(S/64) = 512 blocks fill
+        # the 264 SM slots, so no split-KV accumulators
+        expected = b * h * s * d * 2 + b * h * s * 4 + 512 + 512
+        assert torch.cuda.memory_allocated() - a0 == expected
+        assert torch.cuda.max_memory_allocated() - a0 == expected
+        assert o.dtype == torch.bfloat16 and o.shape == q.shape
+        o.sum().backward()
+        assert q.grad.shape == q.shape and v.grad.is_cuda
+
+
+def test_flash_split_kv_accumulators_are_transient() -> None:
+    with simulated_cuda():
+        q = torch.randn(1, 12, 1024, 64, device="cuda", dtype=torch.float16)
+        a0 = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        o = F.scaled_dot_product_attention(q, q, q)
+        # num_splits_heuristic(1*12*16=192 blocks < 0.8*2*132, 4 key blocks of 256) = 4 splits:
+        # softmax_lse_accum [4,1,12,1024] f32 and out_accum [4,1,12,1024,64] f32, freed at the end
+        out, lse = 12 * 1024 * 64 * 2, 12 * 1024 * 4
+        assert torch.cuda.max_memory_allocated() - a0 == out + lse + 4 * lse + 4 * 12 * 1024 * 64 * 4 + 1024
+        # no grad needed: nothing saves logsumexp or the rng state, they die with the op's tuple
+        assert torch.cuda.memory_allocated() - a0 == out
+        del o
+
+
+def test_autocast_casts_and_caches_weight_copies() -> None:
+    with simulated_cuda():
+        lin = nn.Linear(1024, 1024).cuda()
+        x = torch.randn(8, 1024, device="cuda")
+        lin(x)                                                 # workspaces out of the way
+        a0 = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y1 = lin(x)
+            assert y1.dtype == torch.bfloat16
+            # bias and weight cast to bf16 (cached), input cast, bf16 output
+            assert torch.cuda.memory_allocated() - a0 == 2048 + 2 * MiB + 16384 + 16384
+            a1 = torch.cuda.memory_allocated()
+            y2 = lin(x)
+            assert torch.cuda.memory_allocated() - a1 == 16384 + 16384   # weight copies reused
+            assert F.softmax(y2, dim=-1).dtype == torch.float32
+            assert F.layer_norm(y2, (1024,)).dtype == torch.float32
+        with pytest.warns(FutureWarning), torch.cuda.amp.autocast():   # deprecated spelling
+            assert (x @ x.T).dtype == torch.float16
+        del y1, y2
+
+
+def test_training_loop_reaches_a_steady_state() -> None:
+    with simulated_cuda(gpu="16GiB"):
+        model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)).cuda()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        params = 256 * 512 * 4 + 512 * 4 + 512 * 256 * 4 + 256 * 4
+
+        def step() -> None:
+            x = torch.randn(128, 256, device="cuda")
+            target = torch.randn(128, 256, device="cuda")
+            F.mse_loss(model(x), target).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        peaks = []
+        for _ in range(3):
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            peaks.append(torch.cuda.max_memory_allocated())
+        assert peaks[1] == peaks[2]
+        # parameters + Adam's exp_avg and exp_avg_sq; grads are None; forward cuBLAS + cuBLASLt
+        # workspaces and the backward thread's cuBLAS workspace stay
+        assert torch.cuda.memory_allocated() == 3 * params + 2 * CUBLAS_SM90 + CUBLASLT
+
+
+def test_two_devices() -> None:
+    with simulated_cuda(device_count=2):
+        x = torch.empty(1024, 1024, device="cuda:1")
+        assert x.device == torch.device("cuda", 1)
+        assert (torch.cuda.memory_allocated(0), torch.cuda.memory_allocated(1)) == (0, 4 * MiB)
+        y = x.to("cuda:0")
+        assert y.device.index == 0 and torch.cuda.memory_allocated(0) == 4 * MiB
+
+
+def _script(tmp_path: os.PathLike[str], body: str) -> str:
+    path = os.path.join(os.fspath(tmp_path), "script.py")
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(body))
+    return path
+
+
+def test_vram_run_cli_passes_args_and_reports(tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]) -> None:
+    path = _script(tmp_path, """\
+        import sys
+        import torch
+        n = int(sys.argv[1])
+        x = torch.empty(n, n, device="cuda")
+        print("args", sys.argv[1:], "allocated", torch.cuda.memory_allocated(), __name__)
+        """)
+    assert cli.main(["run", "--gpu", "2GiB", "--summary", path, "1024", "--flag"]) == 0
+    out = capsys.readouterr().out
+    assert f"args ['1024', '--flag'] allocated {4 * MiB} __main__" in out
+    assert "PyTorch CUDA memory summary, device ID 0" in out
+    assert sys.argv[0] != path
+
+
+def test_vram_run_oom_and_values(tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]) -> None:
+    path = _script(tmp_path, """\
+        import torch
+        x = torch.empty(3 * 1024**3, dtype=torch.uint8, device="cuda")
+        """)
+    assert cli.main(["run", "--gpu", "2GiB", path]) == 1
+    err = capsys.readouterr().err
+    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.00 GiB." in err
+    assert 'script.py", line 2, in <module>' in err and "torch_run.py" not in err
+    path = _script(tmp_path, """\
+        import torch
+        loss = torch.ones((), device="cuda")
+        print(loss.item())
+        """)
+    assert run_script(path, []) == 1
+    assert "script.py:3: loss.item() needs tensor values" in capsys.readouterr().err
