@@ -120,6 +120,8 @@ class _Walker:
         self._seen: dict[int, str] = {}  # segments, block lists, blocks: must not repeat
         self._plain_nodes = 0
         self._frame_by_id: dict[int, dict[str, Any]] = {}  # id(frame dict) -> normalised frame
+        self._clean_frames: set[int] = set()  # ids of frame dicts that are already normalised
+        self._frame_lists: dict[int, list[dict[str, Any]]] = {}  # id(frames list) -> normalised
 
     def _once(self, obj: Any, path: str) -> None:
         first = self._seen.setdefault(id(obj), path)
@@ -155,16 +157,22 @@ class _Walker:
 
     def frames(self, value: Any, path: str) -> list[dict[str, Any]]:
         """Frame lists ``[{filename, line, name}]`` (§18.3); shared ones are normalised once."""
-        if ("frames", id(value)) in self._memo:
-            return self._memo["frames", id(value)]  # type: ignore[no-any-return]
-        if type(value) is list:  # fast path: every frame of the list was normalised before
-            seen = self._frame_by_id
+        got = self._frame_lists.get(id(value))
+        if got is not None:
+            return got
+        if type(value) is list:
+            # Fastest: every frame is a dict already in normalised form (checked once per dict):
+            # the list itself is the normalised list, no copy.
+            if self._clean_frames.issuperset(map(id, value)):
+                self._frame_lists[id(value)] = value
+                return value
+            seen = self._frame_by_id  # else: every frame was normalised before
             try:
                 out = [seen[id(f)] for f in value]
             except KeyError:
                 pass
             else:
-                self._memo["frames", id(value)] = out
+                self._frame_lists[id(value)] = out
                 return out
         out = []
         for i, f in enumerate(_of(value, list, path)):
@@ -174,10 +182,14 @@ class _Walker:
                 if type(name) is not str or type(filename) is not str:
                     raise _Invalid(f"{fp} has a non-str name or filename")
                 line = _int(_req(f, "line", fp), f"{fp}.line")
-                self._memo["frame", id(f)] = {"filename": filename, "line": line, "name": name}
+                if len(f) == 3:  # exactly {filename, line, name}, all valid: it is its own form
+                    self._memo["frame", id(f)] = f
+                    self._clean_frames.add(id(f))
+                else:
+                    self._memo["frame", id(f)] = {"filename": filename, "line": line, "name": name}
                 self._frame_by_id[id(f)] = self._memo["frame", id(f)]
             out.append(self._memo["frame", id(f)])
-        self._memo["frames", id(value)] = out
+        self._frame_lists[id(value)] = out
         return out
 
     def segment(self, s: Any, path: str) -> dict[str, Any]:
@@ -272,6 +284,7 @@ class _Walker:
         inline; anything unusual (or wrong) goes through `entry`, which names the problem."""
         out = []
         memo = self._memo
+        lists, clean = self._frame_lists, self._clean_frames
         for k, e in enumerate(trace):
             got = None
             if type(e) is dict and ("entry", id(e)) not in memo:
@@ -284,11 +297,17 @@ class _Walker:
                     if fr is None:
                         frames: list[dict[str, Any]] = []
                     else:
-                        frames = memo.get(("frames", id(fr)))  # type: ignore[assignment]
+                        frames = lists.get(id(fr))  # type: ignore[assignment]
                         if frames is None:
-                            frames = self.frames(fr, f"device_traces[{d}][{k}].frames")
-                    got = {"action": action, "addr": addr, "size": size, "stream": stream,
-                           "time_us": t, "frames": frames}
+                            if type(fr) is list and clean.issuperset(map(id, fr)):
+                                frames = lists[id(fr)] = fr  # every frame already normalised
+                            else:
+                                frames = self.frames(fr, f"device_traces[{d}][{k}].frames")
+                    if len(e) == 6 and frames is fr and "stream" in e and "time_us" in e:
+                        got = e  # exactly the normalised keys, all checked: its own form
+                    else:
+                        got = {"action": action, "addr": addr, "size": size, "stream": stream,
+                               "time_us": t, "frames": frames}
             out.append(got if got is not None else self.entry(e, f"device_traces[{d}][{k}]"))
         return out
 
