@@ -230,3 +230,35 @@ def test_threads_share_one_allocator_safely():
     assert vram.memory_allocated() == 0
     vram.empty_cache()
     assert vram.memory_reserved() == 0
+
+
+def test_tensor_collected_by_gc_inside_malloc_is_freed_after_it(monkeypatch):
+    """Python's cyclic GC can run inside malloc (any Python allocation) and finalize a tensor:
+    the re-entrant free must wait until malloc is done, not mutate the pools half-way."""
+    import gc
+
+    import vram.allocator as allocator_module
+
+    a = vram.empty(MiB)  # 4 MiB at the front of a 20 MiB segment: [a][free 16 MiB]
+    cycle: list = [a]
+    cycle.append(cycle)
+    del a, cycle  # only the cycle keeps it alive now
+
+    class GCBlock(allocator_module.Block):
+        __slots__ = ()
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            gc.collect()  # finalizes `a`: its free would merge with the block being split
+
+    # best fit takes the free 16 MiB block out of the pool, then builds the front piece
+    monkeypatch.setattr(allocator_module, "Block", GCBlock)
+    b = vram.empty(MiB // 2)  # 2 MiB
+    monkeypatch.undo()
+    assert vram.memory_allocated() == 2 * MiB  # `a` was freed, once malloc was done
+    stats = vram.memory_stats()
+    # [free 4 MiB (a)][b 2 MiB][free 14 MiB]: two inactive split blocks
+    assert stats["inactive_split.all.current"] == 2
+    assert stats["inactive_split_bytes.all.current"] == 18 * MiB
+    del b
+    assert vram.memory_stats()["inactive_split.all.current"] == 0

@@ -112,6 +112,8 @@ class CachingAllocator:
         self.expandable_segments: list[_expandable.ExpandableSegment] = []
         self.uncached: dict[int, int] = {}  # bypass mode (PYTORCH_NO_CUDA_MEMORY_CACHING): ptr -> size
         self.history = History()
+        self._busy = False  # an operation is under way on the thread holding the lock
+        self._deferred: list[int] = []  # frees that arrived during it (see `free`)
         if self.config.per_process_memory_fraction < 1.0:
             self._set_fraction(self.config.per_process_memory_fraction)
 
@@ -156,29 +158,42 @@ class CachingAllocator:
         if size == 0:
             return 0
         with self.lock:
-            if self.caching_disabled:
-                return self._malloc_uncached(size)
-            history = self.history
-            frames = history.gather(STATE) if history.context >= STATE else None
-            if self.cuda_events:
-                self.process_events(frames)
-            config = self.config
-            rounded = round_size(size, config.roundup_power2_divisions)
-            pool = self.small_blocks if rounded <= K_SMALL_SIZE else self.large_blocks
-            alloc_size = allocation_size(rounded, config.large_segment_size)
-            block = self._get_free_block(pool, stream, rounded)
-            if block is None:
-                if self._gc_active():
-                    self._garbage_collect_cached_blocks(frames)
+            if self._busy:
+                raise RuntimeError("CachingAllocator.malloc re-entered during another allocator "
+                                   "operation on the same thread (from a finalizer?)")
+            self._busy = True
+            try:
+                return self._malloc(size, stream)
+            finally:
+                self._busy = False
+                if self._deferred:
+                    self._drain_deferred()
+
+    def _malloc(self, size: int, stream: int) -> int:
+        """`malloc` with the lock held and arguments checked."""
+        if self.caching_disabled:
+            return self._malloc_uncached(size)
+        history = self.history
+        frames = history.gather(STATE) if history.context >= STATE else None
+        if self.cuda_events:
+            self.process_events(frames)
+        config = self.config
+        rounded = round_size(size, config.roundup_power2_divisions)
+        pool = self.small_blocks if rounded <= K_SMALL_SIZE else self.large_blocks
+        alloc_size = allocation_size(rounded, config.large_segment_size)
+        block = self._get_free_block(pool, stream, rounded)
+        if block is None:
+            if self._gc_active():
+                self._garbage_collect_cached_blocks(frames)
+            block = self._alloc_block(pool, stream, rounded, alloc_size, False, frames)
+            if block is None and self._release_available_cached_blocks(pool, stream, rounded, frames):
                 block = self._alloc_block(pool, stream, rounded, alloc_size, False, frames)
-                if block is None and self._release_available_cached_blocks(pool, stream, rounded, frames):
-                    block = self._alloc_block(pool, stream, rounded, alloc_size, False, frames)
-                if block is None:
-                    self._release_cached_blocks(frames)
-                    block = self._alloc_block(pool, stream, rounded, alloc_size, True, frames)
-                if block is None:
-                    self._raise_oom(pool, stream, rounded, alloc_size, frames)
-            return self._alloc_found_block(block, pool, stream, rounded, size, frames)
+            if block is None:
+                self._release_cached_blocks(frames)
+                block = self._alloc_block(pool, stream, rounded, alloc_size, True, frames)
+            if block is None:
+                self._raise_oom(pool, stream, rounded, alloc_size, frames)
+        return self._alloc_found_block(block, pool, stream, rounded, size, frames)
 
     def _get_free_block(self, pool: BlockPool, stream: int, size: int) -> Block | None:
         """Best fit (spec §7): smallest free block of this stream ≥ size, lowest address on ties."""
@@ -323,30 +338,53 @@ class CachingAllocator:
         if ptr == 0:
             return
         with self.lock:
-            if self.caching_disabled:
-                if ptr not in self.uncached:
-                    raise RuntimeError(f"invalid device pointer: {ptr:#x}")
-                del self.uncached[ptr]
-                self.device.free(ptr)
+            if self._busy:  # a finalizer ran inside another operation (GC): finish that first
+                self._deferred.append(ptr)
                 return
-            block = self.active.get(ptr)
-            if block is None or not block.allocated:
+            self._busy = True
+            try:
+                self._free(ptr)
+            finally:
+                self._busy = False
+                if self._deferred:
+                    self._drain_deferred()
+
+    def _drain_deferred(self) -> None:
+        """Frees that arrived while another operation of this thread was under way (a tensor
+        collected by Python's cyclic GC inside malloc) run once that operation is done."""
+        while self._deferred:
+            ptr = self._deferred.pop(0)
+            try:
+                self.free(ptr)
+            except RuntimeError:
+                pass  # it came from a finalizer, which could not have reported it either
+
+    def _free(self, ptr: int) -> None:
+        """`free` with the lock held."""
+        if self.caching_disabled:
+            if ptr not in self.uncached:
                 raise RuntimeError(f"invalid device pointer: {ptr:#x}")
-            history = self.history
-            frames = history.gather(ALL) if history.context >= ALL else None
-            block.allocated = False
-            stats = self.stats
-            bsize = block.size
-            stats.on_free_requested(block.pool.stat_index, bsize)
-            if history.enabled:
-                history.record("free_requested", ptr, block.requested_size, block.stream,
-                               frames if frames is not None else block.frames)
-            if bsize >= self.config.max_split_size:
-                stats.oversize_allocations.decrease(1)
-            if block.stream_uses:
-                self._insert_events(block)
-            else:
-                self._free_block(block, frames)
+            del self.uncached[ptr]
+            self.device.free(ptr)
+            return
+        block = self.active.get(ptr)
+        if block is None or not block.allocated:
+            raise RuntimeError(f"invalid device pointer: {ptr:#x}")
+        history = self.history
+        frames = history.gather(ALL) if history.context >= ALL else None
+        block.allocated = False
+        stats = self.stats
+        bsize = block.size
+        stats.on_free_requested(block.pool.stat_index, bsize)
+        if history.enabled:
+            history.record("free_requested", ptr, block.requested_size, block.stream,
+                           frames if frames is not None else block.frames)
+        if bsize >= self.config.max_split_size:
+            stats.oversize_allocations.decrease(1)
+        if block.stream_uses:
+            self._insert_events(block)
+        else:
+            self._free_block(block, frames)
 
     def _free_block(self, block: Block, frames: Any) -> None:
         """Free completion (spec §10.2): merge with free neighbours, back into the pool, stats."""
@@ -434,7 +472,13 @@ class CachingAllocator:
             if self.caching_disabled:
                 return
             history = self.history
-            self._release_cached_blocks(history.gather(ALL) if history.context >= ALL else None)
+            self._busy = True
+            try:
+                self._release_cached_blocks(history.gather(ALL) if history.context >= ALL else None)
+            finally:
+                self._busy = False
+                if self._deferred:
+                    self._drain_deferred()
 
     def _release_cached_blocks(self, frames: Any) -> bool:
         self.synchronize_and_free_events(frames)
