@@ -43,6 +43,21 @@ long = int64
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``vram.estimate(...)`` / ``vram.max_batch(...)`` import torch only when first used.
+
+    ``vram.estimate`` is the `vram.estimate` module, which is callable: ``vram.estimate(model,
+    inputs, ...)`` calls ``vram.estimate.estimate``.
+    """
+    if name in ("estimate", "max_batch", "EstimateResult"):
+        import importlib
+
+        _estimate = importlib.import_module(".estimate", __name__)  # sets vram.estimate
+        return _estimate if name == "estimate" else getattr(_estimate, name)
+    raise AttributeError(f"module 'vram' has no attribute {name!r}")
+
+
 __all__ = [
     "memory", "CachingAllocator", "SimulatedDevice", "Device", "OutOfMemoryError", "AllocatorConfig",
     "ConfigError", "parse_alloc_conf", "round_size", "allocation_size", "simulate", "Stream",

@@ -32,6 +32,25 @@ EXAMPLES = """examples:
   vram demo                                       a tour on a simulated GPU
   vram run --gpu 24GiB --context 500MiB train.py --epochs 1
                                                   run an unmodified PyTorch script on a simulated GPU
+  vram estimate mymodels:gpt2_small --input 8x512:int64 --gpu 24GiB
+                                                  predict a training step's memory before running it
+"""
+
+ESTIMATE_EXAMPLES = """examples:
+  vram estimate mymodels:gpt2_small --input 8x512:int64
+                        mymodels.gpt2_small() -> nn.Module, called with one int64 [8, 512] tensor
+  vram estimate mymodels:gpt2_small --input 8x512:int64 --amp bf16 --optimizer adamw --gpu 24GiB
+  vram estimate mymodels:Net --input 64x3x224x224 --dtype bf16 --checkpoint --grad-accum 4
+  vram estimate mymodels:gpt2_small --input 8x512:int64 --gpu 24GiB --context 500MiB --max-batch
+                        the largest first dimension (batch) that trains without OOM
+  vram estimate models.py:build --input 32x128 --input 32x128:int64 --json
+                        a file path works too; several --input: model(x1, x2)
+
+MODULE:FACTORY is imported from the current directory or sys.path; FACTORY() (no arguments) returns
+an nn.Module. It is called under torch.device("meta"), so building costs no memory. The step is
+forward, loss = sum of the outputs, backward, optimizer.step(), zero_grad(set_to_none=True), run 3
+times; figures are for the steady state (iterations 2-3). Exit status 0 whether or not it fits
+("fits" in --json), 2 on errors.
 """
 
 
@@ -251,6 +270,15 @@ def cmd_run(args: argparse.Namespace) -> int:
                       context=args.context, conf=args.conf, device_count=args.devices)
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """``vram estimate``: a training step's memory on a simulated GPU (see `vram.estimate`)."""
+    try:
+        from .estimate_cli import run_estimate
+    except ImportError as e:  # pragma: no cover - torch missing
+        raise RuntimeError(f"vram estimate needs PyTorch ({e})") from None
+    return run_estimate(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vram", description="PyTorch's CUDA caching allocator, byte-faithful, on a simulated GPU: "
@@ -313,6 +341,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=cmd_run)
+
+    help_ = "predict a training step's GPU memory before running it (needs torch)"
+    p = sub.add_parser("estimate", help=help_, description=help_ + ": the model trains for a few "
+                       "steps on a simulated GPU; peaks per phase, what the memory is at the peak, "
+                       "which modules' activations.", epilog=ESTIMATE_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODULE:FACTORY", help="e.g. mymodels:gpt2_small (FACTORY() -> nn.Module)")
+    p.add_argument("--input", action="append", metavar="SHAPE[:DTYPE]",
+                   help="an input tensor, first dimension the batch, e.g. 8x512:int64 (repeat for more)")
+    p.add_argument("--dtype", help="the model's parameter dtype, and float inputs' default: "
+                                   "float32, bf16, fp16")
+    p.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd", "none"],
+                   help="optimizer (default adam; sgd has no momentum)")
+    p.add_argument("--amp", choices=["bf16", "fp16"],
+                   help="autocast forward and loss (fp16 adds a GradScaler)")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="activation checkpointing of each block of the model's ModuleLists (else each child)")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-steps per optimizer step")
+    p.add_argument("--iterations", type=int, default=3, metavar="N", help="training steps to run (default 3)")
+    p.add_argument("--gpu", default="80GiB", help="GPU capacity (default 80GiB)")
+    p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
+    p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF (default: the environment's)")
+    p.add_argument("--max-batch", action="store_true",
+                   help="search the largest batch (first dimension of every --input) that fits")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=cmd_estimate)
     return parser
 
 

@@ -72,7 +72,7 @@ from .torch_errors import DataDependentError, describe, value_error
 from .torch_cuda_api import DeviceProperties, patch_torch_cuda, patch_torch_extras
 from .units import parse_size
 
-__all__ = ["DataDependentError", "simulated_cuda", "run_script"]
+__all__ = ["DataDependentError", "simulated_cuda", "run_script", "active_sim"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _VRAM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -444,6 +444,18 @@ class _FunctionMode(TorchFunctionMode):
         return out
 
 
+_ACTIVE: list[_Sim] = []  # the running `simulated_cuda` blocks' state, innermost last
+
+
+def active_sim() -> _Sim | None:
+    """The state of the innermost running `simulated_cuda` block, or None.
+
+    A hook for tools built on a simulated run (`vram.estimate`): ``active_sim().block_of(t)`` is
+    the simulated block of a tensor's storage, ``.workspaces`` the cuBLAS workspaces by key.
+    """
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 @contextmanager
 def simulated_cuda(gpu: int | str = "80GiB", context: int | str = 0, conf: str | None = None,
                    device_count: int = 1, *, name: str = "NVIDIA H100 (simulated by vram)",
@@ -472,10 +484,12 @@ def simulated_cuda(gpu: int | str = "80GiB", context: int | str = 0, conf: str |
 
     _history.gather_frames = gather_frames
     dispatch, function = _DispatchMode(sim), _FunctionMode(sim)
+    _ACTIVE.append(sim)
     try:
         with dispatch, function:
             yield devices
     finally:
+        _ACTIVE.remove(sim)
         _history.gather_frames = gather
         restore_extras()
         restore()
