@@ -286,3 +286,28 @@ def test_vram_run_oom_and_values(tmp_path: os.PathLike[str], capsys: pytest.Capt
         """)
     assert run_script(path, []) == 1
     assert "script.py:3: loss.item() needs tensor values" in capsys.readouterr().err
+
+
+def test_vram_run_arch_flag_sets_the_cublas_workspace(tmp_path, capsys):
+    """pytorch/pytorch#95668 (A10G, sm86): after one Linear(1, 1) call on CUDA,
+    torch.cuda.memory_allocated() stays at 8,519,680 — the cuBLAS workspace (4096 KiB x 2 +
+    16 KiB x 8 below sm90); an sm90 GPU's default workspace is 4096 KiB x 8 = 32 MiB."""
+    from vram.cli import main, parse_arch
+
+    script = tmp_path / "lin.py"
+    script.write_text(
+        "import torch\n"
+        "lin = torch.nn.Linear(1, 1).cuda()\n"
+        "x = torch.ones(1, 1, device='cuda')\n"
+        "lin(x)\n"
+        "del lin, x\n"
+        "print(torch.cuda.memory_allocated(), torch.cuda.get_device_capability())\n")
+    assert main(["run", "--arch", "sm_86", str(script)]) == 0
+    out = capsys.readouterr().out.split()
+    assert out[0] == "8519680"
+    assert main(["run", str(script)]) == 0
+    # sm90: the 32 MiB cuBLAS workspace only — addmm's cuBLASLt path (and its 1 MiB workspace)
+    # needs every matrix dimension > 1 (Blas.cpp isInputCompliesAddmmCudaLt); Linear(1, 1) has 1s
+    assert int(capsys.readouterr().out.split()[0]) == 32 * 1024 * 1024
+    assert parse_arch("8.0") == (8, 0) and parse_arch("sm90") == (9, 0)
+    assert main(["run", "--arch", "x", str(script)]) == 2

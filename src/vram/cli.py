@@ -266,8 +266,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise RuntimeError(f"vram run needs PyTorch ({e})") from None
     if not os.path.isfile(args.script):
         raise OSError(f"can't open file {args.script!r}: no such file")
+    major, minor = parse_arch(args.arch)
+    name = "NVIDIA H100 (simulated by vram)" if (major, minor) == (9, 0) else \
+        f"NVIDIA GPU sm_{major}{minor} (simulated by vram)"
     return run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
-                      context=args.context, conf=args.conf, device_count=args.devices)
+                      context=args.context, conf=args.conf, device_count=args.devices,
+                      major=major, minor=minor, name=name)
+
+
+def parse_arch(text: str) -> tuple[int, int]:
+    """A compute capability: ``9.0``, ``sm90`` or ``sm_86`` -> (major, minor)."""
+    t = text.strip().lower().removeprefix("sm").removeprefix("_")
+    if "." in t:
+        major, _, minor = t.partition(".")
+    elif t.isdigit() and len(t) >= 2:
+        major, minor = t[:-1], t[-1]
+    else:
+        major, minor = "", ""
+    if not (major.isdigit() and minor.isdigit()):
+        raise ValueError(f"invalid --arch {text!r}: expected a compute capability such as 9.0, sm80 or sm_86")
+    return int(major), int(minor)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -337,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
     p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF (default: the environment's)")
     p.add_argument("--devices", type=int, default=1, help="number of simulated GPUs (default 1)")
+    p.add_argument("--arch", default="9.0", help="compute capability, e.g. 8.0 or sm_86 (default 9.0, "
+                   "an H100); it sets the cuBLAS workspace: 32 MiB on sm90, 8,519,680 B elsewhere")
     p.add_argument("--summary", action="store_true", help="print torch.cuda.memory_summary() at the end")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
