@@ -26,7 +26,6 @@ with the reason.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from typing import Iterator
 

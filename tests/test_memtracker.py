@@ -37,7 +37,6 @@ kernel's philox seed/offset are host tensors without dropout. See docs/estimate-
 """
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any, Callable
 

@@ -88,10 +88,6 @@ def _label(conf: str) -> str:
     return conf if conf else "default config"
 
 
-def _fmt(n: int) -> str:
-    return f"{format_size(n)} ({n:,} B)" if n > 1024 else f"{n} B"
-
-
 def cmd_replay(args: argparse.Namespace) -> int:
     from .replay import replay
 
@@ -147,11 +143,11 @@ def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[di
         ("replay time", lambda r: f"{r.seconds_replay:.2f} s"
                                   + (f" ({r.skipped_events:,} events in repeated periods)" if r.skipped_events else "")),
     ]
-    if trials:
-        rows.append(("then allocate " + format_size(trials[0]["size"]),
-                     lambda r, it=iter(trials): "succeeds" if next(it)["ok"] else "OOM"))
     width = max(len(name) for name, _ in rows) + 2
     cells = [[fn(r) for r in results] for _, fn in rows]
+    if trials:
+        rows.append(("then allocate " + format_size(trials[0]["size"]), _label))
+        cells.append(["succeeds" if t["ok"] else "OOM" for t in trials])
     colw = [max(len(c[k]) for c in cells) + 2 for k in range(len(results))]
     lines.append("")
     for (name, _), vals in zip(rows, cells):
@@ -218,6 +214,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import pickle
 
+    from .loader import to_pytorch_snapshot
+
     snap = _load(args.snapshot)
     out = to_pytorch_snapshot(snap)
     if args.output.endswith(".json"):
@@ -229,27 +227,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"wrote {args.output}: {len(out['segments'])} segments, "
           f"{sum(len(t) for t in out['device_traces']):,} trace events")
     return 0
-
-
-def to_pytorch_snapshot(snap: dict[str, Any]) -> dict[str, Any]:
-    """A loaded (normalised) snapshot back in ``torch.cuda.memory._snapshot()``'s shape."""
-    traces = []
-    for t in snap["device_traces"]:
-        entries = []
-        for e in t:
-            d: dict[str, Any] = {"action": e["action"]}
-            d["device_free" if e["action"] == "oom" else "addr"] = e.get("device_free", e["addr"])
-            d.update(size=e["size"], stream=e["stream"])
-            if e.get("time_us") is not None:
-                d["time_us"] = e["time_us"]
-            if e.get("frames"):
-                d["frames"] = e["frames"]
-            entries.append(d)
-        traces.append(entries)
-    out: dict[str, Any] = {"segments": snap["segments"], "device_traces": traces}
-    if snap.get("allocator_settings") is not None:
-        out["allocator_settings"] = snap["allocator_settings"]
-    return out
 
 
 def demo(gpu: str, context: str, conf: str | None) -> int:

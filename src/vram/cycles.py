@@ -22,11 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from .allocator import CachingAllocator
-from .stats import COUNTERS, DeviceStats
-
-
-def _stat_objects(stats: DeviceStats) -> list[Any]:
-    return stats._all_stats()
+from .stats import COUNTERS
 
 
 class CycleSkipper:
@@ -42,7 +38,7 @@ class CycleSkipper:
         self.mask = 63
         self.misses = 0
         self.seen: dict[tuple[int, int, tuple[Any, ...]], tuple[int, list[int]]] = {}
-        self.stats = _stat_objects(alloc.stats)
+        self.stats = alloc.stats.all_stats()
         self.skipped_events = 0
 
     def is_anchor(self, ev: tuple[Any, ...]) -> bool:

@@ -18,13 +18,19 @@ NEVER, STATE, ALLOC, ALL = 0, 1, 2, 3
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def gather_frames(skip_package: str = _PACKAGE_DIR, limit: int = 64) -> list[dict[str, Any]]:
+#: Frames from files under these prefixes are left out of recorded stacks: vram itself, and
+#: whatever a front end adds while it is active (e.g. torch's mode dispatch under `vram run`).
+SKIP_PREFIXES: list[str] = [_PACKAGE_DIR]
+
+
+def gather_frames(limit: int = 64) -> list[dict[str, Any]]:
     """The caller's Python stack as snapshot frames ({name, filename, line}), innermost first."""
     frames: list[dict[str, Any]] = []
+    skip = tuple(SKIP_PREFIXES)
     f = sys._getframe(1)
     while f is not None and len(frames) < limit:
         code = f.f_code
-        if not code.co_filename.startswith(skip_package):
+        if not code.co_filename.startswith(skip):
             frames.append({"name": code.co_name, "filename": code.co_filename, "line": f.f_lineno})
         f = f.f_back
     return frames

@@ -27,7 +27,7 @@ import re
 import struct
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_BYTES", "SnapshotError", "load_snapshot"]
+__all__ = ["DEFAULT_MAX_BYTES", "SnapshotError", "load_snapshot", "to_pytorch_snapshot"]
 
 DEFAULT_MAX_BYTES = 2 * 1024**3
 _LIMIT = 2**64  # sizes, addresses and stream handles are 64-bit (spec §18.2)
@@ -527,4 +527,25 @@ def load_snapshot(source: str | os.PathLike[str] | bytes, *, fmt: str | None = N
     except _Invalid as exc:
         raise SnapshotError(f"{name}: {exc}") from None
     out["format"] = kind
+    return out
+
+
+def to_pytorch_snapshot(snap: dict[str, Any]) -> dict[str, Any]:
+    """A loaded (normalised) snapshot back in ``torch.cuda.memory._snapshot()``'s shape."""
+    traces = []
+    for t in snap["device_traces"]:
+        entries = []
+        for e in t:
+            d: dict[str, Any] = {"action": e["action"]}
+            d["device_free" if e["action"] == "oom" else "addr"] = e.get("device_free", e["addr"])
+            d.update(size=e["size"], stream=e["stream"])
+            if e.get("time_us") is not None:
+                d["time_us"] = e["time_us"]
+            if e.get("frames"):
+                d["frames"] = e["frames"]
+            entries.append(d)
+        traces.append(entries)
+    out: dict[str, Any] = {"segments": snap["segments"], "device_traces": traces}
+    if snap.get("allocator_settings") is not None:
+        out["allocator_settings"] = snap["allocator_settings"]
     return out

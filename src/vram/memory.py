@@ -234,13 +234,14 @@ def max_memory_reserved(device: Any = None) -> int:
 
 
 def memory_cached(device: Any = None) -> int:
-    warnings.warn("torch.cuda.memory_cached has been renamed to torch.cuda.memory_reserved", FutureWarning)
+    warnings.warn("torch.cuda.memory_cached has been renamed to torch.cuda.memory_reserved",
+                  FutureWarning, stacklevel=2)
     return memory_reserved(device)
 
 
 def max_memory_cached(device: Any = None) -> int:
     warnings.warn("torch.cuda.max_memory_cached has been renamed to torch.cuda.max_memory_reserved",
-                  FutureWarning)
+                  FutureWarning, stacklevel=2)
     return max_memory_reserved(device)
 
 
@@ -254,13 +255,13 @@ def reset_accumulated_memory_stats(device: Any = None) -> None:
 
 def reset_max_memory_allocated(device: Any = None) -> None:
     warnings.warn("torch.cuda.reset_max_memory_allocated now calls torch.cuda.reset_peak_memory_stats, "
-                  "which resets /all/ peak memory stats.", FutureWarning)
+                  "which resets /all/ peak memory stats.", FutureWarning, stacklevel=2)
     reset_peak_memory_stats(device)
 
 
 def reset_max_memory_cached(device: Any = None) -> None:
     warnings.warn("torch.cuda.reset_max_memory_cached now calls torch.cuda.reset_peak_memory_stats, "
-                  "which resets /all/ peak memory stats.", FutureWarning)
+                  "which resets /all/ peak memory stats.", FutureWarning, stacklevel=2)
     reset_peak_memory_stats(device)
 
 

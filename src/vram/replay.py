@@ -218,8 +218,7 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
             except OutOfMemoryError as ex:
                 p = None
                 if result.oom is None:
-                    result.oom = {"event_index": i, "message": str(ex), "size": size,
-                                  "frames": list(trace[i].get("frames") or [])}
+                    result.oom = _oom_record(trace, i, ex, size)
             ptr_of[addr] = p
             if checks is not None:
                 checks.alloc(i, addr, p)
@@ -263,8 +262,7 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
                     checks.note(i, "oom", "OutOfMemoryError", "allocation succeeded")
             except OutOfMemoryError as ex:
                 if result.oom is None and not verify:
-                    result.oom = {"event_index": i, "message": str(ex), "size": size,
-                                  "frames": list(trace[i].get("frames") or [])}
+                    result.oom = _oom_record(trace, i, ex, size)
             finally:
                 dev.fail_mallocs = False
         if tl_alloc is not None:
@@ -276,6 +274,12 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
     result.skipped_events = skipper.skipped_events if skipper is not None else 0
     if progress is not None:
         progress(n, n)
+
+
+def _oom_record(trace: Sequence[Mapping[str, Any]], i: int, ex: Exception, size: int) -> dict[str, Any]:
+    """The report's first OOM: where, PyTorch's message, and the recording's stack there."""
+    return {"event_index": i, "message": str(ex), "size": size,
+            "frames": list(trace[i].get("frames") or [])}
 
 
 class _Checks:

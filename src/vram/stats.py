@@ -160,16 +160,17 @@ class DeviceStats:
                     s.current += n
                     s.freed -= n
 
-    def _all_stats(self) -> list[Stat]:
+    def all_stats(self) -> list[Stat]:
+        """Every Stat object: the array stats' and the two oversize stats."""
         out = [s for name in ARRAY_STATS for s in getattr(self, name)]
         return out + [self.oversize_allocations, self.oversize_segments]
 
     def reset_peak(self) -> None:
-        for s in self._all_stats():
+        for s in self.all_stats():
             s.reset_peak()
 
     def reset_accumulated(self) -> None:
-        for s in self._all_stats():
+        for s in self.all_stats():
             s.reset_accumulated()
         for name in COUNTERS:
             setattr(self, name, 0)

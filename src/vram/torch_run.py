@@ -476,13 +476,7 @@ def simulated_cuda(gpu: int | str = "80GiB", context: int | str = 0, conf: str |
     restore = patch_torch_cuda(sim.props)
     restore_extras = patch_torch_extras(sim.autocast_cache.clear, lambda t: sim.block_of(t) is not None,
                                         sim.storage_resized)
-    gather = _history.gather_frames
-
-    def gather_frames(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:  # snapshot stacks without
-        return [f for f in gather(*args, **kwargs)                           # the modes' own frames
-                if not f["filename"].startswith(_MODE_FRAMES)]
-
-    _history.gather_frames = gather_frames
+    _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
     dispatch, function = _DispatchMode(sim), _FunctionMode(sim)
     _ACTIVE.append(sim)
     try:
@@ -490,7 +484,8 @@ def simulated_cuda(gpu: int | str = "80GiB", context: int | str = 0, conf: str |
             yield devices
     finally:
         _ACTIVE.remove(sim)
-        _history.gather_frames = gather
+        for prefix in _MODE_FRAMES:
+            _history.SKIP_PREFIXES.remove(prefix)
         restore_extras()
         restore()
         sim.autocast_cache.clear()
