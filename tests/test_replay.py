@@ -76,7 +76,9 @@ def test_what_if_expandable_segments_reduces_fragmentation():
     snap = load("ftcourse-memory-snapshot")
     base = replay(snap)
     exp = replay(snap, conf="expandable_segments:True")
-    assert exp.peak_allocated <= base.peak_allocated + 64 * MiB
+    # Expandable memory splits whenever >= 512 B remain (spec §8), so it never keeps the <= 1 MiB
+    # tails ordinary large blocks absorb: the same requests never hold more allocated bytes.
+    assert exp.peak_allocated <= base.peak_allocated
     assert exp.fragmentation_at_reserved_peak < base.fragmentation_at_reserved_peak
 
 
