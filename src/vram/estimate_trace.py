@@ -11,7 +11,6 @@ workspaces from `vram.torch_run`'s record of them; temporaries, the rest.
 from __future__ import annotations
 
 import weakref
-from contextlib import nullcontext
 from typing import Any, Callable, Mapping
 
 import torch
@@ -63,8 +62,6 @@ class Tracker:
         self.rec = self._record()
         self.auto = False
         self.recomputing = 0
-        #: the simulation's TorchFunctionMode, re-entered where autograd drops it (see apply_checkpoint)
-        self.function_mode: Any = None
         self.forward_end: dict[int, int] = {}  # iteration -> event index when its last forward ended
 
     def attach(self, model: nn.Module) -> None:
@@ -250,26 +247,20 @@ def checkpoint_targets(model: nn.Module, policy: Any) -> list[nn.Module]:
 def apply_checkpoint(model: nn.Module, policy: Any, tr: Tracker) -> None:
     """Wrap each `checkpoint_targets` module's forward in non-reentrant ``torch.utils.checkpoint``.
 
-    The recomputation runs inside the autograd engine, where the simulation's torch-function mode
-    is not on the mode stack (the engine does not carry it over): it is re-entered there, so the
-    recomputed forward is cast by the emulated autocast and routed (SDPA) as the original was —
-    without it the recomputed tensors would differ and checkpoint would raise CheckpointError.
+    The recomputation runs inside the autograd engine, under the simulation's function mode (see
+    `vram.torch_cuda_api.patch_torch_extras`), so it is cast and routed as the forward was.
     """
-    from torch.overrides import _get_current_function_mode_stack
     from torch.utils.checkpoint import checkpoint as ckpt
 
     for m in checkpoint_targets(model, policy):
         def forward(*args: Any, _orig: Any = m.forward, _m: nn.Module = m, **kwargs: Any) -> Any:
             def run(*a: Any, **k: Any) -> Any:
                 recompute = torch._C._current_autograd_node() is not None
-                mode = tr.function_mode
-                reenter = recompute and mode is not None and mode not in _get_current_function_mode_stack()
                 tr.recomputing += recompute
                 depth = len(tr.stack)
                 tr.stack.append(tr.mod_index.get(id(_m), 0))
                 try:
-                    with mode if reenter else nullcontext():  # type: ignore[attr-defined]
-                        return _orig(*a, **k)
+                    return _orig(*a, **k)
                 finally:  # a recomputation stops early by raising: inner post hooks never ran
                     del tr.stack[depth:]
                     tr.recomputing -= recompute

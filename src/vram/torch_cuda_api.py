@@ -176,7 +176,7 @@ def patch_torch_cuda(props: list[DeviceProperties]) -> Callable[[], None]:
 
 
 def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any], bool],
-                       resized: Callable[[Any], None]) -> Callable[[], None]:
+                       resized: Callable[[Any], None], function_mode: Any) -> Callable[[], None]:
     """Patches outside ``torch.cuda`` that a simulated run needs; returns the restore function.
 
     * ``torch.clear_autocast_cache`` (called when the outermost autocast exits) also runs
@@ -187,13 +187,27 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
       `simulated` is true) it steps unconditionally, as a real run does whenever no inf/NaN
       gradient occurred;
     * ``UntypedStorage.resize_`` (not an aten op, so invisible to dispatch modes; FSDP frees
-      parameters with ``resize_(0)``) reports the storage to `resized` afterwards.
+      parameters with ``resize_(0)``) reports the storage to `resized` afterwards;
+    * the autograd engine (``torch.autograd._engine_run_backward``, behind ``backward()`` and
+      ``autograd.grad``) runs with `function_mode` on the torch-function mode stack. ``backward()``
+      reaches the engine through that mode's own handler, where PyTorch pops the mode, and the
+      engine's graph task keeps the mode stack it was started with: without this, Python code run
+      during backward (custom ``Function.backward``, tensor hooks, saved-tensor unpack hooks, so
+      ``torch.utils.checkpoint``'s recomputation) would run without the simulated GPU — no
+      ``device="cuda"``, no emulated autocast, no SDPA routing, so checkpoint's recomputed
+      tensors would differ from the forward's. Saved-tensor hooks (``saved_tensors_hooks``) run
+      under it too: a pack hook runs inside an op, below the mode's handler, and would otherwise
+      see a simulated tensor's ``device`` as meta in forward and as cuda when unpacked.
     """
+    import torch.autograd.graph as autograd_graph
     from torch.amp.grad_scaler import GradScaler
+    from torch.overrides import _get_current_function_mode_stack
 
     original_clear, original_compile = torch.clear_autocast_cache, torch.compile
     original_step = GradScaler._maybe_opt_step
     original_resize = torch.UntypedStorage.resize_
+    original_engine = autograd_graph._engine_run_backward
+    original_hooks_init = autograd_graph.saved_tensors_hooks.__init__
 
     def clear_autocast_cache() -> None:
         clear_cache()
@@ -213,6 +227,19 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
         resized(self)
         return out
 
+    def under_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if function_mode in _get_current_function_mode_stack():
+                return fn(*args, **kwargs)
+            with function_mode:
+                return fn(*args, **kwargs)
+        return run
+
+    def hooks_init(self: Any, pack_hook: Callable[..., Any], unpack_hook: Callable[..., Any]) -> None:
+        original_hooks_init(self, under_mode(pack_hook), under_mode(unpack_hook))
+
+    torch.autograd._engine_run_backward = autograd_graph._engine_run_backward = under_mode(original_engine)
+    autograd_graph.saved_tensors_hooks.__init__ = hooks_init  # type: ignore[method-assign]
     torch.clear_autocast_cache = clear_autocast_cache
     torch.compile = compile  # type: ignore[assignment]
     torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
@@ -223,5 +250,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
         torch.compile = original_compile
         GradScaler._maybe_opt_step = original_step  # type: ignore[method-assign]
         torch.UntypedStorage.resize_ = original_resize  # type: ignore[method-assign]
+        torch.autograd._engine_run_backward = autograd_graph._engine_run_backward = original_engine
+        autograd_graph.saved_tensors_hooks.__init__ = original_hooks_init  # type: ignore[method-assign]
 
     return restore
