@@ -382,3 +382,23 @@ def test_cli_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["estimate", "--help"])
     out = capsys.readouterr().out
     assert "--max-batch" in out and "vram estimate mymodels:gpt2_small --input 8x512:int64" in out
+
+
+def test_gpu_preset_and_arch(model_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # A card sets CUDA's total memory, its name and compute capability (vram.gpus, docs/gpus.md);
+    # below sm90 each cuBLAS workspace is 4096 KiB x 2 + 16 KiB x 8 = 8,519,680 B (pytorch#95668).
+    cublas_sm80 = 4096 * 1024 * 2 + 16 * 1024 * 8
+    r = estimate(mlp(), torch.empty(B, 1024), gpu="A100-80GB")
+    assert r.gpu == 85_100_068_864
+    assert r.categories["cublas_workspaces"] == 2 * cublas_sm80 + CUBLASLT
+    assert "GPU NVIDIA A100-SXM4-80GB, 79.26 GiB, sm_80" in str(r)
+    h = estimate(mlp(), torch.empty(B, 1024), gpu="A100-80GB", arch="9.0")
+    assert h.categories["cublas_workspaces"] == WORKSPACES
+    assert cli.main(["estimate", "tinymodels:mlp", "--input", "32x256", "--gpu", "T4", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["gpu"] == 15_828_320_256 and obj["settings"]["gpu_name"] == "Tesla T4"
+    assert obj["categories"]["cublas_workspaces"] == 2 * cublas_sm80 + CUBLASLT
+    assert cli.main(["estimate", "tinymodels:mlp", "--input", "32x256", "--arch", "8.6", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["categories"]["cublas_workspaces"] == 2 * cublas_sm80 + CUBLASLT
+    assert cli.main(["estimate", "tinymodels:mlp", "--input", "32x256", "--gpu", "A10G"]) == 2
+    assert "GPU name" in capsys.readouterr().err

@@ -292,7 +292,8 @@ def test_vram_run_arch_flag_sets_the_cublas_workspace(tmp_path, capsys):
     """pytorch/pytorch#95668 (A10G, sm86): after one Linear(1, 1) call on CUDA,
     torch.cuda.memory_allocated() stays at 8,519,680 — the cuBLAS workspace (4096 KiB x 2 +
     16 KiB x 8 below sm90); an sm90 GPU's default workspace is 4096 KiB x 8 = 32 MiB."""
-    from vram.cli import main, parse_arch
+    from vram.cli import main
+    from vram.gpus import parse_arch
 
     script = tmp_path / "lin.py"
     script.write_text(
@@ -311,3 +312,127 @@ def test_vram_run_arch_flag_sets_the_cublas_workspace(tmp_path, capsys):
     assert int(capsys.readouterr().out.split()[0]) == 32 * 1024 * 1024
     assert parse_arch("8.0") == (8, 0) and parse_arch("sm90") == (9, 0)
     assert main(["run", "--arch", "x", str(script)]) == 2
+
+
+# -- Python code the autograd engine runs: checkpoint recomputation, custom backward, hooks -------
+
+def _checkpoint_deltas(use: str) -> tuple[int, int]:
+    """(allocated after forward, after backward) minus before, for Linear→GELU→Linear on 256×1024."""
+    from torch.utils.checkpoint import checkpoint
+    block = nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024)).cuda()
+    x = torch.randn(256, 1024, device="cuda", requires_grad=True)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        y = block(x) if use == "none" else checkpoint(block, x, use_reentrant=use == "reentrant")
+        return y, y.sum()
+
+    y, loss = step()
+    loss.backward()  # warm-up: cuBLAS workspaces of both threads exist from here on
+    del y, loss
+    x.grad = None
+    block.zero_grad(set_to_none=True)
+    before = torch.cuda.memory_allocated()
+    y, loss = step()
+    forward = torch.cuda.memory_allocated() - before
+    loss.backward()
+    return forward, torch.cuda.memory_allocated() - before
+
+
+@pytest.mark.parametrize("use", ["none", "non-reentrant", "reentrant"])
+def test_checkpoint_keeps_only_the_block_output(use: str) -> None:
+    # float32, every size a 512 multiple (§4): x, the two Linear outputs and GELU's are 1 MiB each,
+    # the scalar loss 512 B. Without checkpoint the forward keeps Linear1's output (GELU saves its
+    # input) and GELU's output (Linear2 saves its input for the weight gradient); with either
+    # checkpoint flavour only the block's output. After backward, every variant holds y, the loss,
+    # x.grad and the parameters' gradients (2 × 4 MiB weights + 2 × 4 KiB biases).
+    grads = 2 * 4 * MiB + 2 * 4096 + MiB
+    with simulated_cuda():
+        forward, backward = _checkpoint_deltas(use)
+    assert forward == (3 * MiB if use == "none" else MiB) + 512
+    assert backward == MiB + 512 + grads
+
+
+def test_checkpoint_recomputes_under_autocast_and_flash_attention() -> None:
+    # PyTorch compares every tensor the recomputation saves with the forward's (shape, dtype,
+    # device) and raises CheckpointError on a mismatch: the recomputation, run by the autograd
+    # engine, must see the same emulated autocast casts and SDPA routing as the forward did.
+    from torch.utils.checkpoint import checkpoint
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out = nn.Linear(256, 768), nn.Linear(256, 256)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, d = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, 4, 64).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return x + self.out(y.transpose(1, 2).reshape(b, t, d))
+
+    with simulated_cuda():
+        blocks = nn.ModuleList(Attention() for _ in range(3)).cuda()
+        x = torch.randn(8, 512, 256, device="cuda", requires_grad=True)
+        before = torch.cuda.memory_allocated()
+        for use_reentrant in (False, True):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                h = x
+                for blk in blocks:
+                    h = checkpoint(blk, h, use_reentrant=use_reentrant)
+            # kept: each block's float32 output (x + bf16 → float32), 8·512·256·4 B = 4 MiB; the
+            # weights' bf16 copies went with the autocast cache when autocast exited. Kept too:
+            # the cuBLAS and cuBLASLt (bf16 matmul) workspaces of the main thread, made by the
+            # first forward, and of the autograd thread, made by the first backward.
+            assert h.dtype == torch.float32
+            workspaces = (CUBLAS_SM90 + CUBLASLT) * (2 if use_reentrant else 1)
+            assert torch.cuda.memory_allocated() - before == 3 * 4 * MiB + workspaces
+            h.sum().backward()
+            assert all(p.grad is not None and p.grad.is_cuda for p in blocks.parameters())
+            del h
+            x.grad = None
+            blocks.zero_grad(set_to_none=True)
+
+
+def test_custom_backward_and_tensor_hooks_see_the_simulated_gpu() -> None:
+    seen: list[int] = []
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+            before = torch.cuda.memory_allocated()
+            extra = torch.zeros(1000, device="cuda")   # a CUDA factory inside backward
+            seen.append(torch.cuda.memory_allocated() - before)
+            assert extra.is_cuda
+            return g * 2
+
+    with simulated_cuda():
+        x = torch.ones(1024, device="cuda", requires_grad=True)
+        y = Scale.apply(x)
+        y.register_hook(lambda g: seen.append(int(g.is_cuda)) or None)
+        y.sum().backward()
+    assert seen == [1, 4096]  # the hook ran first; 4,000 B → a 4,096-byte block (§4)
+
+
+def test_vram_run_gpu_preset(tmp_path, capsys):
+    """--gpu T4: the card as CUDA describes it (vram.gpus; docs/gpus.md) — its name, compute
+    capability 7.5 (so the 8,519,680-byte cuBLAS workspace of pytorch#95668, not sm90's 32 MiB),
+    and the total capacity real Colab T4 OOM messages print: "14.74 GiB"."""
+    from vram.cli import main
+
+    script = tmp_path / "t4.py"
+    script.write_text(
+        "import torch\n"
+        "p = torch.cuda.get_device_properties(0)\n"
+        "print(p.name, p.total_memory, torch.cuda.get_device_capability(), torch.cuda.mem_get_info()[1])\n"
+        "lin = torch.nn.Linear(1, 1).cuda()\n"
+        "lin(torch.ones(1, 1, device='cuda'))\n"
+        "del lin\n"
+        "print(torch.cuda.memory_allocated())\n"
+        "x = torch.empty(15 * 2**30, dtype=torch.uint8, device='cuda')\n")
+    assert main(["run", "--gpu", "T4", str(script)]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["Tesla T4 15828320256 (7, 5) 15828320256", "8519680"]
+    assert "Tried to allocate 15.00 GiB. GPU 0 has a total capacity of 14.74 GiB of which" in err

@@ -243,26 +243,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise RuntimeError(f"vram run needs PyTorch ({e})") from None
     if not os.path.isfile(args.script):
         raise OSError(f"can't open file {args.script!r}: no such file")
-    major, minor = parse_arch(args.arch)
-    name = "NVIDIA H100 (simulated by vram)" if (major, minor) == (9, 0) else \
-        f"NVIDIA GPU sm_{major}{minor} (simulated by vram)"
     return run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
-                      context=args.context, conf=args.conf, device_count=args.devices,
-                      major=major, minor=minor, name=name)
+                      context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch)
 
 
-def parse_arch(text: str) -> tuple[int, int]:
-    """A compute capability: ``9.0``, ``sm90`` or ``sm_86`` -> (major, minor)."""
-    t = text.strip().lower().removeprefix("sm").removeprefix("_")
-    if "." in t:
-        major, _, minor = t.partition(".")
-    elif t.isdigit() and len(t) >= 2:
-        major, minor = t[:-1], t[-1]
-    else:
-        major, minor = "", ""
-    if not (major.isdigit() and minor.isdigit()):
-        raise ValueError(f"invalid --arch {text!r}: expected a compute capability such as 9.0, sm80 or sm_86")
-    return int(major), int(minor)
+def cmd_gpus(args: argparse.Namespace) -> int:
+    """``vram gpus``: the presets, with CUDA's total memory for each and where it was printed."""
+    from .gpus import GPU_PRESETS
+
+    rows = [(p.key, p.name, f"{p.total_memory:,}", f"{p.total_memory / 2**30:.2f} GiB",
+             f"{p.major}.{p.minor}", str(p.multi_processor_count)) for p in GPU_PRESETS.values()]
+    head = ("--gpu", "name (CUDA)", "total_memory (B)", "", "arch", "SMs")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    print("\ntotal_memory is cudaDeviceProp.totalGlobalMem (torch.cuda.get_device_properties(0).total_memory) as "
+          "printed on a real card;\nit varies by a few tens of MiB with the driver: pass --gpu <bytes> for yours. "
+          "Sources: docs/gpus.md")
+    return 0
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -272,6 +270,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     except ImportError as e:  # pragma: no cover - torch missing
         raise RuntimeError(f"vram estimate needs PyTorch ({e})") from None
     return run_estimate(args)
+
+
+GPU_HELP = ("GPU: a size (24GiB, 80000000000) or a card (A100-80GB, H100, RTX4090, ...; "
+            "'vram gpus' lists them with CUDA's byte counts)")
+ARCH_HELP = ("compute capability, e.g. 8.0 or sm_86 (default: the card's; 9.0, an H100, for a "
+             "size); it sets the cuBLAS workspace: 32 MiB on sm90, 8,519,680 B elsewhere")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = snapshot_cmd("replay", "replay a recorded snapshot through the allocator (what-if, verification)")
-    p.add_argument("--gpu", help="GPU capacity, e.g. 24GiB (default: large enough for anything)")
+    p.add_argument("--gpu", help=GPU_HELP + " (default: large enough for anything)")
     p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
     p.add_argument("--conf", action="append", metavar="CONF",
                    help="PYTORCH_CUDA_ALLOC_CONF to replay under (repeat to compare; default: the recorded one)")
@@ -308,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = snapshot_cmd("plot", "plot memory over the trace and a segment map at the reserved peak")
     p.add_argument("-o", "--output", required=True, help="output image, e.g. out.png")
-    p.add_argument("--gpu", help="GPU capacity for the what-if runs")
+    p.add_argument("--gpu", help=GPU_HELP + " for the what-if runs")
     p.add_argument("--context", default="0", help="CUDA context bytes")
     p.add_argument("--conf", action="append", metavar="CONF", help="what-if config to overlay (repeatable)")
     p.set_defaults(func=cmd_plot)
@@ -318,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("demo", help="walk through reserved vs allocated, the summary table and an OOM")
-    p.add_argument("--gpu", default="8GiB", help="GPU capacity (default 8GiB)")
+    p.add_argument("--gpu", default="8GiB", help=GPU_HELP + " (default 8GiB)")
     p.add_argument("--context", default="500MiB", help="CUDA context size (default 500MiB)")
     p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF string")
     p.set_defaults(func=lambda a: demo(a.gpu, a.context, a.conf))
@@ -328,12 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "every allocation goes through the simulated caching allocator, and an OOM is "
                        "PyTorch's torch.OutOfMemoryError.", epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpu", default="80GiB", help="GPU capacity (default 80GiB)")
+    p.add_argument("--gpu", default="80GiB", help=GPU_HELP + " (default 80GiB)")
     p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
     p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF (default: the environment's)")
     p.add_argument("--devices", type=int, default=1, help="number of simulated GPUs (default 1)")
-    p.add_argument("--arch", default="9.0", help="compute capability, e.g. 8.0 or sm_86 (default 9.0, "
-                   "an H100); it sets the cuBLAS workspace: 32 MiB on sm90, 8,519,680 B elsewhere")
+    p.add_argument("--arch", default=None, help=ARCH_HELP)
     p.add_argument("--summary", action="store_true", help="print torch.cuda.memory_summary() at the end")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -357,13 +360,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation checkpointing of each block of the model's ModuleLists (else each child)")
     p.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-steps per optimizer step")
     p.add_argument("--iterations", type=int, default=3, metavar="N", help="training steps to run (default 3)")
-    p.add_argument("--gpu", default="80GiB", help="GPU capacity (default 80GiB)")
+    p.add_argument("--gpu", default="80GiB", help=GPU_HELP + " (default 80GiB)")
     p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
     p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF (default: the environment's)")
+    p.add_argument("--arch", default=None, help=ARCH_HELP)
     p.add_argument("--max-batch", action="store_true",
                    help="search the largest batch (first dimension of every --input) that fits")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("gpus", help="list the cards --gpu accepts, with what CUDA reports for each")
+    p.set_defaults(func=cmd_gpus)
     return parser
 
 

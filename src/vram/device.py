@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from .gpus import gpu_preset
 from .units import GiB, MiB, parse_size
 
 SEGMENT_ALIGNMENT = 2 * MiB
@@ -167,7 +168,8 @@ class SimulatedDevice:
     ``cudaMalloc`` (and mapping pages of expandable segments) fails when this process's driver
     allocations plus the context plus other processes' memory would exceed `total_memory`.
     `mem_get_info` reports ``free = total − context − other processes − this process's driver
-    allocations`` (spec §19, §22). Sizes may be ints or strings such as ``"6GiB"``.
+    allocations`` (spec §19, §22). Sizes may be ints or strings such as ``"6GiB"``; `total_memory`
+    may also name a card (``"A100-80GB"``: CUDA's total for it and its name, see `vram.gpus`).
 
     ``nvml=True`` adds the per-process lines NVML gives real OOM messages ("Including non-PyTorch
     memory, this process has … memory in use." / "Process <pid> has …"); the default, like a
@@ -186,7 +188,10 @@ class SimulatedDevice:
         nvml: bool = False,
         pid: int | None = None,
     ) -> None:
-        total = parse_size(total_memory, "total_memory")
+        preset = gpu_preset(total_memory)
+        total = preset.total_memory if preset is not None else parse_size(total_memory, "total_memory")
+        if preset is not None and name == "Simulated GPU":
+            name = preset.name
         ctx = parse_size(context, "context")
         if total <= 0:
             raise ValueError(f"total_memory must be positive, got {total}")

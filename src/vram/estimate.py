@@ -47,17 +47,17 @@ import sys
 import time
 import types
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
-from torch.overrides import _get_current_function_mode_stack
 
 from . import memory as _memory
 from .estimate_model import build_model, default_step, describe_inputs, make_optimizer, materialize
 from .estimate_trace import CATEGORIES, Tracker, apply_checkpoint, unpack
-from .torch_run import _FunctionMode, active_sim, simulated_cuda
+from .gpus import GpuPreset, resolve_gpu
+from .torch_run import active_sim, simulated_cuda
 from .units import parse_size
 
 __all__ = ["estimate", "max_batch", "fits", "EstimateResult", "CATEGORIES", "PHASES"]
@@ -125,7 +125,7 @@ def _own_gpu() -> Iterator[None]:
 
 
 def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: Any, amp: Any,
-         checkpoint: Any, grad_accum: int, iterations: int, gpu: int, context: int, conf: str | None,
+         checkpoint: Any, grad_accum: int, iterations: int, gpu: GpuPreset, context: int, conf: str | None,
          keep: bool = True) -> _Run:
     """Run the steps on a simulated GPU; OOM ends the run (recorded), other errors propagate."""
     if active_sim() is not None:
@@ -140,11 +140,11 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
     t0 = time.perf_counter()
     tr: Tracker | None = None
     oom = None
-    with _own_gpu(), simulated_cuda(gpu=gpu, context=context, conf=conf):
+    with _own_gpu(), simulated_cuda(gpu=gpu.total_memory, context=context, conf=conf, name=gpu.name,
+                                    major=gpu.major, minor=gpu.minor,
+                                    multi_processor_count=gpu.multi_processor_count):
         sim = active_sim()
         tr = Tracker(sim)
-        tr.function_mode = next((md for md in _get_current_function_mode_stack()
-                                 if isinstance(md, _FunctionMode)), None)
         uninstall = tr.install()
         hooks: list[Any] = []
         try:
@@ -239,7 +239,8 @@ def _summarise(run: _Run, gpu: int, context: int, others: int) -> dict[str, Any]
 def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any, Any], None] | None = None,
              optimizer: Any = "adam", loss: Callable[[Any], torch.Tensor] | None = None,
              amp: str | None = None, checkpoint: Any = False, grad_accum: int = 1, iterations: int = 3,
-             gpu: int | str = "80GiB", context: int | str = 0, conf: str | None = None) -> EstimateResult:
+             gpu: int | str = "80GiB", context: int | str = 0, conf: str | None = None,
+             arch: str | None = None) -> EstimateResult:
     """Predict the GPU memory of a training step by running `iterations` steps on a simulated GPU.
 
     `model`: an ``nn.Module`` (CPU or meta; never modified) or a zero-argument factory returning one.
@@ -254,20 +255,23 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
     after each step). `checkpoint`: True applies ``torch.utils.checkpoint`` (non-reentrant) to each
     element of the model's outermost ``nn.ModuleList``s, or, when it has none, to each direct child;
     a module class (or tuple of classes) checkpoints every instance instead. `gpu`, `context`
-    (the CUDA context nvidia-smi adds) and `conf` (``PYTORCH_CUDA_ALLOC_CONF``; None: the
-    environment's) describe the GPU.
+    (the CUDA context nvidia-smi adds), `conf` (``PYTORCH_CUDA_ALLOC_CONF``; None: the
+    environment's) and `arch` (compute capability, e.g. "8.0": cuBLAS's workspace size) describe
+    the GPU; `gpu` is a size ("24GiB") or a card ("A100-80GB", see `vram.gpus`).
 
     If the steps run out of memory on `gpu`, ``fits`` is False, ``oom`` says where, and every
     figure comes from the same steps repeated on an unbounded GPU: what the step would need.
     """
-    gpu_b, ctx_b = parse_size(gpu, "gpu"), parse_size(context, "context")
+    spec, ctx_b = resolve_gpu(gpu, arch), parse_size(context, "context")
+    gpu_b = spec.total_memory
     kw = dict(step=step, optimizer=optimizer, loss=loss, amp=amp, checkpoint=checkpoint,
               grad_accum=grad_accum, iterations=iterations, conf=conf)
-    run = _run(model, example_inputs, gpu=gpu_b, context=ctx_b, **kw)  # type: ignore[arg-type]
+    run = _run(model, example_inputs, gpu=spec, context=ctx_b, **kw)  # type: ignore[arg-type]
     seconds = run.seconds
     oom = run.oom
     if oom is not None:
-        run = _run(model, example_inputs, gpu=_UNBOUNDED, context=ctx_b, **kw)  # type: ignore[arg-type]
+        unbounded = replace(spec, total_memory=_UNBOUNDED)
+        run = _run(model, example_inputs, gpu=unbounded, context=ctx_b, **kw)  # type: ignore[arg-type]
         seconds += run.seconds
         if run.oom is not None:
             raise RuntimeError(f"the step needs more than {_UNBOUNDED >> 40} TiB of GPU memory")
@@ -282,7 +286,8 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
         optimizer, "__name__", type(optimizer).__name__)
     settings = {"optimizer": opt_name, "amp": amp if amp is None or isinstance(amp, str) else str(amp),
                 "checkpoint": bool(checkpoint), "grad_accum": grad_accum, "iterations": iterations,
-                "conf": conf, "custom_step": step is not None, "custom_loss": loss is not None}
+                "conf": conf, "custom_step": step is not None, "custom_loss": loss is not None,
+                "gpu_name": spec.name, "arch": f"{spec.major}.{spec.minor}"}
     return EstimateResult(fits=oom is None, gpu=gpu_b, context=ctx_b, other_processes=others,
                           parameters_count=n_params, settings=settings, oom=oom,
                           trace_seconds=seconds, model_name=type(root).__name__,
@@ -290,7 +295,7 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
 
 
 def fits(model: Any, example_inputs: Any, *, gpu: int | str = "80GiB", context: int | str = 0,
-         **kwargs: Any) -> bool:
+         arch: str | None = None, **kwargs: Any) -> bool:
     """Whether `estimate`'s steps run on `gpu` without OOM (one simulated run, no report)."""
     kw = dict(step=None, optimizer="adam", loss=None, amp=None, checkpoint=False, grad_accum=1,
               iterations=3, conf=None)
@@ -298,13 +303,13 @@ def fits(model: Any, example_inputs: Any, *, gpu: int | str = "80GiB", context: 
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     kw.update(kwargs)
-    run = _run(model, example_inputs, gpu=parse_size(gpu, "gpu"), context=parse_size(context, "context"),
+    run = _run(model, example_inputs, gpu=resolve_gpu(gpu, arch), context=parse_size(context, "context"),
                keep=False, **kw)  # type: ignore[arg-type]
     return run.oom is None
 
 
 def max_batch(model: Any, make_inputs: Callable[[int], Any], *, gpu: int | str = "80GiB",
-              context: int | str = 0, limit: int = 1 << 20, **kwargs: Any) -> int:
+              context: int | str = 0, arch: str | None = None, limit: int = 1 << 20, **kwargs: Any) -> int:
     """The largest batch size b for which ``make_inputs(b)`` trains `iterations` steps without OOM.
 
     Real simulated runs (`fits`), no extrapolation: b = 1, 2, 4, … until one fails, then bisection
@@ -314,7 +319,7 @@ def max_batch(model: Any, make_inputs: Callable[[int], Any], *, gpu: int | str =
     batch size, which allocator rounding can break by a few samples near the boundary.
     """
     def ok(b: int) -> bool:
-        return fits(model, make_inputs(b), gpu=gpu, context=context, **kwargs)
+        return fits(model, make_inputs(b), gpu=gpu, context=context, arch=arch, **kwargs)
 
     if not ok(1):
         return 0

@@ -97,7 +97,8 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     kw: dict[str, Any] = dict(optimizer=None if args.optimizer == "none" else args.optimizer, amp=args.amp,
                               checkpoint=args.checkpoint, grad_accum=args.grad_accum,
-                              iterations=args.iterations, gpu=args.gpu, context=args.context, conf=args.conf)
+                              iterations=args.iterations, gpu=args.gpu, context=args.context, conf=args.conf,
+                              arch=args.arch)
     try:
         best = max_batch(build, inputs, **kw) if args.max_batch else None
         result = estimate(build, inputs(best if best else None), **kw)

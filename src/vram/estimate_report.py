@@ -30,7 +30,10 @@ def render(r: Any, top_modules: int = 10) -> str:
              f"{'on' if s['checkpoint'] else 'off'}, grad_accum {s['grad_accum']}"
              + (", custom step" if s.get("custom_step") else "")
              + f"; {its} iteration{'s' if its != 1 else ''} (steady state: {steady})"]
-    gpu = f"GPU {format_size(r.gpu)}, CUDA context {format_size(r.context)}" + (
+    card = s.get("gpu_name", "")
+    card = f" {card}," if card and not card.endswith("(simulated by vram)") else ""
+    arch = f", sm_{s['arch'].replace('.', '')}" if s.get("arch") else ""
+    gpu = f"GPU{card} {format_size(r.gpu)}{arch}, CUDA context {format_size(r.context)}" + (
         f", allocator conf {s['conf']!r}" if s.get("conf") else "")
     if r.fits:
         pct = 100.0 * r.peak_device_used / r.gpu if r.gpu else 0.0

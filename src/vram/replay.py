@@ -28,6 +28,7 @@ from .rewind import rewind
 from .snapshot import segments as snapshot_segments
 from .state import import_segments
 from .tracedevice import TraceDevice
+from .gpus import gpu_memory
 from .units import parse_size
 
 #: capacity of the replay GPU when none is given: large enough for any recording
@@ -97,7 +98,7 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     """
     recorded_conf = _recorded_conf(snapshot)
     conf_text = recorded_conf if conf is None else conf
-    total = UNLIMITED if gpu is None else parse_size(gpu, "gpu")
+    total = UNLIMITED if gpu is None else gpu_memory(gpu)
     ctx = parse_size(context, "context")
     traces = snapshot.get("device_traces") or []
     trace: Sequence[Mapping[str, Any]] = traces[device] if device < len(traces) else []

@@ -41,7 +41,9 @@ How it works, inside `simulated_cuda`:
   tensors that require grad keep their cast copy until the outermost autocast exits). Casts are
   done right to left, the evaluation order GCC gives the C++ wrapper's argument pack.
 
-Also: ``torch.compile`` runs eagerly, ``GradScaler.step`` steps without reading ``found_inf``,
+Also: the autograd engine runs under the function mode, so Python code it calls (custom
+``Function.backward``, hooks, ``torch.utils.checkpoint``'s recomputation) sees the simulated GPU as
+the forward did (see `vram.torch_cuda_api.patch_torch_extras`); ``torch.compile`` runs eagerly, ``GradScaler.step`` steps without reading ``found_inf``,
 ``UntypedStorage.resize_`` is followed (see `vram.torch_cuda_api`). Limits: ops inside Python-level
 torch functions (``F.multi_head_attention_forward``, ``F.normalize``…) are seen at the aten level
 only, so they get no autocast casting or SDPA routing; storages made outside the dispatcher other
@@ -70,7 +72,7 @@ from . import torch_kernels as _k
 from .errors import OutOfMemoryError as _SimOOM
 from .torch_errors import DataDependentError, describe, value_error
 from .torch_cuda_api import DeviceProperties, patch_torch_cuda, patch_torch_extras
-from .units import parse_size
+from .gpus import resolve_gpu
 
 __all__ = ["DataDependentError", "simulated_cuda", "run_script", "active_sim"]
 
@@ -458,26 +460,34 @@ def active_sim() -> _Sim | None:
 
 @contextmanager
 def simulated_cuda(gpu: int | str = "80GiB", context: int | str = 0, conf: str | None = None,
-                   device_count: int = 1, *, name: str = "NVIDIA H100 (simulated by vram)",
-                   major: int = 9, minor: int = 0, multi_processor_count: int = 132,
+                   device_count: int = 1, *, arch: str | None = None, name: str | None = None,
+                   major: int | None = None, minor: int | None = None,
+                   multi_processor_count: int | None = None,
                    **simulate_kwargs: Any) -> Iterator[list[Any]]:
     """Run PyTorch code inside as if on `device_count` CUDA GPUs of `gpu` bytes each.
 
-    `context` is the CUDA context's share of the GPU (what nvidia-smi shows on top of PyTorch's
-    reserved memory); `conf` is a ``PYTORCH_CUDA_ALLOC_CONF`` string (None: read the environment).
-    The default device is an H100 (sm90, 132 SMs), which decides cuBLAS's workspace size and
-    flash attention's split heuristic. Yields the `vram.SimulatedDevice` list; the simulator's
-    state (``vram.memory_summary()`` etc.) remains readable after the block.
+    `gpu` is a size ("24GiB", bytes) or a card (``"A100-80GB"``: its name, CUDA's total memory,
+    compute capability and SM count; see `vram.gpus`). `context` is the CUDA context's share of
+    the GPU (what nvidia-smi shows on top of PyTorch's reserved memory); `conf` is a
+    ``PYTORCH_CUDA_ALLOC_CONF`` string (None: read the environment). A size is otherwise an H100
+    (sm90, 132 SMs); `arch` ("8.0", "sm_86") or `major`/`minor` change the compute capability,
+    which decides cuBLAS's workspace size, and `multi_processor_count` flash attention's split
+    heuristic. Yields the `vram.SimulatedDevice` list; the simulator's state
+    (``vram.memory_summary()`` etc.) remains readable after the block.
     """
-    total = parse_size(gpu, "gpu") if isinstance(gpu, str) else gpu
+    spec = resolve_gpu(gpu, arch)
+    name = spec.name if name is None else name
+    major = spec.major if major is None else major
+    minor = spec.minor if minor is None else minor
+    sms = spec.multi_processor_count if multi_processor_count is None else multi_processor_count
+    total = spec.total_memory
     devices = _memory.simulate(total, context, device_count, conf, name=name, **simulate_kwargs)
-    sim = _Sim([DeviceProperties(name, total, major, minor, multi_processor_count)
-                for _ in range(device_count)])
+    sim = _Sim([DeviceProperties(name, total, major, minor, sms) for _ in range(device_count)])
+    dispatch, function = _DispatchMode(sim), _FunctionMode(sim)
     restore = patch_torch_cuda(sim.props)
     restore_extras = patch_torch_extras(sim.autocast_cache.clear, lambda t: sim.block_of(t) is not None,
-                                        sim.storage_resized)
+                                        sim.storage_resized, function)
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
-    dispatch, function = _DispatchMode(sim), _FunctionMode(sim)
     _ACTIVE.append(sim)
     try:
         with dispatch, function:
