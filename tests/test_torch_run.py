@@ -436,3 +436,54 @@ def test_vram_run_gpu_preset(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out.splitlines() == ["Tesla T4 15828320256 (7, 5) 15828320256", "8519680"]
     assert "Tried to allocate 15.00 GiB. GPU 0 has a total capacity of 14.74 GiB of which" in err
+
+
+# -- torch.load onto the simulated GPU ------------------------------------------------------------
+
+def _save(path: str, obj: object, location: str | None = None) -> None:
+    """torch.save; with `location`, tag every storage as saved from that device, as a checkpoint
+    written on a GPU is (the file format differs only in that string)."""
+    if location is None:
+        torch.save(obj, path)
+        return
+    import torch.serialization as ser
+    original = ser.location_tag
+    ser.location_tag = lambda storage: location
+    try:
+        torch.save(obj, path)
+    finally:
+        ser.location_tag = original
+
+
+def test_torch_load_map_location_cuda_charges_each_storage_once(tmp_path) -> None:
+    path = str(tmp_path / "ckpt.pt")
+    w = torch.zeros(1024, 1024)
+    _save(path, {"w": w, "head": w[:10], "b": torch.zeros(100)})  # "head" shares w's storage
+    with simulated_cuda():
+        sd = torch.load(path, map_location="cuda", weights_only=True)
+        assert all(t.is_cuda for t in sd.values())
+        # 4 MiB for the shared storage, once, as torch.load keeps it for "head"; 400 B → 512 (§4)
+        assert torch.cuda.memory_allocated() == 4 * MiB + 512
+        st = sd["w"].untyped_storage()
+        assert st.data_ptr() == sd["w"].data_ptr() == sd["head"].untyped_storage().data_ptr() != 0
+        assert sd["b"].untyped_storage().data_ptr() != st.data_ptr()
+        sd2 = torch.load(path, map_location=lambda storage, loc: storage.cuda(), weights_only=True)
+        assert torch.cuda.memory_allocated() == 2 * (4 * MiB + 512)
+        del sd, sd2, st
+        assert torch.cuda.memory_allocated() == 0
+        cpu = torch.load(path, map_location="cpu", weights_only=True)
+        assert not cpu["w"].is_cuda and torch.cuda.memory_allocated() == 0
+
+
+def test_checkpoint_saved_on_a_gpu_loads_onto_its_device(tmp_path) -> None:
+    path = str(tmp_path / "gpu.pt")
+    _save(path, {"w": torch.zeros(256, 1024)}, location="cuda:1")  # 1 MiB
+    with simulated_cuda(device_count=2):
+        sd = torch.load(path, weights_only=True)            # no map_location: back to cuda:1
+        assert sd["w"].device == torch.device("cuda", 1)
+        assert torch.cuda.memory_allocated(1) == MiB and torch.cuda.memory_allocated(0) == 0
+        sd0 = torch.load(path, map_location={"cuda:1": "cuda:0"}, weights_only=True)
+        assert sd0["w"].device == torch.device("cuda", 0) and torch.cuda.memory_allocated(0) == MiB
+    with simulated_cuda(device_count=1):                     # PyTorch's own error for a missing GPU
+        with pytest.raises(RuntimeError, match=r"device 1 but torch.cuda.device_count\(\) is 1"):
+            torch.load(path, weights_only=True)

@@ -254,3 +254,39 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
         autograd_graph.saved_tensors_hooks.__init__ = original_hooks_init  # type: ignore[method-assign]
 
     return restore
+
+
+def patch_storages(address_of: Callable[[Any], int | None],
+                   to_device: Callable[[Any, torch.device], Any]) -> Callable[[], None]:
+    """Storage-level moves, which no mode sees; returns the restore function.
+
+    * ``UntypedStorage.data_ptr()``: a simulated storage's simulated address (`address_of` gives
+      it, None for other storages), as a CUDA storage's would be — meta storages all say 0, which
+      would make every pair of storages look shared (``torch.load`` keeps a storage for reuse by
+      the other tensors that share it only when its pointer is not 0; tied-weight detection compares
+      pointers).
+    * ``UntypedStorage.to(device=)`` / ``.cuda()``, behind ``torch.load(map_location="cuda")`` and
+      loading a checkpoint saved on a GPU: `to_device` returns the moved storage (a simulated
+      one, charged when CUDA's copy would allocate), or None to leave the move to PyTorch.
+    """
+    import torch.storage as storage_module
+
+    original_ptr = torch.UntypedStorage.data_ptr
+    original_to = storage_module._to
+
+    def data_ptr(self: Any) -> int:
+        ptr = address_of(self)
+        return original_ptr(self) if ptr is None else ptr
+
+    def to(self: Any, device: torch.device, non_blocking: bool = False) -> Any:
+        moved = to_device(self, device) if isinstance(self, torch.UntypedStorage) else None
+        return original_to(self, device, non_blocking) if moved is None else moved
+
+    torch.UntypedStorage.data_ptr = data_ptr  # type: ignore[method-assign]
+    storage_module._to = to  # type: ignore[attr-defined]
+
+    def restore() -> None:
+        torch.UntypedStorage.data_ptr = original_ptr  # type: ignore[method-assign]
+        storage_module._to = original_to  # type: ignore[attr-defined]
+
+    return restore

@@ -46,8 +46,10 @@ Also: the autograd engine runs under the function mode, so Python code it calls 
 the forward did (see `vram.torch_cuda_api.patch_torch_extras`); ``torch.compile`` runs eagerly, ``GradScaler.step`` steps without reading ``found_inf``,
 ``UntypedStorage.resize_`` is followed (see `vram.torch_cuda_api`). Limits: ops inside Python-level
 torch functions (``F.multi_head_attention_forward``, ``F.normalize``…) are seen at the aten level
-only, so they get no autocast casting or SDPA routing; storages made outside the dispatcher other
-than by ``torch.tensor``-like factories (``torch.load(map_location="cuda")``) are not charged.
+only, so they get no autocast casting or SDPA routing. Storage-level moves, which no mode sees
+(``torch.load(map_location="cuda")``, a checkpoint saved on a GPU, ``storage.cuda()``), are
+charged by `vram.torch_cuda_api.patch_storages`, which also makes a simulated storage's
+``data_ptr()`` its simulated address.
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ from . import memory as _memory
 from . import torch_kernels as _k
 from .errors import OutOfMemoryError as _SimOOM
 from .torch_errors import DataDependentError, describe, value_error
-from .torch_cuda_api import DeviceProperties, patch_torch_cuda, patch_torch_extras
+from .torch_cuda_api import DeviceProperties, patch_storages, patch_torch_cuda, patch_torch_extras
 from .gpus import resolve_gpu
 
 __all__ = ["DataDependentError", "simulated_cuda", "run_script", "active_sim"]
@@ -189,6 +191,25 @@ class _Sim:
         b = self.live.get(storage._cdata)
         if b is not None:
             self.resize(storage, b)
+
+    def storage_address(self, storage: Any) -> int | None:
+        b = self.live.get(storage._cdata)
+        return None if b is None else b.ptr
+
+    def storage_to(self, storage: Any, device: torch.device) -> Any:
+        """``UntypedStorage.to(device)``: to a simulated GPU, a new charged meta storage (no values
+        to copy); a simulated storage to the host would need its values."""
+        b = self.live.get(storage._cdata)
+        if device.type == "cuda":
+            idx = _memory._device_index(device)
+            if b is not None and b.device == idx:
+                return storage
+            moved = torch.UntypedStorage(storage.nbytes(), device=_META)
+            self.track(moved, idx)
+            return moved
+        if b is not None and device.type != "meta":
+            raise value_error(f"UntypedStorage.to({device.type!r})")
+        return None
 
     def workspace(self, key: tuple[Any, ...], nbytes: int) -> None:
         """A per-(device, stream, thread) workspace, allocated once and kept (cuBLAS)."""
@@ -487,6 +508,7 @@ def simulated_cuda(gpu: int | str = "80GiB", context: int | str = 0, conf: str |
     restore = patch_torch_cuda(sim.props)
     restore_extras = patch_torch_extras(sim.autocast_cache.clear, lambda t: sim.block_of(t) is not None,
                                         sim.storage_resized, function)
+    restore_storages = patch_storages(sim.storage_address, sim.storage_to)
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
     _ACTIVE.append(sim)
     try:
@@ -496,6 +518,7 @@ def simulated_cuda(gpu: int | str = "80GiB", context: int | str = 0, conf: str |
         _ACTIVE.remove(sim)
         for prefix in _MODE_FRAMES:
             _history.SKIP_PREFIXES.remove(prefix)
+        restore_storages()
         restore_extras()
         restore()
         sim.autocast_cache.clear()
