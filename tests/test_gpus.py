@@ -35,6 +35,9 @@ def test_sizes_still_work_and_bad_values_name_the_presets() -> None:
         gpu_memory("A10G")  # no exact byte count could be sourced: not a preset
     with pytest.raises(ValueError):
         gpu_memory("-1GiB")
+    with pytest.raises(ValueError, match="a bare number is bytes"):
+        gpu_memory("24")           # meant 24 GB: refused rather than a 24-byte GPU
+    assert gpu_memory("4090") == GPU_PRESETS["RTX4090"].total_memory  # a card, not 4,090 bytes
 
 
 def test_resolve_gpu_and_arch() -> None:

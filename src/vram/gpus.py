@@ -71,7 +71,7 @@ GPU_PRESETS: dict[str, GpuPreset] = {p.key: p for p in (
 _ALIASES = {"H100-80GB": "H100", "H100-SXM": "H100", "H100-80GB-HBM3": "H100",
             "A100-SXM4-80GB": "A100-80GB", "A100-SXM4-40GB": "A100-40GB", "A100-80GB-PCIE": "A100-PCIE-80GB",
             "V100-SXM2-16GB": "V100-16GB", "V100-SXM2-32GB": "V100-32GB", "A6000": "RTX-A6000",
-            "GeForce-RTX-3090": "RTX3090", "GeForce-RTX-4090": "RTX4090"}
+            "GeForce-RTX-3090": "RTX3090", "GeForce-RTX-4090": "RTX4090", "3090": "RTX3090", "4090": "RTX4090"}
 
 
 def _norm(text: str) -> str:
@@ -94,11 +94,15 @@ def gpu_memory(value: int | str, what: str = "gpu") -> int:
     preset = gpu_preset(value)
     if preset is not None:
         return preset.total_memory
+    hint = f"expected a byte count such as 24GiB or 80000000000, or a GPU name: {', '.join(GPU_PRESETS)}"
     try:
-        return parse_size(value, what)
+        total = parse_size(value, what)
     except ValueError:
-        raise ValueError(f"invalid {what} {value!r}: expected a byte count such as 24GiB or 80000000000, "
-                         f"or a GPU name: {', '.join(GPU_PRESETS)}") from None
+        raise ValueError(f"invalid {what} {value!r}: {hint}") from None
+    if isinstance(value, str) and value.strip().isdigit() and total < 1 << 20:
+        # "--gpu 24" is a 24-byte GPU to parse_size; nobody means that: say so instead
+        raise ValueError(f"invalid {what} {value!r}: a bare number is bytes; {hint}")
+    return total
 
 
 def parse_arch(text: str) -> tuple[int, int]:
