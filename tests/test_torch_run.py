@@ -487,3 +487,44 @@ def test_checkpoint_saved_on_a_gpu_loads_onto_its_device(tmp_path) -> None:
     with simulated_cuda(device_count=1):                     # PyTorch's own error for a missing GPU
         with pytest.raises(RuntimeError, match=r"device 1 but torch.cuda.device_count\(\) is 1"):
             torch.load(path, weights_only=True)
+
+
+def test_multihead_attention_is_cast_and_routed_like_cuda() -> None:
+    # nn.MultiheadAttention runs F.multi_head_attention_forward, a Python-level torch function:
+    # its linear / SDPA / softmax calls must meet autocast and the SDPA routing as on a GPU.
+    # need_weights=False: SDPA picks flash for bf16 with head dim 64, which never materializes the
+    # B·H·S² scores (8·8·1024² bf16 = 128 MiB); the output is bf16 (autocast's linear).
+    # need_weights=True: explicit baddbmm (bf16) then softmax, on autocast's float32 list, so the
+    # returned head-averaged weights are float32.
+    scores_bf16 = 8 * 8 * 1024 * 1024 * 2
+    with simulated_cuda():
+        m = nn.MultiheadAttention(512, 8, batch_first=True).cuda()
+        x = torch.randn(8, 1024, 512, device="cuda", requires_grad=True)
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y, w = m(x, x, x, need_weights=False)
+        assert y.dtype == torch.bfloat16 and w is None
+        assert torch.cuda.max_memory_allocated() - before < scores_bf16
+        y.float().sum().backward()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y, w = m(x, x, x, need_weights=True)
+        assert y.dtype == torch.bfloat16 and w.dtype == torch.float32 and w.shape == (8, 1024, 1024)
+
+
+def test_autocast_norms_promote_and_normalize() -> None:
+    # autocast_mode.cpp (CUDA): linalg_vector_norm is fp32_set_opt_dtype and norm fp32_append_dtype
+    # (float32 results); addcmul is "promote" (widest input type); F.normalize divides its input
+    # by such a norm, so a bf16 input comes back float32 on a GPU.
+    with simulated_cuda():
+        x = torch.randn(64, 512, device="cuda")
+        lin = nn.Linear(512, 512).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = lin(x)
+            assert h.dtype == torch.bfloat16
+            assert h.norm(dim=-1).dtype == torch.float32
+            assert torch.linalg.vector_norm(h).dtype == torch.float32
+            assert torch.addcmul(h, h, h).dtype == torch.bfloat16
+            assert torch.addcmul(h, x, x).dtype == torch.float32
+            assert F.normalize(h, dim=-1).dtype == torch.float32
+        assert F.normalize(h, dim=-1).dtype == torch.bfloat16  # autocast off: no casts

@@ -54,6 +54,7 @@ import re
 from typing import Any, Callable
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 # -- cuBLAS ---------------------------------------------------------------------------------------
 CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot",
@@ -253,7 +254,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int) -> list
 AUTOCAST_LOWER = frozenset({
     "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "addmm", "addbmm",
     "addmv", "addr", "mv", "einsum", "chain_matmul", "conv1d", "conv2d", "conv3d", "conv_tbc",
-    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu", "scaled_dot_product_attention"})
+    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu", "scaled_dot_product_attention",
+    "linalg_vecdot", "linalg_multi_dot", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"})
 #: ops autocast runs in float32
 AUTOCAST_FP32 = frozenset({
     "layer_norm", "group_norm", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
@@ -261,9 +263,15 @@ AUTOCAST_FP32 = frozenset({
     "cosine_embedding_loss", "margin_ranking_loss", "soft_margin_loss", "multi_margin_loss",
     "triplet_margin_loss", "poisson_nll_loss", "hinge_embedding_loss", "logsumexp", "exp", "log",
     "log10", "log2", "log1p", "expm1", "rsqrt", "reciprocal", "pow", "acos", "asin", "cosh", "sinh",
-    "tan", "erfinv", "softplus", "dist", "cdist", "pdist", "renorm", "__pow__", "__rpow__"})
-#: ops autocast gives ``dtype=torch.float32`` when no dtype is passed (fp32_set_opt_dtype)
-AUTOCAST_FP32_OPT_DTYPE = frozenset({"softmax", "log_softmax", "cumsum", "cumprod", "prod", "sum"})
+    "tan", "erfinv", "softplus", "dist", "cdist", "pdist", "renorm", "__pow__", "__rpow__",
+    "nll_loss2d", "multilabel_margin_loss", "frobenius_norm", "nuclear_norm"})
+#: ops autocast gives ``dtype=torch.float32`` when no dtype is passed (fp32_set_opt_dtype; and
+#: ``norm``'s fp32_append_dtype, which has the same effect: computed and returned in float32)
+AUTOCAST_FP32_OPT_DTYPE = frozenset({"softmax", "log_softmax", "cumsum", "cumprod", "prod", "sum",
+                                     "linalg_vector_norm", "linalg_matrix_norm", "norm"})
+#: ops autocast runs in the widest floating type among their arguments (promote)
+AUTOCAST_PROMOTE = frozenset({"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler",
+                              "grid_sample", "index_put", "index_put_", "tensordot", "scatter_add"})
 
 
 def autocast_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -279,6 +287,13 @@ def autocast_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
         to = torch.get_autocast_dtype("cuda")
     elif name in AUTOCAST_FP32:
         to = torch.float32
+    elif name in AUTOCAST_PROMOTE:
+        floats = [t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and eligible(t)]
+        if not floats:
+            return args, kwargs
+        to = floats[0]
+        for d in floats[1:]:
+            to = torch.promote_types(to, d)
     else:
         if name in AUTOCAST_FP32_OPT_DTYPE and kwargs.get("dtype") is None:
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
