@@ -528,3 +528,17 @@ def test_autocast_norms_promote_and_normalize() -> None:
             assert torch.addcmul(h, x, x).dtype == torch.float32
             assert F.normalize(h, dim=-1).dtype == torch.float32
         assert F.normalize(h, dim=-1).dtype == torch.bfloat16  # autocast off: no casts
+
+
+def test_autocast_refuses_binary_cross_entropy_as_cuda_does() -> None:
+    # autocast_mode.cpp registers binary_cross_entropy_banned for CUDA: an error, whatever the dtypes
+    with simulated_cuda():
+        p = torch.rand(8, device="cuda")
+        y = torch.rand(8, device="cuda")
+        with torch.autocast("cuda", dtype=torch.float16):
+            with pytest.raises(RuntimeError, match="binary_cross_entropy and torch.nn.BCELoss are unsafe"):
+                F.binary_cross_entropy(p, y)
+            with pytest.raises(RuntimeError, match="unsafe to autocast"):
+                nn.BCELoss()(p, y)
+            F.binary_cross_entropy_with_logits(p, y)   # the safe one
+        F.binary_cross_entropy(p, y)                    # outside autocast: fine

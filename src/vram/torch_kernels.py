@@ -269,6 +269,13 @@ AUTOCAST_FP32 = frozenset({
 #: ``norm``'s fp32_append_dtype, which has the same effect: computed and returned in float32)
 AUTOCAST_FP32_OPT_DTYPE = frozenset({"softmax", "log_softmax", "cumsum", "cumprod", "prod", "sum",
                                      "linalg_vector_norm", "linalg_matrix_norm", "norm"})
+#: ops autocast refuses on CUDA tensors, whatever their dtypes: their error (``autocast_mode.cpp``)
+AUTOCAST_BANNED = {"binary_cross_entropy": (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+    "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+    "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+    "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+    "safe to autocast.")}
 #: ops autocast runs in the widest floating type among their arguments (promote)
 AUTOCAST_PROMOTE = frozenset({"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler",
                               "grid_sample", "index_put", "index_put_", "tensordot", "scatter_add"})

@@ -391,6 +391,8 @@ class _FunctionMode(TorchFunctionMode):
         if name == "pin_memory" and t0 is not None:  # page-locked host memory: not GPU memory
             return t0
         if torch.is_autocast_enabled("cuda"):
+            if name in _k.AUTOCAST_BANNED and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
+                raise RuntimeError(_k.AUTOCAST_BANNED[name])
             if name == "cross_entropy" and _k.simple_cross_entropy(args, kwargs) and self._eligible(t0):
                 return self._call(func, lambda: _k.cross_entropy_autocast(args, kwargs, self._cast),
                                   None, False, args, kwargs)
