@@ -51,9 +51,11 @@ from __future__ import annotations
 import math
 import os
 import re
+import types
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
 # -- cuBLAS ---------------------------------------------------------------------------------------
@@ -343,3 +345,29 @@ def cross_entropy_autocast(args: tuple[Any, ...], kwargs: dict[str, Any],
         cast(logp, torch.float32), p["target"],
         cast(weight, torch.float32) if isinstance(weight, torch.Tensor) else None,
         ignore_index=p.get("ignore_index", -100), reduction=p.get("reduction", "mean"))
+
+
+# -- Python-level torch functions ------------------------------------------------------------------
+#: Python-level torch functions whose own torch calls must meet the function mode (autocast's casts,
+#: SDPA routing): a torch function mode runs with itself popped, so these run as a copy whose entry
+#: check (``has_torch_function*``) is False, with the mode pushed again (nn.MultiheadAttention,
+#: and so nn.Transformer*Layer in training, go through the first; F.normalize's ``norm`` is float32
+#: under autocast)
+TRANSPARENT = frozenset({F.multi_head_attention_forward, F.normalize})
+_CLONES: dict[Any, Any] = {}
+
+
+def _never(*args: Any) -> bool:
+    return False
+
+
+def transparent(func: Any) -> Any:
+    """`func` (one of `TRANSPARENT`) as a copy that does not hand itself to torch-function modes."""
+    clone = _CLONES.get(func)
+    if clone is None:
+        scope = dict(func.__globals__, has_torch_function=_never, has_torch_function_unary=_never,
+                     has_torch_function_variadic=_never)
+        clone = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
+        clone.__kwdefaults__ = func.__kwdefaults__
+        _CLONES[func] = clone
+    return clone

@@ -47,7 +47,7 @@ the forward did (see `vram.torch_cuda_api.patch_torch_extras`); ``torch.compile`
 ``UntypedStorage.resize_`` is followed (see `vram.torch_cuda_api`). Limits: ops inside Python-level
 torch functions (``F.multi_head_attention_forward``, ``F.normalize``…) are seen at the aten level
 only, so they get no autocast casting or SDPA routing — except ``F.multi_head_attention_forward``
-(``nn.MultiheadAttention``) and ``F.normalize``, whose inner calls the mode sees (`_TRANSPARENT`). Storage-level moves, which no mode sees
+(``nn.MultiheadAttention``) and ``F.normalize``, whose inner calls the mode sees (`vram.torch_kernels.TRANSPARENT`). Storage-level moves, which no mode sees
 (``torch.load(map_location="cuda")``, a checkpoint saved on a GPU, ``storage.cuda()``), are
 charged by `vram.torch_cuda_api.patch_storages`, which also makes a simulated storage's
 ``data_ptr()`` its simulated address.
@@ -58,7 +58,6 @@ import os
 import runpy
 import sys
 import traceback
-import types
 import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
@@ -330,30 +329,6 @@ def _parse_device(value: Any) -> tuple[str, int | None] | None:
     return kind, None
 
 
-#: Python-level torch functions whose own torch calls must meet the function mode (autocast's casts,
-#: SDPA routing): a torch function mode runs with itself popped, so these run as a copy whose entry
-#: check (``has_torch_function*``) is False, with the mode pushed again (nn.MultiheadAttention,
-#: and so nn.Transformer*Layer in training, go through the first; F.normalize's ``norm`` is float32
-#: under autocast)
-_TRANSPARENT = frozenset({F.multi_head_attention_forward, F.normalize})
-_CLONES: dict[Any, Any] = {}
-
-
-def _never(*args: Any) -> bool:
-    return False
-
-
-def _transparent(func: Any) -> Any:
-    clone = _CLONES.get(func)
-    if clone is None:
-        scope = dict(func.__globals__, has_torch_function=_never, has_torch_function_unary=_never,
-                     has_torch_function_variadic=_never)
-        clone = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
-        clone.__kwdefaults__ = func.__kwdefaults__
-        _CLONES[func] = clone
-    return clone
-
-
 class _FunctionMode(TorchFunctionMode):
     """Sends CUDA to meta, plays the CUDA tensor to the script, routes SDPA, applies autocast."""
 
@@ -386,7 +361,7 @@ class _FunctionMode(TorchFunctionMode):
                 return None
         if name == "cuda" and t0 is not None:
             return self._cuda(t0, b0, args, kwargs)
-        if func in _TRANSPARENT and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
+        if func in _k.TRANSPARENT and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
             return self._call(func, lambda: self._inside(func, args, kwargs), None, False, args, kwargs)
         if name == "pin_memory" and t0 is not None:  # page-locked host memory: not GPU memory
             return t0
@@ -440,7 +415,7 @@ class _FunctionMode(TorchFunctionMode):
 
     def _inside(self, func: Any, args: Any, kwargs: Any) -> Any:
         with self:
-            return _transparent(func)(*args, **kwargs)
+            return _k.transparent(func)(*args, **kwargs)
 
     def _cuda(self, t: torch.Tensor, b: _Block | None, args: Any, kwargs: Any) -> Any:
         """``Tensor.cuda(device=None, non_blocking=False, memory_format=...)``."""
