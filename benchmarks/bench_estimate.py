@@ -20,6 +20,11 @@ Python meta kernel); warm fp32 0.70 s, bf16 0.77 s, bf16 + checkpoint 1.03 s; th
 plain meta / 0.63 s simulated / 0.70 s estimate. Under cProfile about half of all time is torch's
 Python meta kernels and decompositions (``torch._prims_common``, ``torch._refs``, symbolic-shape
 helpers), ~9 % pytree flattening, ~7 % `vram.torch_run`'s modes, ~7 % the allocator, ~1 % tracking.
+Re-measured 2026-11-21 on the same kind of machine, busier, alternating with the previous
+session's code: this code cold 2.01–3.07 s, warm fp32 0.80–0.87 s, bf16 0.87–0.99 s, bf16 +
+checkpoint 1.18–1.49 s; the previous code cold 2.19–2.27 s, warm 0.73–0.83 s — run-to-run noise of
+the machine, no regression. The cold excess over 2 s is torch's one-time dynamo import (which the
+optimizer's ``zero_grad``, wrapped by ``torch._disable_dynamo``, triggers on a GPU run too).
 
 The model (`gpt2_small`) is GPT-2 small as nanoGPT writes it: 12 layers, d_model 768, 12 heads,
 vocabulary 50,257, 1,024 positions, tied embedding / LM head, causal SDPA, tanh GELU (124.4 M
