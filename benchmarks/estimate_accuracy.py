@@ -45,7 +45,6 @@ def _build(name: str, device: str) -> tuple[Any, Any, Any]:
     """(model, inputs, targets) on `device`, seeded."""
     import torch
     import torch.nn as nn
-    import torch.nn.functional as F
 
     torch.manual_seed(0)
     if name == "mlp":
@@ -53,39 +52,13 @@ def _build(name: str, device: str) -> tuple[Any, Any, Any]:
                               nn.Linear(4096, 1024), nn.GELU(), nn.Linear(1024, 10))
         x = torch.randn(4096, 1024, device=device)
         y = torch.randint(0, 10, (4096,), device=device)
-    elif name == "gpt":
-        class Block(nn.Module):
-            def __init__(self, d: int, heads: int) -> None:
-                super().__init__()
-                self.heads = heads
-                self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-                self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-                self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+    elif name == "gpt":  # nanoGPT's GPT, as bench_estimate.py writes it: 6 layers, d 512, vocab 8192
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_estimate import GPT
 
-            def forward(self, x: Any) -> Any:
-                b, t, c = x.shape
-                q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
-                q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-                att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                x = x + self.proj(att.transpose(1, 2).reshape(b, t, c))
-                return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-        class GPT(nn.Module):
-            def __init__(self, vocab: int = 8192, ctx: int = 512, d: int = 512, layers: int = 6) -> None:
-                super().__init__()
-                self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
-                self.blocks = nn.ModuleList(Block(d, 8) for _ in range(layers))
-                self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-
-            def forward(self, idx: Any) -> Any:
-                x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-                for blk in self.blocks:
-                    x = blk(x)
-                return self.head(self.ln(x)).flatten(0, 1)
-
-        model = GPT()
+        model = GPT(vocab=8192, n_ctx=512, d=512, heads=8, layers=6)
         x = torch.randint(0, 8192, (8, 512), device=device)
-        y = torch.randint(0, 8192, (8 * 512,), device=device)
+        y = torch.randint(0, 8192, (8, 512), device=device)
     elif name == "cnn":
         def stage(cin: int, cout: int) -> list[Any]:
             return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
@@ -108,7 +81,8 @@ def _train(name: str, autocast: bool, steps: int) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     for _ in range(steps):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss = F.cross_entropy(model(x), y)
+            out = model(x)  # (batch, classes), or (batch, seq, vocab) for the GPT: flattened views
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
