@@ -140,9 +140,7 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
     t0 = time.perf_counter()
     tr: Tracker | None = None
     oom = None
-    with _own_gpu(), simulated_cuda(gpu=gpu.total_memory, context=context, conf=conf, name=gpu.name,
-                                    major=gpu.major, minor=gpu.minor,
-                                    multi_processor_count=gpu.multi_processor_count):
+    with _own_gpu(), simulated_cuda(gpu=gpu, context=context, conf=conf):
         sim = active_sim()
         tr = Tracker(sim)
         uninstall = tr.install()

@@ -119,15 +119,16 @@ def parse_arch(text: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def resolve_gpu(gpu: int | str, arch: str | None = None) -> GpuPreset:
+def resolve_gpu(gpu: int | str | GpuPreset, arch: str | None = None) -> GpuPreset:
     """The card a ``--gpu`` value (and ``--arch``) describe.
 
-    A preset is that card (`arch` overrides its compute capability). A size is a GPU of that
+    A preset (by name, or a `GpuPreset` itself, e.g. one resolved before) is that card (`arch`
+    overrides its compute capability). A size is a GPU of that
     many bytes that is otherwise an H100 (sm90, 132 SMs) — or, with `arch`, a GPU of that compute
     capability (its name says so; the SM count, which only flash attention's split heuristic
     reads, stays 132).
     """
-    preset = gpu_preset(gpu)
+    preset = gpu if isinstance(gpu, GpuPreset) else gpu_preset(gpu)
     cc = parse_arch(arch) if arch is not None else None
     if preset is not None:
         return preset if cc is None else replace(preset, major=cc[0], minor=cc[1])

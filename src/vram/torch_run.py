@@ -75,7 +75,7 @@ from . import torch_kernels as _k
 from .errors import OutOfMemoryError as _SimOOM
 from .torch_errors import DataDependentError, describe, value_error
 from .torch_cuda_api import DeviceProperties, patch_storages, patch_torch_cuda, patch_torch_extras
-from .gpus import resolve_gpu
+from .gpus import GpuPreset, resolve_gpu
 
 __all__ = ["DataDependentError", "simulated_cuda", "run_script", "active_sim"]
 
@@ -489,7 +489,7 @@ def active_sim() -> _Sim | None:
 
 
 @contextmanager
-def simulated_cuda(gpu: int | str = "80GiB", context: int | str = 0, conf: str | None = None,
+def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0, conf: str | None = None,
                    device_count: int = 1, *, arch: str | None = None, name: str | None = None,
                    major: int | None = None, minor: int | None = None,
                    multi_processor_count: int | None = None,
