@@ -19,7 +19,7 @@ Measured (Python 3.11.7, torch 2.13.0 CPU, one core of the 2-core CI-sized machi
 Python meta kernel); warm fp32 0.70 s, bf16 0.77 s, bf16 + checkpoint 1.03 s; the split 0.54 s
 plain meta / 0.63 s simulated / 0.70 s estimate. Under cProfile about half of all time is torch's
 Python meta kernels and decompositions (``torch._prims_common``, ``torch._refs``, symbolic-shape
-helpers), ~9 % pytree flattening, ~7 % `vram.torch_run`'s modes, ~7 % the allocator, ~1 % tracking.
+helpers), ~9 % pytree flattening, ~7 % `vram.run.runtime`'s modes, ~7 % the allocator, ~1 % tracking.
 Re-measured 2026-11-21 on the same kind of machine, busier, alternating with the previous
 session's code: this code cold 2.01–3.07 s, warm fp32 0.80–0.87 s, bf16 0.87–0.99 s, bf16 +
 checkpoint 1.18–1.49 s; the previous code cold 2.19–2.27 s, warm 0.73–0.83 s — run-to-run noise of
@@ -126,8 +126,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile one warm estimate (top 30 by own time)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from vram.estimate import estimate
-    from vram.torch_run import simulated_cuda
+    from vram.estimate.engine import estimate
+    from vram.run.runtime import simulated_cuda
     from vram.units import format_size
 
     x = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")

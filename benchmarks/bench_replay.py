@@ -34,8 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from vram.loader import load_snapshot  # noqa: E402
-from vram.replay import UNLIMITED, replay  # noqa: E402
+from vram.replay.engine import UNLIMITED, replay  # noqa: E402
+from vram.replay.loader import load_snapshot  # noqa: E402
 
 TRACES = Path(os.environ.get("VRAM_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
 PERIODIC = TRACES / "cs336-s-forward-bf16-128.pickle"

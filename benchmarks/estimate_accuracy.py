@@ -10,7 +10,7 @@ without bf16 autocast, a few Adam training steps run twice, each in its own subp
 * **real**: on ``cuda:0`` as is; records ``torch.cuda.max_memory_allocated()``,
   ``max_memory_reserved()``, ``memory_stats()``, and the device's name, capability, SM count,
   total memory and the CUDA context's size (total − free − reserved after CUDA initialisation);
-* **vram**: the identical code under ``vram.torch_run.simulated_cuda`` configured as that device
+* **vram**: the identical code under ``vram.run.runtime.simulated_cuda`` configured as that device
   (same total memory, context, name, compute capability, SM count, ``PYTORCH_CUDA_ALLOC_CONF``).
 
 The two halves never share a process: ``simulated_cuda`` patches ``torch.cuda``, and the real run
@@ -121,7 +121,8 @@ def _worker_vram(name: str, autocast: bool, steps: int, device: dict[str, Any]) 
     if SRC not in sys.path:
         sys.path.insert(0, SRC)
     import torch
-    from vram.torch_run import simulated_cuda
+
+    from vram.run.runtime import simulated_cuda
 
     with simulated_cuda(gpu=device["total_memory"], context=device["context"],
                         conf=device.get("alloc_conf") or "", name=device["name"],
@@ -188,7 +189,8 @@ def _table(report: dict[str, Any]) -> str:
             continue
         a, r = row["diff"]["max_memory_allocated"], row["diff"]["max_memory_reserved"]
         fmt = lambda p: "n/a" if p is None else f"{p:+.2f}"  # noqa: E731
-        lines.append(f"| {row['model']:<20} | {a['real']:>16,} | {a['vram']:>16,} | {a['bytes']:>+12,} | {fmt(a['percent']):>8} "
+        lines.append(f"| {row['model']:<20} | {a['real']:>16,} | {a['vram']:>16,} | {a['bytes']:>+12,} "
+                     f"| {fmt(a['percent']):>8} "
                      f"| {r['real']:>18,} | {r['vram']:>18,} | {r['bytes']:>+12,} | {fmt(r['percent']):>8} |")
     return "\n".join(lines)
 

@@ -215,7 +215,7 @@ def check_invariants(a: Any, *, accumulated: bool = True, check_oversize: bool =
 
     # ---- events --------------------------------------------------------------------------------
     queued: Counter[int] = Counter()
-    for stream, queue in a.cuda_events.items():
+    for queue in a.cuda_events.values():
         for _event, b in queue:
             assert not b.allocated and a.active.get(b.ptr) is b, f"event queued for non-pending {b!r}"
             queued[id(b)] += 1

@@ -2,12 +2,12 @@
 
 Each test re-runs an experiment whose code and printed numbers were published (forum threads,
 GitHub issues, tutorials, books), unmodified except where a comment says why, under
-`vram.torch_run.simulated_cuda` with the article's GPU where it is known, and asserts the numbers
+`vram.run.runtime.simulated_cuda` with the article's GPU where it is known, and asserts the numbers
 the article printed, exactly, in the article's own format.
 
 Old PyTorch releases differ from torch 2.13 in two allocator-visible ways, which the tests
 reproduce with the environment variables PyTorch itself reads (both modelled by
-`vram.torch_kernels`):
+`vram.run.kernels`):
 
 * **torch ≤ 1.13**: cuBLAS allocated its workspace itself (cudaMalloc inside cuBLAS), so
   ``memory_allocated()`` never showed it. From 2.0 on, PyTorch hands cuBLAS a workspace from the
@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
-from vram.torch_run import simulated_cuda  # noqa: E402
+from vram.run.runtime import simulated_cuda  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -213,7 +213,7 @@ def test_issue_69526_reserved_memory_that_empty_cache_cannot_release() -> None:
 # ------------------------------------------------------------------------------------------------
 class _DeepModel(nn.Module):
     def __init__(self, layer_num: int = 40, layer_size: int = 4096) -> None:
-        super(_DeepModel, self).__init__()
+        super().__init__()
         self.layers = nn.ModuleList([nn.Linear(layer_size, layer_size) for _ in range(layer_num)])
         self.relu = nn.ReLU()
 

@@ -13,9 +13,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vram.config import (
-    KNOWN_KEYS, ROUNDUP_BUCKETS, SIZE_MAX, AllocatorConfig, ConfigError, alloc_conf_from_env, allocator_settings,
-    caching_disabled_from_env, parse_alloc_conf, roundup_bucket, roundup_divisions_dict, stod, stoull, tokenize,
+from vram.allocator.config import (
+    KNOWN_KEYS,
+    ROUNDUP_BUCKETS,
+    SIZE_MAX,
+    AllocatorConfig,
+    ConfigError,
+    alloc_conf_from_env,
+    allocator_settings,
+    caching_disabled_from_env,
+    parse_alloc_conf,
+    roundup_bucket,
+    roundup_divisions_dict,
+    stod,
+    stoull,
+    tokenize,
 )
 
 MiB = 1 << 20

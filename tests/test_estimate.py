@@ -22,8 +22,8 @@ nn = torch.nn
 F = torch.nn.functional
 
 from vram import cli  # noqa: E402
-from vram.estimate import CATEGORIES, EstimateResult, estimate, fits, max_batch  # noqa: E402
-from vram.torch_run import simulated_cuda  # noqa: E402
+from vram.estimate.engine import CATEGORIES, EstimateResult, estimate, fits, max_batch  # noqa: E402
+from vram.run.runtime import simulated_cuda  # noqa: E402
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -385,7 +385,7 @@ def test_cli_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_gpu_preset_and_arch(model_file: str, capsys: pytest.CaptureFixture[str]) -> None:
-    # A card sets CUDA's total memory, its name and compute capability (vram.gpus, docs/gpus.md);
+    # A card sets CUDA's total memory, its name and compute capability (vram.devices.gpus, docs/gpus.md);
     # below sm90 each cuBLAS workspace is 4096 KiB x 2 + 16 KiB x 8 = 8,519,680 B (pytorch#95668).
     cublas_sm80 = 4096 * 1024 * 2 + 16 * 1024 * 8
     r = estimate(mlp(), torch.empty(B, 1024), gpu="A100-80GB")

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import pytest
 
-from vram.allocator import CachingAllocator, allocation_size, round_size
-from vram.config import parse_alloc_conf
-from vram.device import SimulatedDevice
-from vram.errors import OutOfMemoryError
+from vram.allocator.caching import CachingAllocator, allocation_size, round_size
+from vram.allocator.config import parse_alloc_conf
+from vram.allocator.errors import OutOfMemoryError
+from vram.devices.simulated import SimulatedDevice
 from vram.units import format_size
 
 KiB = 1024
@@ -336,7 +336,7 @@ def test_example3_15mib_gets_own_16mib_segment_unsplit():
 
 
 def test_example3_plus_1000_bytes_gives_spec_17_memory_summary():
-    from vram.summary import memory_summary_from_stats
+    from vram.views.summary import memory_summary_from_stats
 
     _, a = make()
     a.malloc(4 * MiB)
@@ -808,7 +808,7 @@ def test_example10_30mib_extends_the_segment():
 
 
 def test_example10_snapshot_shows_one_expandable_segment():
-    from vram.snapshot import segments
+    from vram.views.snapshot import segments
 
     _, a, p3 = _example10_start()
     a.malloc(30 * MiB)
@@ -844,7 +844,7 @@ def test_example10_empty_cache_cannot_unmap_partial_pages():
 
 
 def test_example10_free_all_then_empty_cache_unmaps_both_pages_in_one_call():
-    from vram.snapshot import segments
+    from vram.views.snapshot import segments
 
     _, a, p3 = _example10_start()
     p30 = a.malloc(30 * MiB)
@@ -1021,7 +1021,7 @@ PENDING_4MIB = dict(
 
 @pytest.mark.parametrize("mode", ["immediate", "on_sync"])
 def test_record_stream_free_keeps_block_active(mode):
-    from vram.snapshot import segments
+    from vram.views.snapshot import segments
 
     _, a, p = _pending_4mib(mode)
     # "allocation and allocated_bytes drop (0 / 0) but active stays 1 and active_bytes 4 MiB"

@@ -237,7 +237,7 @@ def test_tensor_collected_by_gc_inside_malloc_is_freed_after_it(monkeypatch):
     the re-entrant free must wait until malloc is done, not mutate the pools half-way."""
     import gc
 
-    import vram.allocator as allocator_module
+    import vram.allocator.caching as allocator_module
 
     a = vram.empty(MiB)  # 4 MiB at the front of a 20 MiB segment: [a][free 16 MiB]
     cycle: list = [a]

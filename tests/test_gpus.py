@@ -1,4 +1,4 @@
-"""`--gpu` presets (vram.gpus): CUDA's own figures for real cards.
+"""`--gpu` presets (vram.devices.gpus): CUDA's own figures for real cards.
 
 Expected values are the sourced figures (deviceQuery / torch prints on real cards, docs/gpus.md)
 and, independently, what real PyTorch OOM messages on those cards print: Colab's T4 reports
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from vram import SimulatedDevice
-from vram.gpus import GPU_PRESETS, gpu_memory, gpu_preset, parse_arch, resolve_gpu
+from vram.devices.gpus import GPU_PRESETS, gpu_memory, gpu_preset, parse_arch, resolve_gpu
 from vram.units import format_size
 
 

@@ -1,4 +1,4 @@
-"""vram.loader: safe loading of untrusted snapshot files (spec §18.2, §18.3, §18.4, §23).
+"""vram.replay.loader: safe loading of untrusted snapshot files (spec §18.2, §18.3, §18.4, §23).
 
 Real recordings come from /work/shared/traces (see its README); tests that need them skip when
 the directory is absent.
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vram.loader import SnapshotError, load_snapshot
+from vram.replay.loader import SnapshotError, load_snapshot
 
 MiB = 1 << 20
 TRACES = Path(os.environ.get("VRAM_TRACES", "/work/shared/traces"))

@@ -9,7 +9,7 @@ initialised), with its rounding applied to CPU storages too, so that both sides 
 ``round512(nbytes)`` per storage.
 
 The same training step (forward, backward, Adam step) then runs twice — for real on the CPU under
-MemTracker, and under `vram.torch_run.simulated_cuda` — with a probe mode recording, after every
+MemTracker, and under `vram.run.runtime.simulated_cuda` — with a probe mode recording, after every
 aten op, MemTracker's running total (CPU) and ``torch.cuda.memory_allocated()`` plus the live
 blocks (vram). The test asserts, op by op and for the peak, with nothing left to a tolerance::
 
@@ -38,7 +38,8 @@ kernel's philox seed/offset are host tensors without dropout. See docs/estimate-
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -50,7 +51,7 @@ from torch.distributed._tools import mem_tracker as _mt  # noqa: E402
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from vram.torch_run import simulated_cuda  # noqa: E402
+from vram.run.runtime import simulated_cuda  # noqa: E402
 
 MiB = 1 << 20
 CUBLAS = {(8, 0): 4096 * 1024 * 2 + 16 * 1024 * 8, (9, 0): 4096 * 8 * 1024}  # getChosenWorkspaceSize()
@@ -242,7 +243,8 @@ def _trace_cpu(setup: Callable[..., Any], step: Callable[..., Any], cublas: int)
     return probe.log, peak
 
 
-def _trace_vram(setup: Callable[..., Any], step: Callable[..., Any], arch: tuple[int, int]) -> tuple[list[Any], int, int]:
+def _trace_vram(setup: Callable[..., Any], step: Callable[..., Any],
+                arch: tuple[int, int]) -> tuple[list[Any], int, int]:
     with simulated_cuda(gpu="80GiB", major=arch[0], minor=arch[1]):
         model, opt, a, b = setup("cuda", None)  # default: Adam picks foreach for CUDA parameters
         torch.cuda.reset_peak_memory_stats()

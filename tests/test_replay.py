@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from vram.cli import main
-from vram.loader import load_snapshot
-from vram.replay import replay
+from vram.cli.commands import main
+from vram.replay.engine import replay
+from vram.replay.loader import load_snapshot
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 if not TRACES.is_dir():  # a checkout without shared/ beside it
@@ -169,7 +169,7 @@ def test_cli_help_has_examples(capsys):
 
 
 def _everything(r):
-    from vram.snapshot import segments
+    from vram.views.snapshot import segments
 
     out = r.to_json()
     out.pop("seconds_replay"), out.pop("skipped_events")

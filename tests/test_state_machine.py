@@ -27,10 +27,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 sys.path.insert(0, os.path.dirname(__file__))
 
 from invariants import check_invariants, segments, state_fingerprint  # noqa: E402
-
-from vram.allocator import CachingAllocator  # noqa: E402
-from vram.device import SimulatedDevice  # noqa: E402
-from vram.errors import OutOfMemoryError  # noqa: E402
+from vram.allocator.caching import CachingAllocator  # noqa: E402
+from vram.allocator.errors import OutOfMemoryError  # noqa: E402
+from vram.devices.simulated import SimulatedDevice  # noqa: E402
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -850,7 +849,7 @@ def test_checker_detects_corruption(corruption: str) -> None:
         a.small_blocks.remove(free_block)
     elif corruption == "unmerged":
         # split a free block in two free halves without merging them
-        from vram.block import Block
+        from vram.allocator.block import Block
         half = free_block.size // 2 // 512 * 512
         a.small_blocks.remove(free_block)
         other = Block(free_block.stream, free_block.size - half, free_block.pool, free_block.ptr + half)

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from vram.summary import (
+from vram.views.summary import (
     POOL_NAMES,
     STAT_ARRAY_NAMES,
     STAT_FIELDS,

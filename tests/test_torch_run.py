@@ -1,4 +1,4 @@
-"""`vram run` / `vram.torch_run`: unmodified PyTorch code on a simulated CUDA GPU.
+"""`vram run` / `vram.run.runtime`: unmodified PyTorch code on a simulated CUDA GPU.
 
 Expected figures come from the allocator spec (shared/spec/pytorch-allocator.md: §4 rounding —
 512-byte multiples; §6 segment sizes — 2 MiB for ≤ 1 MiB, 20 MiB below 10 MiB; §15.1 the OOM
@@ -20,7 +20,7 @@ nn = torch.nn
 F = torch.nn.functional
 
 from vram import cli  # noqa: E402
-from vram.torch_run import DataDependentError, run_script, simulated_cuda  # noqa: E402
+from vram.run.runtime import DataDependentError, run_script, simulated_cuda  # noqa: E402
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -292,8 +292,8 @@ def test_vram_run_arch_flag_sets_the_cublas_workspace(tmp_path, capsys):
     """pytorch/pytorch#95668 (A10G, sm86): after one Linear(1, 1) call on CUDA,
     torch.cuda.memory_allocated() stays at 8,519,680 — the cuBLAS workspace (4096 KiB x 2 +
     16 KiB x 8 below sm90); an sm90 GPU's default workspace is 4096 KiB x 8 = 32 MiB."""
-    from vram.cli import main
-    from vram.gpus import parse_arch
+    from vram.cli.commands import main
+    from vram.devices.gpus import parse_arch
 
     script = tmp_path / "lin.py"
     script.write_text(
@@ -417,10 +417,10 @@ def test_custom_backward_and_tensor_hooks_see_the_simulated_gpu() -> None:
 
 
 def test_vram_run_gpu_preset(tmp_path, capsys):
-    """--gpu T4: the card as CUDA describes it (vram.gpus; docs/gpus.md) — its name, compute
+    """--gpu T4: the card as CUDA describes it (vram.devices.gpus; docs/gpus.md) — its name, compute
     capability 7.5 (so the 8,519,680-byte cuBLAS workspace of pytorch#95668, not sm90's 32 MiB),
     and the total capacity real Colab T4 OOM messages print: "14.74 GiB"."""
-    from vram.cli import main
+    from vram.cli.commands import main
 
     script = tmp_path / "t4.py"
     script.write_text(

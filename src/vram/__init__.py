@@ -6,25 +6,71 @@ The top level mirrors ``torch.cuda``'s memory API (``vram.memory_allocated()``,
 reference dies. `vram.memory` holds the private history/snapshot functions as in
 ``torch.cuda.memory`` (``_record_memory_history``, ``_snapshot``, ``_dump_snapshot``).
 """
-from . import memory
-from .allocator import CachingAllocator, allocation_size, round_size
-from .config import AllocatorConfig, ConfigError, parse_alloc_conf
-from .device import Device, SimulatedDevice
-from .errors import OutOfMemoryError
-from .memory import (
-    Stream, caching_allocator_alloc, caching_allocator_delete, current_device, current_stream,
-    default_stream, device_count, empty_cache, get_allocator, get_device,
-    get_per_process_memory_fraction, list_gpu_processes, max_memory_allocated, max_memory_cached,
-    max_memory_reserved, mem_get_info, memory_allocated, memory_cached, memory_reserved,
-    memory_snapshot, memory_stats, memory_stats_as_nested_dict, memory_summary,
-    reset_accumulated_memory_stats, reset_max_memory_allocated, reset_max_memory_cached,
-    reset_peak_memory_stats, set_device, set_per_process_memory_fraction, simulate, stream,
+import sys as _sys
+
+from .allocator import (
+    AllocatorConfig,
+    CachingAllocator,
+    ConfigError,
+    OutOfMemoryError,
+    allocation_size,
+    parse_alloc_conf,
+    round_size,
+)
+from .devices import Device, SimulatedDevice
+from .frontend import memory
+from .frontend.memory import (
+    Stream,
+    caching_allocator_alloc,
+    caching_allocator_delete,
+    current_device,
+    current_stream,
+    default_stream,
+    device_count,
+    empty_cache,
+    get_allocator,
+    get_device,
+    get_per_process_memory_fraction,
+    list_gpu_processes,
+    max_memory_allocated,
+    max_memory_cached,
+    max_memory_reserved,
+    mem_get_info,
+    memory_allocated,
+    memory_cached,
+    memory_reserved,
+    memory_snapshot,
+    memory_stats,
+    memory_stats_as_nested_dict,
+    memory_summary,
+    reset_accumulated_memory_stats,
+    reset_max_memory_allocated,
+    reset_max_memory_cached,
+    reset_peak_memory_stats,
+    set_device,
+    set_per_process_memory_fraction,
+    simulate,
+    stream,
     synchronize,
 )
-from .tensor import (
-    Storage, Tensor, dtype, empty, empty_like, ones, ones_like, rand, randn, zeros, zeros_like,
+from .frontend.tensor import DTYPES as _DTYPES
+from .frontend.tensor import (
+    Storage,
+    Tensor,
+    dtype,
+    empty,
+    empty_like,
+    ones,
+    ones_like,
+    rand,
+    randn,
+    zeros,
+    zeros_like,
 )
-from .tensor import DTYPES as _DTYPES
+
+# ``import vram.memory`` / ``from vram.memory import _dump_snapshot`` keep working, as for
+# ``torch.cuda.memory``.
+_sys.modules[__name__ + ".memory"] = memory
 
 float32 = _DTYPES["float32"]
 float64 = _DTYPES["float64"]
@@ -47,7 +93,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     """``vram.estimate(...)`` / ``vram.max_batch(...)`` import torch only when first used.
 
-    ``vram.estimate`` is the `vram.estimate` module, which is callable: ``vram.estimate(model,
+    ``vram.estimate`` is the `vram.estimate` package, which is callable: ``vram.estimate(model,
     inputs, ...)`` calls ``vram.estimate.estimate``.
     """
     if name in ("estimate", "max_batch", "EstimateResult"):

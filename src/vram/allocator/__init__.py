@@ -1,0 +1,13 @@
+"""Layer 2, the caching allocator: PyTorch's ``CUDACachingAllocator`` algorithm on any `Device`.
+
+`caching.CachingAllocator` (malloc/free, best fit, splitting, the retry chain, streams and
+events) with its parts: `block` (blocks and free pools), `expandable` (expandable segments),
+`config` (``PYTORCH_CUDA_ALLOC_CONF``), `stats` (``memory_stats()``), `history` (the trace behind
+``_record_memory_history``) and `errors` (the OOM message).
+"""
+from .caching import CachingAllocator, allocation_size, round_size
+from .config import AllocatorConfig, ConfigError, parse_alloc_conf
+from .errors import OutOfMemoryError
+
+__all__ = ["AllocatorConfig", "CachingAllocator", "ConfigError", "OutOfMemoryError", "allocation_size",
+           "parse_alloc_conf", "round_size"]

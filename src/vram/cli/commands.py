@@ -1,0 +1,398 @@
+"""The ``vram`` command line: replay, summary, plot, export, demo.
+
+Every subcommand reads any supported snapshot (PyTorch pickle, current or legacy; JSON; RMM's
+allocation-log CSV) through the safe loader, exits non-zero with a one-line error on bad input,
+and has ``--help`` with examples.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from vram.units import format_size, parse_size
+
+MiB = 1024 * 1024
+
+EXAMPLES = """examples:
+  vram replay run.pickle                          replay under the recorded config, report peaks
+  vram replay run.pickle --gpu 24GiB --context 500MiB
+                                                  would this run have fit on a 24 GiB card?
+  vram replay run.pickle --conf '' --conf expandable_segments:True --conf max_split_size_mb:128
+                                                  compare allocator configs side by side
+  vram replay run.pickle --verify                 check vram reproduces the recording exactly
+  vram replay run.pickle --json                   one JSON object on stdout, for scripts
+  vram replay state.pickle --alloc 2GiB           would a 2 GiB allocation succeed now?
+  vram summary run.pickle [--at 1200]             torch.cuda.memory_summary() at the end or an event
+  vram plot run.pickle -o out.png --conf expandable_segments:True
+  vram export rmm_log.csv -o run.pickle           any input -> a snapshot memory_viz opens
+  vram demo                                       a tour on a simulated GPU
+  vram run --gpu 24GiB --context 500MiB train.py --epochs 1
+                                                  run an unmodified PyTorch script on a simulated GPU
+  vram estimate mymodels:gpt2_small --input 8x512:int64 --gpu 24GiB
+                                                  predict a training step's memory before running it
+"""
+
+ESTIMATE_EXAMPLES = """examples:
+  vram estimate mymodels:gpt2_small --input 8x512:int64
+                        mymodels.gpt2_small() -> nn.Module, called with one int64 [8, 512] tensor
+  vram estimate mymodels:gpt2_small --input 8x512:int64 --amp bf16 --optimizer adamw --gpu 24GiB
+  vram estimate mymodels:Net --input 64x3x224x224 --dtype bf16 --checkpoint --grad-accum 4
+  vram estimate mymodels:gpt2_small --input 8x512:int64 --gpu 24GiB --context 500MiB --max-batch
+                        the largest first dimension (batch) that trains without OOM
+  vram estimate models.py:build --input 32x128 --input 32x128:int64 --json
+                        a file path works too; several --input: model(x1, x2)
+
+MODULE:FACTORY is imported from the current directory or sys.path; FACTORY() (no arguments) returns
+an nn.Module. It is called under torch.device("meta"), so building costs no memory. The step is
+forward, loss = sum of the outputs, backward, optimizer.step(), zero_grad(set_to_none=True), run 3
+times; figures are for the steady state (iterations 2-3). Exit status 0 whether or not it fits
+("fits" in --json), 2 on errors.
+"""
+
+
+class _Progress:
+    """A progress bar on stderr for replays that take more than a moment (only on a terminal)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.start = time.perf_counter()
+        self.shown = False
+        self.enabled = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total == 0:
+            return
+        if not self.shown and time.perf_counter() - self.start < 0.5:
+            return
+        self.shown = True
+        width = 30
+        filled = width * done // total
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{' ' * (width - filled)}] "
+                         f"{100 * done // total:3d}% {done:,}/{total:,} events")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _load(path: str) -> dict[str, Any]:
+    from vram.replay.loader import load_snapshot
+
+    return load_snapshot(path)
+
+
+def _label(conf: str) -> str:
+    return conf if conf else "default config"
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from vram.replay.engine import replay
+
+    snap = _load(args.snapshot)
+    confs = args.conf if args.conf else [None]
+    results = []
+    for conf in confs:
+        label = _label(conf if conf is not None else "recorded config")
+        results.append(replay(snap, gpu=args.gpu, context=args.context, conf=conf,
+                              verify=args.verify, device=args.device,
+                              progress=_Progress(f"replaying ({label})"),
+                              skip_cycles=not args.no_cycle_skip))
+    trials = [_try_alloc(r, parse_size(args.alloc, "--alloc")) for r in results] if args.alloc else None
+    if args.json:
+        objs = [r.to_json() for r in results]
+        if trials:
+            for o, t in zip(objs, trials):
+                o["alloc_trial"] = t
+        print(json.dumps(objs[0] if len(objs) == 1 else {"runs": objs}))
+        return 0
+    print(_report(args.snapshot, snap, results, trials))
+    return 0
+
+
+def _try_alloc(result: Any, size: int) -> dict[str, Any]:
+    from vram.allocator.errors import OutOfMemoryError
+
+    alloc = result.allocator
+    try:
+        ptr = alloc.malloc(size)
+    except OutOfMemoryError as e:
+        return {"size": size, "ok": False, "message": str(e)}
+    alloc.free(ptr)
+    return {"size": size, "ok": True, "message": None}
+
+
+def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[dict[str, Any]] | None) -> str:
+    r0 = results[0]
+    lines = [f"{path}: {r0.events:,} events replayed ({snap['format']}"
+             f"{', legacy format' if snap.get('legacy') else ''}), GPU "
+             f"{format_size(r0.gpu)}, context {format_size(r0.context)}"]
+    rows = [
+        ("config", lambda r: _label(r.conf)),
+        ("peak allocated", lambda r: format_size(r.peak_allocated)),
+        ("peak reserved", lambda r: format_size(r.peak_reserved)),
+        ("peak nvidia-smi (reserved + context)", lambda r: format_size(r.peak_device_used)),
+        ("reserved - allocated at reserved peak", lambda r: format_size(r.fragmentation_at_reserved_peak)),
+        ("largest free block at reserved peak", lambda r: format_size(r.largest_free_block_at_reserved_peak)),
+        ("segment allocations (cudaMalloc/map)", lambda r: f"{r.segment_allocs:,}"),
+        ("segment frees (cudaFree/unmap)", lambda r: f"{r.segment_frees:,}"),
+        ("cudaMalloc retries", lambda r: f"{r.alloc_retries:,}"),
+        ("first OOM", lambda r: "none" if r.oom is None else f"event {r.oom['event_index']:,}"),
+        ("replay time", lambda r: f"{r.seconds_replay:.2f} s" + (
+            f" ({r.skipped_events:,} events in repeated periods)" if r.skipped_events else "")),
+    ]
+    width = max(len(name) for name, _ in rows) + 2
+    cells = [[fn(r) for r in results] for _, fn in rows]
+    if trials:
+        rows.append(("then allocate " + format_size(trials[0]["size"]), _label))
+        cells.append(["succeeds" if t["ok"] else "OOM" for t in trials])
+    colw = [max(len(c[k]) for c in cells) + 2 for k in range(len(results))]
+    lines.append("")
+    for (name, _), vals in zip(rows, cells):
+        lines.append(name.ljust(width) + "".join(v.rjust(w) for v, w in zip(vals, colw)))
+    for r in results:
+        if r.oom is not None:
+            lines += ["", f"[{_label(r.conf)}] OOM at event {r.oom['event_index']:,}:", r.oom["message"]]
+            frames = [f for f in r.oom["frames"] if f.get("line")][:6]
+            if frames:
+                lines.append("recorded stack (innermost first):")
+                lines += [f"  {f['filename']}:{f['line']} in {f['name']}" for f in frames]
+    if trials:
+        for r, t in zip(results, trials):
+            if not t["ok"]:
+                lines += ["", f"[{_label(r.conf)}] allocating {format_size(t['size'])} now fails:", t["message"]]
+    for r in results:
+        if r.verification is not None:
+            lines += ["", "verification against the recording:"]
+            for key, name in (("segment_allocs", "segment_alloc (size, order, address)"),
+                              ("segment_frees", "segment_free (address, size, order)"),
+                              ("alloc_addresses", "alloc addresses"),
+                              ("final_segments", "final segments"), ("final_blocks", "final blocks")):
+                m, t = r.verification[key]["matched"], r.verification[key]["total"]
+                pct = 100.0 * m / t if t else 100.0
+                lines.append(f"  {name:<40} {m:>8,} / {t:<8,} {pct:6.2f}%")
+            for d in r.verification["divergences"][:5]:
+                lines += [f"  divergence ({d['kind']}) at event {d['event_index']}: expected "
+                          f"{d['expected']}, got {d['actual']}"] + [f"      {c}" for c in d["context"]]
+    return "\n".join(lines)
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    from vram.replay.engine import replay
+    from vram.views.summary import memory_summary_from_stats
+
+    snap = _load(args.snapshot)
+    result = replay(snap, device=args.device, stop_at=args.at, progress=_Progress("replaying"))
+    stats = result.allocator.memory_stats()
+    print(memory_summary_from_stats(stats, args.device, args.abbreviated), end="")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from vram.replay.engine import replay
+    from vram.views.plot import plot_replays
+    from vram.views.snapshot import segments
+
+    snap = _load(args.snapshot)
+    confs = [None] + list(args.conf or [])
+    runs = []
+    for conf in confs:
+        label = "recorded config" if conf is None else _label(conf)
+        gpu = None if conf is None else args.gpu
+        runs.append((label, replay(snap, gpu=gpu, context=args.context, conf=conf, device=args.device,
+                                   timeline=True, progress=_Progress(f"replaying ({label})"))))
+    ref = runs[0][1]
+    at = ref.reserved_peak_event + 1 if ref.reserved_peak_event >= 0 else 0
+    peak = replay(snap, device=args.device, stop_at=at)
+    plot_replays(runs, segments(peak.allocator), args.output, title=args.snapshot)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import pickle
+
+    from vram.replay.loader import to_pytorch_snapshot
+
+    snap = _load(args.snapshot)
+    out = to_pytorch_snapshot(snap)
+    if args.output.endswith(".json"):
+        with open(args.output, "w") as f:
+            json.dump(out, f)
+    else:
+        with open(args.output, "wb") as f:
+            pickle.dump(out, f)
+    print(f"wrote {args.output}: {len(out['segments'])} segments, "
+          f"{sum(len(t) for t in out['device_traces']):,} trace events")
+    return 0
+
+
+def demo(gpu: str, context: str, conf: str | None) -> int:
+    from .demo import run_demo
+
+    return run_demo(gpu, context, conf)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``vram run``: execute a PyTorch script as if on a CUDA GPU (see `vram.run.runtime`)."""
+    try:
+        from vram.run.runtime import run_script
+    except ImportError as e:  # pragma: no cover - torch missing
+        raise RuntimeError(f"vram run needs PyTorch ({e})") from None
+    if not os.path.isfile(args.script):
+        raise OSError(f"can't open file {args.script!r}: no such file")
+    return run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
+                      context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch)
+
+
+def cmd_gpus(args: argparse.Namespace) -> int:
+    """``vram gpus``: the presets, with CUDA's total memory for each and where it was printed."""
+    from vram.devices.gpus import GPU_PRESETS
+
+    rows = [(p.key, p.name, f"{p.total_memory:,}", f"{p.total_memory / 2**30:.2f} GiB",
+             f"{p.major}.{p.minor}", str(p.multi_processor_count)) for p in GPU_PRESETS.values()]
+    head = ("--gpu", "name (CUDA)", "total_memory (B)", "", "arch", "SMs")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    print("\ntotal_memory is cudaDeviceProp.totalGlobalMem (torch.cuda.get_device_properties(0).total_memory) as "
+          "printed on a real card;\nit varies by a few tens of MiB with the driver: pass --gpu <bytes> for yours. "
+          "Sources: docs/gpus.md")
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """``vram estimate``: a training step's memory on a simulated GPU (see `vram.estimate`)."""
+    try:
+        from .estimate import run_estimate
+    except ImportError as e:  # pragma: no cover - torch missing
+        raise RuntimeError(f"vram estimate needs PyTorch ({e})") from None
+    return run_estimate(args)
+
+
+GPU_HELP = ("GPU: a size (24GiB, 80000000000) or a card (A100-80GB, H100, RTX4090, ...; "
+            "'vram gpus' lists them with CUDA's byte counts)")
+ARCH_HELP = ("compute capability, e.g. 8.0 or sm_86 (default: the card's; 9.0, an H100, for a "
+             "size); it sets the cuBLAS workspace: 32 MiB on sm90, 8,519,680 B elsewhere")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vram", description="PyTorch's CUDA caching allocator, byte-faithful, on a simulated GPU: "
+                                 "replay memory snapshots, ask what-if questions, explain OOMs.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def snapshot_cmd(name: str, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_, epilog=EXAMPLES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("snapshot", help="a torch.cuda.memory._dump_snapshot pickle, a JSON snapshot "
+                                        "or an RMM allocation-log CSV")
+        p.add_argument("--device", type=int, default=0, help="device index in the snapshot (default 0)")
+        return p
+
+    p = snapshot_cmd("replay", "replay a recorded snapshot through the allocator (what-if, verification)")
+    p.add_argument("--gpu", help=GPU_HELP + " (default: large enough for anything)")
+    p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
+    p.add_argument("--conf", action="append", metavar="CONF",
+                   help="PYTORCH_CUDA_ALLOC_CONF to replay under (repeat to compare; default: the recorded one)")
+    p.add_argument("--verify", action="store_true", help="compare event by event with the recording")
+    p.add_argument("--alloc", metavar="SIZE", help="after the replay, try allocating SIZE (e.g. 2GiB)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--no-cycle-skip", action="store_true",
+                   help="replay every event even where a period provably repeats (same results, slower)")
+    p.set_defaults(func=cmd_replay)
+
+    p = snapshot_cmd("summary", "print torch.cuda.memory_summary() for the recorded state")
+    p.add_argument("--at", type=int, metavar="EVENT", help="the state before this event index (default: the end)")
+    p.add_argument("--abbreviated", action="store_true", help="only the 'all' rows")
+    p.set_defaults(func=cmd_summary)
+
+    p = snapshot_cmd("plot", "plot memory over the trace and a segment map at the reserved peak")
+    p.add_argument("-o", "--output", required=True, help="output image, e.g. out.png")
+    p.add_argument("--gpu", help=GPU_HELP + " for the what-if runs")
+    p.add_argument("--context", default="0", help="CUDA context bytes")
+    p.add_argument("--conf", action="append", metavar="CONF", help="what-if config to overlay (repeatable)")
+    p.set_defaults(func=cmd_plot)
+
+    p = snapshot_cmd("export", "convert any supported input to a PyTorch snapshot pickle (or .json)")
+    p.add_argument("-o", "--output", required=True, help="output path (.pickle, or .json for JSON)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("demo", help="walk through reserved vs allocated, the summary table and an OOM")
+    p.add_argument("--gpu", default="8GiB", help=GPU_HELP + " (default 8GiB)")
+    p.add_argument("--context", default="500MiB", help="CUDA context size (default 500MiB)")
+    p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF string")
+    p.set_defaults(func=lambda a: demo(a.gpu, a.context, a.conf))
+
+    help_ = "run an unmodified PyTorch script as if on a CUDA GPU (needs torch)"
+    p = sub.add_parser("run", help=help_, description=help_ + ": tensors live on the meta device, "
+                       "every allocation goes through the simulated caching allocator, and an OOM is "
+                       "PyTorch's torch.OutOfMemoryError.", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpu", default="80GiB", help=GPU_HELP + " (default 80GiB)")
+    p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
+    p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF (default: the environment's)")
+    p.add_argument("--devices", type=int, default=1, help="number of simulated GPUs (default 1)")
+    p.add_argument("--arch", default=None, help=ARCH_HELP)
+    p.add_argument("--summary", action="store_true", help="print torch.cuda.memory_summary() at the end")
+    p.add_argument("script", help="the Python script to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.set_defaults(func=cmd_run)
+
+    help_ = "predict a training step's GPU memory before running it (needs torch)"
+    p = sub.add_parser("estimate", help=help_, description=help_ + ": the model trains for a few "
+                       "steps on a simulated GPU; peaks per phase, what the memory is at the peak, "
+                       "which modules' activations.", epilog=ESTIMATE_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODULE:FACTORY", help="e.g. mymodels:gpt2_small (FACTORY() -> nn.Module)")
+    p.add_argument("--input", action="append", metavar="SHAPE[:DTYPE]",
+                   help="an input tensor, first dimension the batch, e.g. 8x512:int64 (repeat for more)")
+    p.add_argument("--dtype", help="the model's parameter dtype, and float inputs' default: "
+                                   "float32, bf16, fp16")
+    p.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd", "none"],
+                   help="optimizer (default adam; sgd has no momentum)")
+    p.add_argument("--amp", choices=["bf16", "fp16"],
+                   help="autocast forward and loss (fp16 adds a GradScaler)")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="activation checkpointing of each block of the model's ModuleLists (else each child)")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-steps per optimizer step")
+    p.add_argument("--iterations", type=int, default=3, metavar="N", help="training steps to run (default 3)")
+    p.add_argument("--gpu", default="80GiB", help=GPU_HELP + " (default 80GiB)")
+    p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
+    p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF (default: the environment's)")
+    p.add_argument("--arch", default=None, help=ARCH_HELP)
+    p.add_argument("--max-batch", action="store_true",
+                   help="search the largest batch (first dimension of every --input) that fits")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("gpus", help="list the cards --gpu accepts, with what CUDA reports for each")
+    p.set_defaults(func=cmd_gpus)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    from vram.allocator.config import ConfigError
+    from vram.allocator.errors import OutOfMemoryError
+
+    try:
+        return int(args.func(args))
+    except (OSError, ValueError, TypeError, RuntimeError, OutOfMemoryError, ConfigError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"vram: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # pragma: no cover
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

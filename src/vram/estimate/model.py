@@ -1,0 +1,151 @@
+"""The model, inputs, optimizer and default training step of `vram.estimate` (layer 4; needs torch)."""
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .trace import Tracker, unpack
+
+
+def meta_clone(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose parameters and buffers are empty meta tensors."""
+    memo: dict[int, Any] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None and id(p) not in memo:
+                memo[id(p)] = type(p)(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) \
+                    if isinstance(p, nn.Parameter) else torch.empty_like(p, device="meta")
+        for b in m._buffers.values():
+            if b is not None and id(b) not in memo:
+                memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _on_sim(model: nn.Module, sim: Any) -> bool:
+    return any(sim.block_of(t) is not None for t in (*model.parameters(), *model.buffers()))
+
+
+def build_model(model: Any, sim: Any) -> nn.Module:
+    """The model to train, before ``.to("cuda")``; called inside the simulation.
+
+    A module is cloned onto meta (never modified). A factory is called under
+    ``torch.device("meta")`` (if it fails there, as it is): parameters it creates on "cuda"
+    itself are charged as it creates them and the model is used as built; otherwise the model
+    is cloned onto meta, so a factory handing out a shared module cannot have it modified.
+    """
+    if isinstance(model, nn.Module):
+        return meta_clone(model)
+    if not callable(model):
+        raise TypeError(f"model must be an nn.Module or a zero-argument callable, got {type(model).__name__}")
+    try:
+        with torch.device("meta"):
+            built = model()
+    except (RuntimeError, NotImplementedError):  # the factory needs values: build it for real
+        built = model()
+    if not isinstance(built, nn.Module):
+        raise TypeError(f"the model factory returned {type(built).__name__}, not an nn.Module")
+    return built if _on_sim(built, sim) else meta_clone(built)
+
+
+def materialize(x: Any) -> Any:
+    """New simulated CUDA tensors shaped like the example inputs (same structure)."""
+    if isinstance(x, torch.Tensor):
+        t = torch.empty(x.shape, dtype=x.dtype, device="cuda")
+        return t.requires_grad_() if x.requires_grad else t
+    if isinstance(x, torch.Size):
+        return torch.empty(x, device="cuda")
+    if isinstance(x, Mapping):
+        return {k: materialize(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        items = [materialize(v) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    return x
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _float_leaves(out: Any) -> Iterable[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        if out.is_floating_point() and out.requires_grad:
+            yield out
+    elif isinstance(out, Mapping):
+        for v in out.values():
+            yield from _float_leaves(v)
+    elif isinstance(out, (list, tuple)):
+        for v in out:
+            yield from _float_leaves(v)
+
+
+def sum_outputs(out: Any) -> torch.Tensor:
+    leaves = list(_float_leaves(out))
+    if not leaves:
+        raise ValueError("the model's output has no floating-point tensor that requires grad; pass loss=")
+    loss = leaves[0].sum()
+    for t in leaves[1:]:
+        loss = loss + t.sum()
+    return loss
+
+
+def make_optimizer(optimizer: Any, model: nn.Module) -> Any:
+    if optimizer is None:
+        return None
+    if callable(optimizer) and not isinstance(optimizer, str):
+        return optimizer(model.parameters())
+    makers = {"adam": lambda p: torch.optim.Adam(p, lr=1e-3), "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+              "sgd": lambda p: torch.optim.SGD(p, lr=1e-2)}
+    key = str(optimizer).lower()
+    if key not in makers:
+        raise ValueError(f"unknown optimizer {optimizer!r}: expected adam, adamw, sgd, a callable or None")
+    return makers[key](model.parameters())
+
+
+def default_step(m: nn.Module, inputs: Any, opt: Any, tr: Tracker, loss_fn: Any, amp_dtype: Any,
+                  scaler: Any, grad_accum: int) -> None:
+    """forward + loss (under autocast), backward, ×grad_accum; optimizer step; zero_grad(set_to_none)."""
+    for micro in range(grad_accum):
+        if micro:
+            tr.set_phase("forward")
+        with torch.autograd.graph.saved_tensors_hooks(tr.pack, unpack):
+            with torch.autocast("cuda", dtype=amp_dtype) if amp_dtype is not None else nullcontext():
+                out = call_model(m, inputs)
+                loss = loss_fn(out) if loss_fn is not None else sum_outputs(out)
+                del out
+            if grad_accum > 1:
+                loss = loss / grad_accum
+        tr.set_phase("backward")
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        del loss
+        tr.mark_grads(m)
+    if opt is None:
+        m.zero_grad(set_to_none=True)
+        return
+    tr.set_phase("optimizer")
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def describe_inputs(x: Any, prefix: str = "") -> list[str]:
+    if isinstance(x, torch.Tensor):
+        return [f"{prefix}{'x'.join(map(str, x.shape)) or 'scalar'} {str(x.dtype).replace('torch.', '')}"]
+    if isinstance(x, torch.Size):
+        return [f"{prefix}{'x'.join(map(str, x)) or 'scalar'} float32"]
+    if isinstance(x, Mapping):
+        return [s for k, v in x.items() for s in describe_inputs(v, f"{k}=")]
+    if isinstance(x, (list, tuple)):
+        return [s for v in x for s in describe_inputs(v, prefix)]
+    return []

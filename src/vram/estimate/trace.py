@@ -1,0 +1,278 @@
+"""The bookkeeping behind `vram.estimate` (layer 4; needs torch): which block is what, and when.
+
+`Tracker` wraps the simulated allocator's ``malloc``/``free`` (instance attributes shadowing the
+methods) to log every block with the phase and the innermost module (global forward pre/post hooks)
+that allocated it, keeps each phase's allocated/reserved peak and the event index where it was
+reached, and classifies the blocks live at any event: parameters, buffers, gradients and optimizer
+state by marks placed on their storages; activations while autograd keeps them (a saved-tensor pack
+hook returns a detached alias and a weak reference to it tells when autograd lets go); cuBLAS
+workspaces from `vram.run.runtime`'s record of them; temporaries, the rest.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from vram.frontend import memory as _memory
+
+#: breakdown keys, in report order; all but the last add up to allocated bytes
+CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries",
+              "cublas_workspaces", "cache_fragmentation")
+_PRIORITY = {"cublas_workspaces": 0, "parameters": 1, "buffers": 2, "gradients": 3,
+             "optimizer_state": 4}
+
+
+class Phase:
+    __slots__ = ("peak", "event", "reserved_at_peak", "peak_reserved")
+
+    def __init__(self, allocated: int, event: int, reserved: int) -> None:
+        self.peak, self.event, self.reserved_at_peak, self.peak_reserved = allocated, event, reserved, reserved
+
+
+class Tracker:
+    """Logs every block the simulated allocator hands out or takes back, with phase and module."""
+
+    def __init__(self, sim: Any) -> None:
+        self.sim = sim
+        self.alloc = _memory.get_allocator(0)
+        self.stat_a = self.alloc.stats.allocated_bytes[0]
+        self.stat_r = self.alloc.stats.reserved_bytes[0]
+        self.size: list[int] = []
+        self.born: list[int] = []
+        self.died: list[int] = []
+        self.module: list[int] = []
+        self.recomputed: set[int] = set()
+        self.marks: dict[int, str] = {}
+        #: [seq, saved at, released at (-1: still saved; -2: at the end of this backward), ref]
+        self.saved: list[list[Any]] = []
+        self.open_until_backward: list[list[Any]] = []
+        self.ptr2seq: dict[int, int] = {}
+        self.n = 0
+        self.names = ["(outside any module)"]
+        self.mod_index: dict[int, int] = {}
+        self.types: dict[str, str] = {}
+        self.stack = [0]
+        self.root: nn.Module | None = None
+        self.iteration = 0
+        self.phase = "setup"
+        self.records: dict[tuple[int, str], Phase] = {}
+        self.rec = self._record()
+        self.auto = False
+        self.recomputing = 0
+        self.forward_end: dict[int, int] = {}  # iteration -> event index when its last forward ended
+
+    def attach(self, model: nn.Module) -> None:
+        """The model whose modules name the allocations (``named_modules`` paths)."""
+        self.root = model
+        for name, m in model.named_modules():
+            self.mod_index[id(m)] = len(self.names)
+            self.names.append(name or "(model)")
+            self.types[name or "(model)"] = type(m).__name__
+
+    # allocator hooks
+    def install(self) -> Callable[[], None]:
+        alloc, malloc0, free0 = self.alloc, self.alloc.malloc, self.alloc.free
+        active = alloc.active
+
+        def malloc(size: int, stream: int = 0) -> int:
+            if self.auto and self.phase == "forward" and torch._C._current_autograd_node() is not None:
+                self.set_phase("backward")
+            ptr = malloc0(size, stream)
+            if ptr:
+                seq = len(self.size)
+                blk = active.get(ptr)
+                self.size.append(blk.size if blk is not None else size)
+                self.born.append(self.n)
+                self.died.append(-1)
+                self.module.append(self.stack[-1])
+                if self.recomputing:
+                    self.recomputed.add(seq)
+                self.ptr2seq[ptr] = seq
+                self.n += 1
+                rec, cur, res = self.rec, self.stat_a.current, self.stat_r.current
+                if cur > rec.peak:
+                    rec.peak, rec.event, rec.reserved_at_peak = cur, self.n, res
+                if res > rec.peak_reserved:
+                    rec.peak_reserved = res
+            return ptr
+
+        def free(ptr: int) -> None:
+            free0(ptr)
+            seq = self.ptr2seq.pop(ptr, None)
+            if seq is not None:
+                self.died[seq] = self.n
+                self.n += 1
+
+        alloc.malloc, alloc.free = malloc, free  # instance attributes shadow the methods
+        pre = nn.modules.module.register_module_forward_pre_hook(self._pre)
+        post = nn.modules.module.register_module_forward_hook(self._post)
+
+        def uninstall() -> None:
+            pre.remove()
+            post.remove()
+            del alloc.malloc, alloc.free
+
+        return uninstall
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if self.auto and module is self.root and torch._C._current_autograd_node() is None:
+            self.set_phase("forward")
+        i = self.mod_index.get(id(module))
+        if i is None:
+            i = self.mod_index[id(module)] = len(self.names)
+            self.names.append(f"({type(module).__name__}, not in the model)")
+        self.stack.append(i)
+
+    def _post(self, module: nn.Module, args: Any, out: Any) -> None:
+        if len(self.stack) > 1:
+            self.stack.pop()
+
+    # phases
+    def _record(self) -> Phase:
+        return Phase(self.stat_a.current, self.n, self.stat_r.current)
+
+    def set_phase(self, name: str) -> None:
+        if name != "forward" and self.phase == "forward" and self.iteration:
+            self.forward_end[self.iteration] = self.n
+        if name != "backward" and self.phase == "backward":
+            for entry in self.open_until_backward:
+                entry[2] = self.n
+            self.open_until_backward.clear()
+        self.phase = name
+        key = (self.iteration, name)
+        rec = self.records.get(key)
+        if rec is None:
+            rec = self.records[key] = self._record()
+        self.rec = rec
+
+    def start_iteration(self, i: int) -> None:
+        self.iteration, self.stack[1:] = i, []
+        self.phase = ""
+        self.set_phase("forward")
+
+    # categories
+    def mark(self, t: Any, category: str) -> None:
+        b = self.sim.block_of(t)
+        if b is None or not b.ptr:
+            return
+        seq = self.ptr2seq.get(b.ptr)
+        if seq is not None:
+            old = self.marks.get(seq)
+            if old is None or _PRIORITY[category] < _PRIORITY[old]:
+                self.marks[seq] = category
+
+    def mark_grads(self, model: nn.Module) -> None:
+        for p in model.parameters():
+            if p.grad is not None:
+                self.mark(p.grad, "gradients")
+
+    def mark_optimizer(self, optimizer: Any) -> None:
+        for state in getattr(optimizer, "state", {}).values():
+            for v in (state.values() if isinstance(state, Mapping) else ()):
+                if isinstance(v, torch.Tensor):
+                    self.mark(v, "optimizer_state")
+
+    def seq_of(self, t: Any) -> int | None:
+        b = self.sim.block_of(t)
+        return None if b is None or not b.ptr else self.ptr2seq.get(b.ptr)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """The saved-tensor pack hook: an activation for as long as autograd keeps what we return."""
+        d = t.detach()  # not `t`: a saved output would hold its own grad_fn (a reference cycle)
+        seq = self.seq_of(t)
+        if seq is not None:
+            entry: list[Any] = [seq, self.n, -1, None]
+
+            def released(ref: Any, entry: list[Any] = entry) -> None:
+                entry[2] = self.n
+
+            entry[3] = weakref.ref(d, released)
+            self.saved.append(entry)
+        return d
+
+    def save_until_backward_ends(self, t: torch.Tensor) -> None:
+        """An activation until the current backward pass ends (a checkpointed block's input)."""
+        seq = self.seq_of(t)
+        if seq is not None:
+            entry = [seq, self.n, -2, None]
+            self.saved.append(entry)
+            self.open_until_backward.append(entry)
+
+    def breakdown(self, event: int, reserved: int) -> tuple[dict[str, int], dict[str, int]]:
+        """Categories and activations by module of the blocks live after `event` events."""
+        for ptr in self.sim.workspaces.values():
+            seq = self.ptr2seq.get(ptr)
+            if seq is not None:
+                self.marks[seq] = "cublas_workspaces"
+        cats = dict.fromkeys(CATEGORIES, 0)
+        mods: dict[str, int] = {}
+        marks, size, died, module = self.marks, self.size, self.died, self.module
+        saved = {e[0] for e in self.saved if e[1] <= event and (e[2] < 0 or e[2] >= event)}
+        saved |= self.recomputed
+        for seq, born in enumerate(self.born):
+            if born >= event:
+                break
+            d = died[seq]
+            if 0 <= d < event:
+                continue
+            cat = marks.get(seq) or ("activations" if seq in saved else "temporaries")
+            cats[cat] += size[seq]
+            if cat == "activations":
+                name = self.names[module[seq]]
+                mods[name] = mods.get(name, 0) + size[seq]
+        cats["cache_fragmentation"] = reserved - sum(cats.values())
+        return cats, dict(sorted(mods.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def checkpoint_targets(model: nn.Module, policy: Any) -> list[nn.Module]:
+    """The modules `checkpoint=` wraps: every element of the outermost ModuleLists, else each child."""
+    if isinstance(policy, type) or (isinstance(policy, tuple) and all(isinstance(c, type) for c in policy)):
+        return [m for m in model.modules() if isinstance(m, policy) and m is not model]
+    lists: list[nn.Module] = []
+
+    def walk(m: nn.Module) -> None:
+        for c in m.children():
+            if isinstance(c, nn.ModuleList):
+                lists.extend(c)
+            else:
+                walk(c)
+
+    walk(model)
+    return lists or list(model.children())
+
+
+def apply_checkpoint(model: nn.Module, policy: Any, tr: Tracker) -> None:
+    """Wrap each `checkpoint_targets` module's forward in non-reentrant ``torch.utils.checkpoint``.
+
+    The recomputation runs inside the autograd engine, under the simulation's function mode (see
+    `vram.run.cuda_api.patch_torch_extras`), so it is cast and routed as the forward was.
+    """
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    for m in checkpoint_targets(model, policy):
+        def forward(*args: Any, _orig: Any = m.forward, _m: nn.Module = m, **kwargs: Any) -> Any:
+            def run(*a: Any, **k: Any) -> Any:
+                recompute = torch._C._current_autograd_node() is not None
+                tr.recomputing += recompute
+                depth = len(tr.stack)
+                tr.stack.append(tr.mod_index.get(id(_m), 0))
+                try:
+                    return _orig(*a, **k)
+                finally:  # a recomputation stops early by raising: inner post hooks never ran
+                    del tr.stack[depth:]
+                    tr.recomputing -= recompute
+
+            for a in list(args) + list(kwargs.values()):
+                if isinstance(a, torch.Tensor):
+                    tr.save_until_backward_ends(a)  # the checkpoint keeps its inputs
+            return ckpt(run, *args, use_reentrant=False, **kwargs)
+
+        m.forward = forward
+
+
+def unpack(t: torch.Tensor) -> torch.Tensor:
+    return t

@@ -1,0 +1,363 @@
+"""Layer 4: replay a recorded snapshot's trace through the allocator — what-if and verification.
+
+`replay(snapshot, gpu=..., context=..., conf=..., verify=...)`:
+1. rewinds the recording to the state at its first event (`vram.replay.rewind`) and installs it;
+2. replays every ``alloc`` / ``free_requested`` / ``free_completed`` (per stream; a free whose
+   completion the recording shows later is held back with an event, as ``record_stream`` does),
+   ``segment_free`` runs (an ``empty_cache()`` call) and ``oom`` (a request that failed);
+3. reports peaks, fragmentation at the reserved peak, driver calls, retries and the first OOM;
+4. with ``verify=True``, compares event by event with the recording: every ``segment_alloc``
+   (size, order, address), every ``alloc`` address, every ``segment_free``, and the final
+   segments and blocks.
+
+Segment addresses come from a `TraceDevice`: the recorded ones for as long as the replay asks
+for the same segments, so under the recorded config differences come only from what changed.
+"""
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vram.allocator.caching import CachingAllocator
+from vram.allocator.config import parse_alloc_conf
+from vram.allocator.errors import OutOfMemoryError
+from vram.devices.gpus import gpu_memory
+from vram.devices.trace import TraceDevice
+from vram.units import parse_size
+from vram.views.snapshot import segments as snapshot_segments
+
+from .cycles import CycleSkipper
+from .rewind import rewind
+from .state import import_segments
+
+#: capacity of the replay GPU when none is given: large enough for any recording
+UNLIMITED = 1 << 40
+#: pseudo streams that stand for "whatever the recording waited on" before a free completed
+PENDING_STREAM_BASE = 1 << 62
+
+
+@dataclass
+class ReplayResult:
+    """What a replay found. Sizes in bytes."""
+
+    conf: str
+    gpu: int
+    context: int
+    events: int = 0
+    seconds_replay: float = 0.0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    peak_device_used: int = 0
+    allocated_at_reserved_peak: int = 0
+    largest_free_block_at_reserved_peak: int = 0
+    segment_allocs: int = 0
+    segment_frees: int = 0
+    alloc_retries: int = 0
+    ooms: int = 0
+    oom: dict[str, Any] | None = None
+    final_allocated: int = 0
+    final_reserved: int = 0
+    verification: dict[str, Any] | None = None
+    reserved_peak_event: int = -1
+    skipped_events: int = 0
+    allocator: CachingAllocator | None = field(default=None, repr=False)
+    timeline: tuple[array, array] | None = field(default=None, repr=False)
+
+    @property
+    def fragmentation_at_reserved_peak(self) -> int:
+        return self.peak_reserved - self.allocated_at_reserved_peak
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items()
+               if k not in ("allocator", "verification", "timeline")}
+        out["fragmentation_at_reserved_peak"] = self.fragmentation_at_reserved_peak
+        if self.verification is not None:
+            out.update(self.verification)
+        return out
+
+
+def _recorded_conf(snapshot: Mapping[str, Any]) -> str:
+    settings = snapshot.get("allocator_settings") or {}
+    conf = settings.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    return conf if isinstance(conf, str) else ""
+
+
+def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context: int | str = 0,
+           conf: str | None = None, verify: bool = False, device: int = 0,
+           progress: Callable[[int, int], None] | None = None, stop_at: int | None = None,
+           timeline: bool = False, skip_cycles: bool = True) -> ReplayResult:
+    """Replay one device's trace of `snapshot` (a loaded snapshot dict); see the module doc.
+
+    `conf` None means the recording's own ``PYTORCH_CUDA_ALLOC_CONF``; `gpu` None means a GPU
+    large enough for anything (1 TiB). `stop_at` replays only events before that index (the
+    allocator is left in that state: ``result.allocator``). `timeline` keeps allocated and
+    reserved bytes after every event (``result.timeline``). `skip_cycles` lets periods that
+    provably repeat be applied as deltas instead of replayed (`vram.replay.cycles`); results are
+    identical either way.
+    """
+    recorded_conf = _recorded_conf(snapshot)
+    conf_text = recorded_conf if conf is None else conf
+    total = UNLIMITED if gpu is None else gpu_memory(gpu)
+    ctx = parse_size(context, "context")
+    traces = snapshot.get("device_traces") or []
+    trace: Sequence[Mapping[str, Any]] = traces[device] if device < len(traces) else []
+    final = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
+    if final or not trace:
+        initial = rewind(final, trace, parse_alloc_conf(recorded_conf).roundup_power2_divisions)
+    else:  # no segment layout (an RMM log): the trace is taken to start from an empty allocator
+        initial = []
+    recorded = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
+    dev = TraceDevice(recorded, total, ctx, device)
+    alloc = CachingAllocator(dev, conf_text)
+    import_segments(alloc, initial)
+    result = ReplayResult(conf=conf_text, gpu=total, context=ctx, allocator=alloc)
+    if stop_at is not None:
+        if not 0 <= stop_at <= len(trace):
+            raise ValueError(f"event index {stop_at} is outside the trace (0..{len(trace)})")
+        trace = trace[:stop_at]
+    checks = _Checks(trace) if verify else None
+    if timeline:
+        result.timeline = (array("q"), array("q"))
+    t0 = time.perf_counter()
+    live = {b["address"] for seg in initial for b in seg["blocks"] if b["state"] != "inactive"}
+    _run(alloc, dev, trace, result, checks, verify, progress, skip_cycles, live)
+    result.seconds_replay = time.perf_counter() - t0
+    stats = alloc.stats
+    result.events = len(trace)
+    result.peak_allocated = stats.allocated_bytes[0].peak
+    result.peak_reserved = stats.reserved_bytes[0].peak
+    result.peak_device_used = result.peak_reserved + ctx + dev.other_used
+    result.segment_allocs = stats.num_device_alloc
+    result.segment_frees = stats.num_device_free
+    result.alloc_retries = stats.num_alloc_retries
+    result.ooms = stats.num_ooms
+    result.final_allocated = stats.allocated_bytes[0].current
+    result.final_reserved = stats.reserved_bytes[0].current
+    if checks is not None:
+        result.verification = checks.finish(alloc, dev, final, recorded)
+    return result
+
+
+def _largest_free_block(alloc: CachingAllocator) -> int:
+    return max((b.size for pool in (alloc.small_blocks, alloc.large_blocks)
+                for b in pool.blocks.values()), default=0)
+
+
+_CODES = {"alloc": 0, "free_requested": 1, "free_completed": 2, "segment_free": 3, "oom": 4}
+
+
+def compact_events(trace: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, int, int]]:
+    """(action code, address, size, stream) per event: what the replay acts on."""
+    codes = _CODES
+    return [(codes.get(e["action"], 5), e.get("addr", e.get("device_free", 0)), e["size"],
+             e.get("stream", 0)) for e in trace]
+
+
+def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str, Any]],
+         result: ReplayResult, checks: _Checks | None, verify: bool,
+         progress: Callable[[int, int], None] | None, skip_cycles: bool,
+         live_at_start: set[int]) -> None:
+    malloc, free = alloc.malloc, alloc.free
+    reserved = alloc.stats.reserved_bytes[0]
+    allocated = alloc.stats.allocated_bytes[0]
+    best_reserved = reserved.current  # the starting state is the first candidate for the peak
+    result.allocated_at_reserved_peak = allocated.current
+    result.largest_free_block_at_reserved_peak = _largest_free_block(alloc)
+    ptr_of: dict[int, int | None] = {}  # recorded address -> our address (None: the alloc failed)
+    pending: dict[int, int] = {}  # recorded address -> pseudo stream of a held-back free
+    ev = compact_events(trace)
+    n = len(ev)
+    tl_alloc, tl_res = result.timeline if result.timeline is not None else (None, None)
+    skipper = CycleSkipper(alloc, dev, alloc._gc_active(), verify) if skip_cycles else None
+    anchor_checks: dict[int, tuple[int, int, int]] = {}
+    in_empty_cache = False
+    just_skipped = False
+    next_progress = 0
+    i = 0
+    while i < n:
+        if progress is not None and i >= next_progress:
+            progress(i, n)
+            next_progress = i + 0x10000
+        code, addr, size, stream = ev[i]
+        if skipper is not None and code == 0 and not just_skipped and skipper.is_anchor(ev[i]):
+            fp = skipper.fingerprint(ptr_of, pending, tuple(sorted(live_at_start)))
+            hit = skipper.check(i, ev[i], fp)
+            if checks is not None:
+                anchor_checks[i] = (checks.allocs_total, checks.allocs_matched, len(checks.divergences))
+            if hit is not None:
+                j, before = hit
+                period = i - j
+                pattern = ev[j:i]
+                k = 0
+                while i + (k + 1) * period <= n and ev[i + k * period:i + (k + 1) * period] == pattern:
+                    k += 1
+                if checks is not None and anchor_checks.get(j, (0, 0, -1))[2] != len(checks.divergences):
+                    k = 0  # a period with divergences is replayed, so they are all listed
+                if k:
+                    skipper.apply(before, k)
+                    if checks is not None:
+                        t0, m0, _ = anchor_checks[j]
+                        checks.allocs_total += (checks.allocs_total - t0) * k
+                        checks.allocs_matched += (checks.allocs_matched - m0) * k
+                    if tl_alloc is not None and tl_res is not None:
+                        seg_a, seg_r = tl_alloc[j:i], tl_res[j:i]
+                        for _ in range(k):
+                            tl_alloc.extend(seg_a)
+                            tl_res.extend(seg_r)
+                    skipper.skipped_events += k * period
+                    i += k * period
+                    just_skipped = True
+                    continue
+        just_skipped = False
+        nxt = i + 1
+        if code != 3:
+            in_empty_cache = False
+        if code == 0:  # alloc
+            try:
+                p = malloc(size, stream)
+            except OutOfMemoryError as ex:
+                p = None
+                if result.oom is None:
+                    result.oom = _oom_record(trace, i, ex, size)
+            ptr_of[addr] = p
+            if checks is not None:
+                checks.alloc(i, addr, p)
+            if reserved.current > best_reserved:
+                best_reserved = reserved.current
+                result.reserved_peak_event = i
+                result.allocated_at_reserved_peak = allocated.current
+                result.largest_free_block_at_reserved_peak = _largest_free_block(alloc)
+        elif code == 1:  # free_requested
+            p = ptr_of.pop(addr, -1)
+            if p == -1:  # not allocated in the trace: live at the start, or unknown (skipped)
+                p = addr if addr in live_at_start else None
+                live_at_start.discard(addr)
+            if p is not None:
+                if nxt < n and ev[nxt][0] == 2 and ev[nxt][1] == addr:
+                    free(p)  # completes at once: the next event is its free_completed
+                    nxt += 1
+                else:  # completes later: hold it back with an event, as record_stream does
+                    pseudo = PENDING_STREAM_BASE + len(pending)
+                    alloc.record_stream(p, pseudo)
+                    free(p)
+                    pending[addr] = pseudo
+        elif code == 2:  # free_completed
+            if addr in pending:
+                dev.complete_events(pending.pop(addr))
+                alloc.process_events()
+            elif addr in live_at_start:  # free requested before the trace began, completing now
+                live_at_start.discard(addr)
+                if addr in alloc.active and alloc.active[addr].allocated:
+                    free(addr)
+        elif code == 3:  # segment_free: a run of them is one empty_cache() call
+            if not in_empty_cache:
+                alloc.empty_cache()
+                in_empty_cache = True
+        elif code == 4:  # oom: a request that failed in the recording
+            dev.fail_mallocs = verify  # verification: the device fails as the real one did
+            try:
+                p = malloc(size, stream)
+                free(p)  # the program never got this tensor
+                if checks is not None:
+                    checks.note(i, "oom", "OutOfMemoryError", "allocation succeeded")
+            except OutOfMemoryError as ex:
+                if result.oom is None and not verify:
+                    result.oom = _oom_record(trace, i, ex, size)
+            finally:
+                dev.fail_mallocs = False
+        if tl_alloc is not None and tl_res is not None:
+            a_now, r_now = allocated.current, reserved.current
+            for _ in range(nxt - i):
+                tl_alloc.append(a_now)
+                tl_res.append(r_now)
+        i = nxt
+    result.skipped_events = skipper.skipped_events if skipper is not None else 0
+    if progress is not None:
+        progress(n, n)
+
+
+def _oom_record(trace: Sequence[Mapping[str, Any]], i: int, ex: Exception, size: int) -> dict[str, Any]:
+    """The report's first OOM: where, PyTorch's message, and the recording's stack there."""
+    return {"event_index": i, "message": str(ex), "size": size,
+            "frames": list(trace[i].get("frames") or [])}
+
+
+class _Checks:
+    """Event-by-event comparison with the recording (verification mode)."""
+
+    def __init__(self, trace: Sequence[Mapping[str, Any]]) -> None:
+        self.trace = trace
+        self.allocs_total = 0
+        self.allocs_matched = 0
+        self.divergences: list[dict[str, Any]] = []
+
+    def note(self, i: int, kind: str, expected: Any, actual: Any) -> None:
+        if len(self.divergences) < 10:
+            lo, hi = max(0, i - 3), min(len(self.trace), i + 4)
+            context = [f"{'>' if k == i else ' '} {k}: {_describe(self.trace[k])}" for k in range(lo, hi)]
+            self.divergences.append({"kind": kind, "event_index": i, "expected": expected,
+                                     "actual": actual, "context": context})
+
+    def alloc(self, i: int, addr: int, ours: int | None) -> None:
+        self.allocs_total += 1
+        if ours == addr:
+            self.allocs_matched += 1
+        else:
+            self.note(i, "alloc_address", _hex(addr), _hex(ours) if ours is not None else "OOM")
+
+    def finish(self, alloc: CachingAllocator, dev: TraceDevice, final: Sequence[Mapping[str, Any]],
+               recorded: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        ours = [(a, s) for a, s, _ in dev.mallocs]
+        seg_matched = sum(1 for x, y in zip(ours, recorded) if x == y)
+        rec_frees = [(e["addr"], e["size"]) for e in self.trace if e["action"] == "segment_free"]
+        free_matched = sum(1 for x, y in zip(dev.frees, rec_frees) if x == y)
+        mine = snapshot_segments(alloc)
+        want_segs = {(s["address"], s["total_size"]) for s in final}
+        have_segs = {(s["address"], s["total_size"]) for s in mine}
+        want_blocks = {_block_key(s, b) for s in final for b in _with_addresses(s)}
+        have_blocks = {_block_key(s, b) for s in mine for b in _with_addresses(s)}
+        missing = sorted(want_blocks - have_blocks)[:5]
+        extra = sorted(have_blocks - want_blocks)[:5]
+        for b in missing:
+            self.note(len(self.trace) - 1, "final_block_missing", _fmt_block(b), None)
+        for b in extra:
+            self.note(len(self.trace) - 1, "final_block_unexpected", None, _fmt_block(b))
+        return {
+            "segment_allocs": {"matched": seg_matched, "total": max(len(recorded), len(ours))},
+            "segment_frees": {"matched": free_matched, "total": max(len(rec_frees), len(dev.frees))},
+            "alloc_addresses": {"matched": self.allocs_matched, "total": self.allocs_total},
+            "final_segments": {"matched": len(want_segs & have_segs),
+                               "total": len(want_segs | have_segs)},
+            "final_blocks": {"matched": len(want_blocks & have_blocks),
+                             "total": len(want_blocks | have_blocks)},
+            "divergences": self.divergences,
+        }
+
+
+def _with_addresses(seg: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    out: list[Mapping[str, Any]] = []
+    addr = seg["address"]
+    for b in seg["blocks"]:
+        out.append({**b, "address": b.get("address", addr)})
+        addr += b["size"]
+    return out
+
+
+def _block_key(seg: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[int, int, str, int]:
+    return (b["address"], b["size"], b["state"], b.get("requested_size", 0))
+
+
+def _fmt_block(b: tuple[int, int, str, int]) -> str:
+    return f"{b[0]:#x} size {b[1]} {b[2]} requested {b[3]}"
+
+
+def _hex(x: int) -> str:
+    return f"{x:#x}"
+
+
+def _describe(e: Mapping[str, Any]) -> str:
+    where = e.get("addr", e.get("device_free", 0))
+    return f"{e['action']} {where:#x} size {e['size']} stream {e.get('stream', 0)}"

@@ -1,0 +1,293 @@
+"""``torch.cuda`` answered by the simulator, for `vram.run.runtime` (layer 4; needs torch).
+
+`patch_torch_cuda` swaps the device, stream, RNG and memory functions of ``torch.cuda`` and
+``torch.cuda.memory`` for ones backed by `vram.memory` and returns a function that puts every
+original back. Memory statistics, ``memory_summary()``, ``empty_cache()``, snapshots and
+``_record_memory_history`` are vram's own, which are PyTorch's byte for byte.
+"""
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vram.frontend import memory as _memory
+
+MiB = 1024 * 1024
+
+
+class DeviceProperties:
+    """What ``torch.cuda.get_device_properties`` returns (``torch._C._CudaDeviceProperties``)."""
+
+    def __init__(self, name: str, total_memory: int, major: int = 9, minor: int = 0,
+                 multi_processor_count: int = 132) -> None:
+        self.name = name
+        self.total_memory = total_memory
+        self.major = major
+        self.minor = minor
+        self.multi_processor_count = multi_processor_count
+        self.is_integrated = 0
+        self.is_multi_gpu_board = 0
+        self.max_threads_per_multi_processor = 2048
+        self.warp_size = 32
+        self.regs_per_multiprocessor = 65536
+        self.shared_memory_per_block = 49152
+        self.shared_memory_per_block_optin = 232448
+        self.shared_memory_per_multiprocessor = 233472
+        self.L2_cache_size = 50 * MiB
+        self.gcnArchName = "NVIDIA"
+        self.uuid = "00000000-0000-0000-0000-000000000000"
+        self.pci_bus_id = self.pci_device_id = self.pci_domain_id = 0
+
+    def __repr__(self) -> str:
+        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+                f"total_memory={self.total_memory // MiB}MB, "
+                f"multi_processor_count={self.multi_processor_count}, uuid={self.uuid}, "
+                f"pci_bus_id={self.pci_bus_id}, pci_device_id={self.pci_device_id}, "
+                f"pci_domain_id={self.pci_domain_id}, L2_cache_size={self.L2_cache_size // MiB}MB)")
+
+
+class Event:
+    """``torch.cuda.Event`` on an infinitely fast GPU: always complete, zero elapsed time."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False, external: bool = False) -> None:
+        self.enable_timing = enable_timing
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end_event: Event) -> float:
+        return 0.0
+
+
+_MEMORY_NAMES = (
+    "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+    "memory_cached", "max_memory_cached", "memory_stats", "memory_stats_as_nested_dict",
+    "memory_summary", "empty_cache", "reset_peak_memory_stats", "reset_accumulated_memory_stats",
+    "reset_max_memory_allocated", "reset_max_memory_cached", "set_per_process_memory_fraction",
+    "get_per_process_memory_fraction", "mem_get_info", "memory_snapshot", "caching_allocator_alloc",
+    "caching_allocator_delete", "list_gpu_processes")
+_PRIVATE_MEMORY_NAMES = ("_record_memory_history", "_snapshot", "_dump_snapshot",
+                         "_set_allocator_settings")
+
+
+def _replacements(props: list[DeviceProperties]) -> dict[str, Callable[..., Any] | type]:
+    def props_of(device: Any = None) -> DeviceProperties:
+        return props[_memory._device_index(device)]
+
+    def exchange_device(idx: int) -> int:
+        prev = _memory.current_device()
+        if idx >= 0:
+            _memory.set_device(idx)
+        return prev
+
+    def set_device(device: Any) -> None:
+        if isinstance(device, int) and device < 0:
+            return
+        _memory.set_device(device)
+
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.zeros(16, dtype=torch.uint8)
+
+    def noop() -> Callable[..., None]:
+        def nothing(*args: Any, **kwargs: Any) -> None:  # one object per name: dynamo's rule map
+            return None                                   # rejects one object under two names
+        return nothing
+
+    return {
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "init": noop(),
+        "_lazy_init": noop(),
+        "device_count": _memory.device_count,
+        "current_device": _memory.current_device,
+        "set_device": set_device,
+        "_exchange_device": exchange_device,
+        "_maybe_exchange_device": exchange_device,
+        "get_device_properties": props_of,
+        "get_device_name": lambda device=None: props_of(device).name,
+        "get_device_capability": lambda device=None: (props_of(device).major, props_of(device).minor),
+        "get_arch_list": lambda: [f"sm_{props[0].major}{props[0].minor}"],
+        "is_bf16_supported": lambda including_emulation=True: props_of().major >= 8,
+        "is_current_stream_capturing": lambda: False,
+        "synchronize": _memory.synchronize,
+        "current_stream": _memory.current_stream,
+        "default_stream": _memory.default_stream,
+        "stream": _memory.stream,
+        "Stream": _memory.Stream,
+        "Event": Event,
+        "ipc_collect": noop(),
+        "get_rng_state": get_rng_state,
+        "get_rng_state_all": lambda: [get_rng_state() for _ in props],
+        "set_rng_state": noop(),
+        "set_rng_state_all": noop(),
+        "manual_seed": noop(),
+        "manual_seed_all": noop(),
+        "seed": noop(),
+        "seed_all": noop(),
+        "initial_seed": torch.initial_seed,
+    }
+
+
+def patch_torch_cuda(props: list[DeviceProperties]) -> Callable[[], None]:
+    """Point ``torch.cuda`` at the simulator; returns the function that restores it."""
+    import torch.cuda.graphs
+    import torch.cuda.memory
+    import torch.cuda.random
+
+    saved: list[tuple[types.ModuleType, str, Any]] = []
+    missing = object()
+
+    def put(module: types.ModuleType, name: str, value: Any) -> None:
+        saved.append((module, name, getattr(module, name, missing)))
+        setattr(module, name, value)
+
+    for name, value in _replacements(props).items():
+        put(torch.cuda, name, value)
+        for module in (torch.cuda.random, torch.cuda.graphs, torch.cuda.memory):
+            if hasattr(module, name):
+                put(module, name, value)
+    for name in _MEMORY_NAMES:
+        put(torch.cuda, name, getattr(_memory, name))
+        put(torch.cuda.memory, name, getattr(_memory, name))
+    for name in _PRIVATE_MEMORY_NAMES:
+        put(torch.cuda.memory, name, getattr(_memory, name))
+
+    def restore() -> None:
+        for module, name, old in reversed(saved):
+            if old is missing:
+                delattr(module, name)
+            else:
+                setattr(module, name, old)
+        saved.clear()
+
+    return restore
+
+
+def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any], bool],
+                       resized: Callable[[Any], None], function_mode: Any) -> Callable[[], None]:
+    """Patches outside ``torch.cuda`` that a simulated run needs; returns the restore function.
+
+    * ``torch.clear_autocast_cache`` (called when the outermost autocast exits) also runs
+      `clear_cache`, the emulated autocast's weight-cast cache;
+    * ``torch.compile`` returns the function or module unchanged: the run is eager, and so is its
+      memory (a compiled graph fuses ops and usually needs less);
+    * ``GradScaler._maybe_opt_step`` reads ``found_inf.item()``: for simulated tensors (for which
+      `simulated` is true) it steps unconditionally, as a real run does whenever no inf/NaN
+      gradient occurred;
+    * ``UntypedStorage.resize_`` (not an aten op, so invisible to dispatch modes; FSDP frees
+      parameters with ``resize_(0)``) reports the storage to `resized` afterwards;
+    * the autograd engine (``torch.autograd._engine_run_backward``, behind ``backward()`` and
+      ``autograd.grad``) runs with `function_mode` on the torch-function mode stack. ``backward()``
+      reaches the engine through that mode's own handler, where PyTorch pops the mode, and the
+      engine's graph task keeps the mode stack it was started with: without this, Python code run
+      during backward (custom ``Function.backward``, tensor hooks, saved-tensor unpack hooks, so
+      ``torch.utils.checkpoint``'s recomputation) would run without the simulated GPU — no
+      ``device="cuda"``, no emulated autocast, no SDPA routing, so checkpoint's recomputed
+      tensors would differ from the forward's. Saved-tensor hooks (``saved_tensors_hooks``) run
+      under it too: a pack hook runs inside an op, below the mode's handler, and would otherwise
+      see a simulated tensor's ``device`` as meta in forward and as cuda when unpacked.
+    """
+    import torch.autograd.graph as autograd_graph
+    from torch.amp.grad_scaler import GradScaler
+    from torch.overrides import _get_current_function_mode_stack
+
+    original_clear, original_compile = torch.clear_autocast_cache, torch.compile
+    original_step = GradScaler._maybe_opt_step
+    original_resize = torch.UntypedStorage.resize_
+    original_engine = autograd_graph._engine_run_backward
+    original_hooks_init = autograd_graph.saved_tensors_hooks.__init__
+
+    def clear_autocast_cache() -> None:
+        clear_cache()
+        original_clear()
+
+    def compile(model: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - torch.compile's name
+        return model if model is not None else (lambda m: m)
+
+    def maybe_opt_step(self: Any, optimizer: Any, optimizer_state: dict[str, Any], *args: Any,
+                       **kwargs: Any) -> Any:
+        if any(simulated(v) for v in optimizer_state["found_inf_per_device"].values()):
+            return optimizer.step(*args, **kwargs)
+        return original_step(self, optimizer, optimizer_state, *args, **kwargs)
+
+    def resize_(self: Any, size: int) -> Any:
+        out = original_resize(self, size)
+        resized(self)
+        return out
+
+    def under_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if function_mode in _get_current_function_mode_stack():
+                return fn(*args, **kwargs)
+            with function_mode:
+                return fn(*args, **kwargs)
+        return run
+
+    def hooks_init(self: Any, pack_hook: Callable[..., Any], unpack_hook: Callable[..., Any]) -> None:
+        original_hooks_init(self, under_mode(pack_hook), under_mode(unpack_hook))
+
+    torch.autograd._engine_run_backward = autograd_graph._engine_run_backward = under_mode(original_engine)
+    autograd_graph.saved_tensors_hooks.__init__ = hooks_init  # type: ignore[method-assign]
+    torch.clear_autocast_cache = clear_autocast_cache
+    torch.compile = compile  # type: ignore[assignment]
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+    GradScaler._maybe_opt_step = maybe_opt_step  # type: ignore[method-assign]
+
+    def restore() -> None:
+        torch.clear_autocast_cache = original_clear
+        torch.compile = original_compile
+        GradScaler._maybe_opt_step = original_step  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = original_resize  # type: ignore[method-assign]
+        torch.autograd._engine_run_backward = autograd_graph._engine_run_backward = original_engine
+        autograd_graph.saved_tensors_hooks.__init__ = original_hooks_init  # type: ignore[method-assign]
+
+    return restore
+
+
+def patch_storages(address_of: Callable[[Any], int | None],
+                   to_device: Callable[[Any, torch.device], Any]) -> Callable[[], None]:
+    """Storage-level moves, which no mode sees; returns the restore function.
+
+    * ``UntypedStorage.data_ptr()``: a simulated storage's simulated address (`address_of` gives
+      it, None for other storages), as a CUDA storage's would be — meta storages all say 0, which
+      would make every pair of storages look shared (``torch.load`` keeps a storage for reuse by
+      the other tensors that share it only when its pointer is not 0; tied-weight detection compares
+      pointers).
+    * ``UntypedStorage.to(device=)`` / ``.cuda()``, behind ``torch.load(map_location="cuda")`` and
+      loading a checkpoint saved on a GPU: `to_device` returns the moved storage (a simulated
+      one, charged when CUDA's copy would allocate), or None to leave the move to PyTorch.
+    """
+    import torch.storage as storage_module
+
+    original_ptr = torch.UntypedStorage.data_ptr
+    original_to = storage_module._to
+
+    def data_ptr(self: Any) -> int:
+        ptr = address_of(self)
+        return original_ptr(self) if ptr is None else ptr
+
+    def to(self: Any, device: torch.device, non_blocking: bool = False) -> Any:
+        moved = to_device(self, device) if isinstance(self, torch.UntypedStorage) else None
+        return original_to(self, device, non_blocking) if moved is None else moved
+
+    torch.UntypedStorage.data_ptr = data_ptr  # type: ignore[method-assign]
+    storage_module._to = to  # type: ignore[attr-defined]
+
+    def restore() -> None:
+        torch.UntypedStorage.data_ptr = original_ptr  # type: ignore[method-assign]
+        storage_module._to = original_to  # type: ignore[attr-defined]
+
+    return restore
