@@ -100,8 +100,39 @@ def test_size_argument_forms():
     assert vram.empty((2, 3), "float16").dtype is vram.float16
     assert vram.empty([4]).nbytes == 16
     assert vram.empty(0).data_ptr() == 0
-    with pytest.raises(ValueError):
+    # torch.empty's own errors (torch 2.13: the texts below are what it raises on any device)
+    with pytest.raises(RuntimeError, match=r"^Trying to create tensor with negative dimension -1: \[-1\]$"):
         vram.empty(-1)
+    with pytest.raises(RuntimeError, match=r"negative dimension -3: \[2, -3\]$"):
+        vram.empty((2, -3))
+    with pytest.raises(TypeError, match=r"^empty\(\): argument 'size' \(position 1\) must be tuple of ints, not bool$"):
+        vram.empty(True)
+    with pytest.raises(TypeError, match=r"\(position 1\) must be tuple of ints, not float$"):
+        vram.empty(1.5)
+    for args in ((2, 1.5), ((2, 1.5),)):
+        with pytest.raises(TypeError, match=r"failed to unpack the object at pos 2 with error "
+                                            r"\"type must be tuple of ints,but got float\"$"):
+            vram.empty(*args)
+    with pytest.raises(TypeError, match=r"at pos 1 with error \"Overflow when unpacking long long\"$"):
+        vram.empty(2**70)
+    assert vram.empty((2, True)).shape == (2, 1)  # torch accepts a bool inside the size tuple
+    assert vram.memory_allocated() == 0  # nothing was allocated by the refused calls
+
+
+def test_size_argument_errors_match_torch():
+    """The same calls on torch's meta device raise the same exception types and texts."""
+    torch = pytest.importorskip("torch")
+    for args in ((-1,), ((2, -3),), (True,), (1.5,), (2, 1.5), ((2, 1.5),), (2**70,)):
+        with pytest.raises(Exception) as ours:
+            vram.empty(*args)
+        with pytest.raises(Exception) as theirs:
+            torch.empty(*args, device="meta")
+        assert type(ours.value) is type(theirs.value), args
+        theirs_text = str(theirs.value)
+        if "\n" in theirs_text:  # torch appends the C++ stack after a newline inside the quotes
+            assert str(ours.value).startswith(theirs_text.splitlines()[0]), args
+        else:
+            assert str(ours.value) == theirs_text, args
 
 
 def test_mem_get_info_counts_context_other_processes_and_reserved():

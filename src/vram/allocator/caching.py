@@ -9,9 +9,12 @@ on other streams, waits for events first.
 from __future__ import annotations
 
 import operator
+import sys
 import threading
+import types
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from vram.devices.base import Device, Event
@@ -79,15 +82,25 @@ def _check_size(size: Any) -> int:
     return size
 
 
+#: A stream is a ``cudaStream_t`` handle; PyTorch's Python bindings take it as an int64.
+STREAM_MAX = 2**63 - 1
+
+
 def _check_stream(stream: Any) -> int:
-    if isinstance(stream, int) and not isinstance(stream, bool):
-        if stream < 0:
-            raise ValueError(f"stream must be a non-negative int, got {stream}")
-        return stream
-    s = getattr(stream, "cuda_stream", None)
-    if isinstance(s, int):
-        return s
-    raise TypeError(f"stream must be a vram.Stream or an int, got {type(stream).__name__}")
+    """A stream handle: an int in [0, 2**63) or an object with such a ``cuda_stream``."""
+    s = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
+    if not isinstance(s, int) or isinstance(s, bool):
+        raise TypeError(f"stream must be a vram.Stream or an int, got {type(stream).__name__}")
+    if not 0 <= s <= STREAM_MAX:
+        shown = str(s) if -(2**64) < s < 2**64 else f"an int of {s.bit_length()} bits"
+        raise ValueError(f"stream must be a stream handle in [0, 2**63), got {shown}")
+    return int(s)
+
+
+def _report_unraisable(exc: BaseException, message: str) -> None:
+    """Report `exc` as CPython reports an exception raised in a finalizer (``sys.unraisablehook``)."""
+    sys.unraisablehook(types.SimpleNamespace(exc_type=type(exc), exc_value=exc,
+                                             exc_traceback=exc.__traceback__, err_msg=message, object=None))
 
 
 class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
@@ -121,7 +134,7 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
         self.uncached: dict[int, int] = {}  # bypass mode (PYTORCH_NO_CUDA_MEMORY_CACHING): ptr -> size
         self.history = History()
         self._busy = False  # an operation is under way on the thread holding the lock
-        self._deferred: list[int] = []  # frees that arrived during it (see `free`)
+        self._deferred: deque[int] = deque()  # frees that arrived during it (see `_end_operation`)
         if self.config.per_process_memory_fraction < 1.0:
             self._set_fraction(self.config.per_process_memory_fraction)
 
@@ -159,7 +172,7 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
         """Allocate `size` bytes on `stream`; returns the block address (0 for 0 bytes) (spec §9)."""
         if type(size) is not int or size < 0:
             size = _check_size(size)
-        if type(stream) is not int or stream < 0:
+        if type(stream) is not int or not 0 <= stream <= STREAM_MAX:
             stream = _check_stream(stream)
         if size >= ONE_EB:
             raise OutOfMemoryError(EB_MESSAGE)
@@ -173,9 +186,10 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
             try:
                 return self._malloc(size, stream)
             finally:
-                self._busy = False
                 if self._deferred:
-                    self._drain_deferred()
+                    self._end_operation()
+                else:
+                    self._busy = False
 
     def _malloc(self, size: int, stream: int) -> int:
         """`malloc` with the lock held and arguments checked."""
@@ -353,19 +367,55 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
             try:
                 self._free(ptr)
             finally:
-                self._busy = False
                 if self._deferred:
-                    self._drain_deferred()
+                    self._end_operation()
+                else:
+                    self._busy = False
 
-    def _drain_deferred(self) -> None:
-        """Frees that arrived while another operation of this thread was under way (a tensor
-        collected by Python's cyclic GC inside malloc) run once that operation is done."""
-        while self._deferred:
-            ptr = self._deferred.pop(0)
+    # -- operations and the frees that arrive during them -------------------------------------
+    # Python's cyclic GC can run at any allocation of Python objects, also inside an allocator
+    # operation, and finalize a tensor whose storage then calls `free` on the same thread (the
+    # lock is re-entrant). Such a free must not touch the pools half-way through the operation:
+    # it is queued, and `_end_operation` applies the queue once the operation is done.
+
+    def _end_operation(self) -> None:
+        """Apply the frees queued during the operation, in order, each exactly once, then clear
+        `_busy`. Iterative: frees that arrive while the queue drains (GC again) join its end.
+
+        A queued free that fails (a double free from a finalizer) is reported as Python reports
+        an exception in a finalizer, through ``sys.unraisablehook``, because that is where the
+        free came from; the other queued frees still run.
+        """
+        deferred = self._deferred
+        try:
+            while deferred:
+                ptr = deferred.popleft()
+                try:
+                    self._free(ptr)
+                except Exception as exc:  # noqa: BLE001 - reported below, not swallowed
+                    _report_unraisable(exc, f"Exception ignored in a deferred free of {ptr:#x}")
+        finally:
+            self._busy = False
+
+    @contextmanager
+    def operation(self, mutates: bool = True) -> Iterator[None]:
+        """Hold the lock for a compound operation; frees arriving meanwhile wait for its end.
+
+        A read-only operation (`mutates=False`: a snapshot, the stats) nested inside another one
+        on the same thread simply runs; a mutating one cannot, as in `malloc`.
+        """
+        with self.lock:
+            if self._busy:
+                if mutates:
+                    raise RuntimeError("CachingAllocator operation re-entered during another allocator "
+                                       "operation on the same thread (from a finalizer?)")
+                yield
+                return
+            self._busy = True
             try:
-                self.free(ptr)
-            except RuntimeError:
-                pass  # it came from a finalizer, which could not have reported it either
+                yield
+            finally:
+                self._end_operation()
 
     def _free(self, ptr: int) -> None:
         """`free` with the lock held."""
@@ -425,7 +475,7 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
     def record_stream(self, ptr: int, stream: int) -> None:
         """``Tensor.record_stream``: the block is in use on `stream` too; its free waits for it."""
         stream = _check_stream(stream)
-        with self.lock:
+        with self.operation():
             if self.caching_disabled:
                 return
             block = self.active.get(ptr)
@@ -476,22 +526,16 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
     # -- releasing memory (spec §11, §12) -----------------------------------------------------
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache``: release every whole free segment (spec §11.1)."""
-        with self.lock:
+        with self.operation():
             if self.caching_disabled:
                 return
             history = self.history
-            self._busy = True
-            try:
-                self._release_cached_blocks(history.gather(ALL) if history.context >= ALL else None)
-            finally:
-                self._busy = False
-                if self._deferred:
-                    self._drain_deferred()
+            self._release_cached_blocks(history.gather(ALL) if history.context >= ALL else None)
 
     # -- observability ----------------------------------------------------------------------
     def memory_stats(self) -> dict[str, int]:
         """``torch.cuda.memory_stats`` for this device (spec §16.2)."""
-        with self.lock:
+        with self.operation(mutates=False):
             return self.stats.as_flat_dict()
 
     def reset_peak_memory_stats(self) -> None:

@@ -89,8 +89,14 @@ def tokenize(text: str) -> list[str]:
     return [t for part in re.split(r"([,:\[\]])", text) if (t := part.translate(_DROP_SPACES))]
 
 
+def _shown(token: str, limit: int = 64) -> str:
+    """A token as an error message shows it: whole up to `limit` characters (PyTorch's text),
+    else its start and its length, so that a huge value cannot flood the message."""
+    return token if len(token) <= limit else f"{token[:limit]}...({len(token):,} characters)"
+
+
 def _expected(what: str, i: int, toks: list[str]) -> ConfigError:
-    got = f"got '{toks[i]}'" if i < len(toks) else "reached end of config"
+    got = f"got '{_shown(toks[i])}'" if i < len(toks) else "reached end of config"
     return ConfigError(f"Expected {what} at index {i} in ConfigTokenizer but {got}")
 
 
@@ -172,7 +178,7 @@ def _split(toks: list[str]) -> list[_Item]:
         if key in _SEPARATORS:
             raise _expected("a key", i, toks)
         if key not in KNOWN_KEYS:
-            raise ConfigError(f"Unrecognized key '{key}' in CUDA allocator config.")
+            raise ConfigError(f"Unrecognized key '{_shown(key)}' in CUDA allocator config.")
         if at(i + 1) != ":":
             raise _expected(f"':' after key '{key}'", i + 1, toks)
         j = end = i + 2
@@ -189,7 +195,7 @@ def _split(toks: list[str]) -> list[_Item]:
                 if at(end + 1) != ":":
                     raise _expected("':'", end + 1, toks)
                 if at(end + 2) in (None, *_SEPARATORS):
-                    raise _expected(f"a value for '{key}' list item '{toks[end]}'", end + 2, toks)
+                    raise _expected(f"a value for '{key}' list item '{_shown(toks[end])}'", end + 2, toks)
                 pairs.append((end, end + 2))
                 end += 3
                 if at(end) == ",":
@@ -213,11 +219,11 @@ def _number(toks: list[str], i: int, key: str, integer: bool = True) -> int | fl
     try:
         value = stoull(toks[i]) if integer else stod(toks[i])
     except OverflowError:
-        raise ConfigError(f"Value '{toks[i]}' for '{key}' at index {i} in ConfigTokenizer is out of "
+        raise ConfigError(f"Value '{_shown(toks[i])}' for '{key}' at index {i} in ConfigTokenizer is out of "
                           f"range for {range_kind} (std::{func})") from None
     if value is None:
         raise ConfigError(f"Expected {kind} for '{key}' at index {i} in ConfigTokenizer "
-                          f"but got '{toks[i]}' (std::{func})")
+                          f"but got '{_shown(toks[i])}' (std::{func})")
     return value
 
 
@@ -227,7 +233,7 @@ def _uint(toks: list[str], i: int, key: str) -> int:
 
 def _bool(toks: list[str], i: int) -> bool:
     if toks[i] not in ("True", "False"):
-        raise ConfigError(f"Expected 'True' or 'False' at index {i} in ConfigTokenizer but got '{toks[i]}'")
+        raise ConfigError(f"Expected 'True' or 'False' at index {i} in ConfigTokenizer but got '{_shown(toks[i])}'")
     return toks[i] == "True"
 
 
@@ -248,7 +254,7 @@ def _reserve_spec_ok(tok: str) -> bool:
     num = tok[:-1] if tok[-1:] in ("G", "g") else tok  # istream >> double must consume all of it
     ok = bool(_DEC_RE.fullmatch(num)) and 0.0 < float(num) < math.inf
     if not ok:
-        warnings.warn(f"Ignoring invalid expandable-segment reserve value '{tok}' in PYTORCH_CUDA_ALLOC_CONF "
+        warnings.warn(f"Ignoring invalid expandable-segment reserve value '{_shown(tok)}' in PYTORCH_CUDA_ALLOC_CONF "
                       "(expected a positive, finite fraction like 0.5 or an absolute size like 40G); "
                       "using default.", UserWarning, stacklevel=4)
     return ok
@@ -338,6 +344,9 @@ def parse_alloc_conf(text: str | None, base: AllocatorConfig | None = None, *,
     backends after load). ``legacy_roundup=True`` selects the ≤2.8 ``>`` fill rule (§3.4).
     Raises ConfigError; warns (UserWarning) as PyTorch does.
     """
+    if text is not None and not isinstance(text, str):
+        raise TypeError("allocator settings must be a string such as 'expandable_segments:True' "
+                        f"(PYTORCH_CUDA_ALLOC_CONF's syntax), got {type(text).__name__}")
     cfg = base.copy() if base is not None else AllocatorConfig()
     if text is None:
         return cfg
@@ -396,7 +405,7 @@ def caching_disabled_from_env(environ: Mapping[str, str] | None = None) -> bool:
         if value == "1":
             disabled = True
         elif value is not None and value != "0":
-            warnings.warn(f"Ignoring invalid value for boolean flag {name}: {value}valid values are 0 or 1.",
+            warnings.warn(f"Ignoring invalid value for boolean flag {name}: {_shown(value)}valid values are 0 or 1.",
                           UserWarning, stacklevel=2)
     return disabled
 

@@ -11,6 +11,11 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 
+class DriverError(RuntimeError):
+    """A failed CUDA driver call, as PyTorch's ``C10_CUDA_DRIVER_CHECK`` reports it (a
+    ``RuntimeError`` reading ``CUDA driver error: <cuGetErrorString text>``)."""
+
+
 class Event:
     """A CUDA event recorded on a stream: `completed` once the work before it has run."""
 
@@ -35,7 +40,8 @@ class Device(Protocol):
         """cudaFree of a base address returned by `malloc`."""
 
     def reserve(self, size: int) -> int:
-        """Reserve `size` bytes of virtual address space (no physical memory)."""
+        """Reserve `size` bytes of virtual address space (no physical memory); raise `DriverError`
+        when the address space has no such range left."""
 
     def release(self, ptr: int) -> None:
         """Give back a reserved virtual range (all of it must be unmapped)."""

@@ -22,14 +22,20 @@ from dataclasses import dataclass
 
 from vram.units import GiB, MiB, parse_size
 
-from .base import Event
+from .base import DriverError, Event
 from .gpus import gpu_preset
 
 SEGMENT_ALIGNMENT = 2 * MiB
-#: The simulated virtual window: addresses look like a Linux process's CUDA mappings (0x7f…).
-VA_BOTTOM = 0x7000_0000_0000
+#: The simulated virtual window of device 0. CUDA's unified address space lies in the process's
+#: 47-bit user half (128 TiB on x86-64 Linux), and driver mappings sit near its top (0x7f…, as in
+#: the recordings). The window leaves the lowest 16 TiB to the host program: about 111.5 TiB, so
+#: an 80 GiB card can hold ~1,270 expandable-segment reservations (each 1 1/8 of the card, one per
+#: stream and pool), and a 3 TiB one ~33, as cuMemAddressReserve allows before it fails.
+VA_BOTTOM = 0x1000_0000_0000
 VA_TOP = 0x7F80_0000_0000
-DEVICE_VA_SPAN = 1 << 43  # 8 TiB per device index: room for expandable segments' reserves
+#: Device index i's window is device 0's shifted up by i × 2**48, so no two devices' overlap
+#: (on a real machine they share one 128 TiB space: a limit vram does not model across devices).
+DEVICE_VA_STRIDE = 1 << 48
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,8 @@ class VirtualAddressSpace:
         self._ends = [top]
         self._ranges: dict[int, int] = {}  # base -> size of every range handed out
 
-    def allocate(self, size: int) -> int:
+    def allocate(self, size: int) -> int | None:
+        """The base of a new `size`-byte range (rounded up to 2 MiB), or None when no hole fits."""
         size = -(-size // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
         starts, ends = self._starts, self._ends
         for i in range(len(starts) - 1, -1, -1):
@@ -65,7 +72,7 @@ class VirtualAddressSpace:
                     ends[i] = base
                 self._ranges[base] = size
                 return base
-        raise MemoryError(f"simulated virtual address space exhausted: no {size}-byte range left")
+        return None
 
     def take(self, base: int, size: int) -> None:
         """Mark [base, base+size) as used (a range handed out elsewhere); outside holes is fine."""
@@ -164,10 +171,8 @@ class SimulatedDevice:
         self.pid = os.getpid() if pid is None else pid
         #: bytes this process holds from the driver (cudaMalloc'd plus mapped pages)
         self.used = 0
-        # One unified virtual address space, as CUDA's: each device index gets its own 8 TiB slice
-        # (indices past 14 share slices; only pointer lookups across devices would notice).
-        top = VA_TOP - (index % 15) * DEVICE_VA_SPAN
-        self._va = VirtualAddressSpace(top - DEVICE_VA_SPAN, top)
+        offset = index * DEVICE_VA_STRIDE
+        self._va = VirtualAddressSpace(VA_BOTTOM + offset, VA_TOP + offset)
         self._allocations: dict[int, int] = {}  # cudaMalloc base -> size
         self._reservations: dict[int, int] = {}  # reserved base -> size
         self._mapped: dict[int, int] = {}  # reserved base -> bytes mapped in it
@@ -189,6 +194,8 @@ class SimulatedDevice:
         if size <= 0 or not self._fits(size):
             return None
         ptr = self._va.allocate(size)
+        if ptr is None:  # no address range left: cudaMalloc fails as when out of memory
+            return None
         self._allocations[ptr] = size
         self.used += size
         return ptr
@@ -214,7 +221,11 @@ class SimulatedDevice:
         self.used -= size
 
     def reserve(self, size: int) -> int:
+        """cuMemAddressReserve; raises `DriverError` ("CUDA driver error: out of memory") when no
+        range of `size` bytes is left, as ``C10_CUDA_DRIVER_CHECK`` does in PyTorch."""
         ptr = self._va.allocate(size)
+        if ptr is None:
+            raise DriverError("CUDA driver error: out of memory")
         self._reservations[ptr] = self._va.size_of(ptr) or size
         self._mapped[ptr] = 0
         return ptr

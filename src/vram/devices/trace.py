@@ -45,8 +45,11 @@ class TraceDevice(SimulatedDevice):
             self.cursor += 1
             self._va.take(addr, size)
         else:
+            synthetic = self._va.allocate(size)
+            if synthetic is None:
+                return None
             self.divergences.append((len(self.mallocs), size, rec[1] if rec else None))
-            addr = self._va.allocate(size)
+            addr = synthetic
             index = None
         self._allocations[addr] = size
         self.used += size

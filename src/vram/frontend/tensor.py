@@ -61,16 +61,25 @@ def as_dtype(value: Any) -> dtype:
         raise TypeError(f"unknown dtype {value!r}; known: {', '.join(sorted(DTYPES))}") from None
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def _as_shape(shape: Iterable[Any]) -> tuple[int, ...]:
-    out = []
-    for d in shape:
+    """A shape as ``torch.empty`` parses it: ints (bools count as ints inside a sequence),
+    int64-sized, none negative; PyTorch's messages for the rest."""
+    out: list[int] = []
+    for pos, d in enumerate(shape, 1):
         try:
             d = operator.index(d)
         except TypeError:
-            raise TypeError(f"shape entries must be ints, got {type(d).__name__}") from None
+            raise TypeError(f"empty(): argument 'size' failed to unpack the object at pos {pos} with error "
+                            f"\"type must be tuple of ints,but got {type(d).__name__}\"") from None
+        if not -_INT64_MAX - 1 <= d <= _INT64_MAX:
+            raise TypeError(f"empty(): argument 'size' failed to unpack the object at pos {pos} with error "
+                            "\"Overflow when unpacking long long\"")
         if d < 0:
-            raise ValueError(f"Trying to create tensor with negative dimension {d}: {tuple(shape)}")
-        out.append(d)
+            raise RuntimeError(f"Trying to create tensor with negative dimension {d}: {out + [d]}")
+        out.append(int(d))
     return tuple(out)
 
 
@@ -227,9 +236,13 @@ def _parse_size_args(size: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[Any,
     """Split ``empty(2, 3)`` / ``empty((2, 3), "float16")`` arguments into (shape, rest)."""
     if size and isinstance(size[0], (tuple, list)):
         return _as_shape(size[0]), size[1:]
+    if size and isinstance(size[0], bool) or size and not hasattr(size[0], "__index__"):
+        raise TypeError(f"empty(): argument 'size' (position 1) must be tuple of ints, not {type(size[0]).__name__}")
     n = 0
     while n < len(size) and not isinstance(size[n], (str, dtype)) and hasattr(size[n], "__index__"):
         n += 1
+    if n < len(size) and isinstance(size[n], (float, complex)):  # a size list with a float in it
+        _as_shape(size[:n + 1])
     return _as_shape(size[:n]), size[n:]
 
 

@@ -32,7 +32,7 @@ def segments(alloc: CachingAllocator) -> list[dict[str, Any]]:
     index = alloc.device.index
     out: list[dict[str, Any]] = []
     total_active = 0
-    with alloc.lock:
+    with alloc.operation(mutates=False):
         for head in alloc.all_blocks():
             if head.prev is not None and head.prev.mapped:
                 continue
