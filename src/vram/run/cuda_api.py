@@ -187,6 +187,9 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     * ``GradScaler._maybe_opt_step`` reads ``found_inf.item()``: for simulated tensors (for which
       `simulated` is true) it steps unconditionally, as a real run does whenever no inf/NaN
       gradient occurred;
+    * ``torch._has_compatible_shallow_copy_type`` says a host tensor and a simulated one are
+      compatible (CPU and CUDA are, to a GPU run), so ``Module._apply`` moves Parameters in place
+      with ``param.data = moved`` instead of making new ones (see ``vram.run.modes.FunctionMode._set_data``);
     * ``UntypedStorage.resize_`` (not an aten op, so invisible to dispatch modes; FSDP frees
       parameters with ``resize_(0)``) reports the storage to `resized` afterwards;
     * the autograd engine (``torch.autograd._engine_run_backward``, behind ``backward()`` and
@@ -209,6 +212,16 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     original_resize = torch.UntypedStorage.resize_
     original_engine = autograd_graph._engine_run_backward
     original_hooks_init = autograd_graph.saved_tensors_hooks.__init__
+    original_compatible = torch._has_compatible_shallow_copy_type
+
+    def compatible(input: Any, from_: Any) -> bool:  # noqa: A002 - torch's parameter names (dynamo checks)
+        # A host tensor and a simulated one are CPU and CUDA to the script: compatible, so
+        # Module._apply keeps Parameter objects (``param.data = moved``, done by the mode).
+        on_sim = simulated(input)
+        if on_sim != simulated(from_):
+            host = from_ if on_sim else input
+            return host.device.type == "cpu" and host.layout == torch.strided == input.layout == from_.layout
+        return original_compatible(input, from_)
 
     def clear_autocast_cache() -> None:
         clear_cache()
@@ -242,12 +255,14 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     torch.autograd._engine_run_backward = autograd_graph._engine_run_backward = under_mode(original_engine)
     autograd_graph.saved_tensors_hooks.__init__ = hooks_init  # type: ignore[method-assign]
     torch.clear_autocast_cache = clear_autocast_cache
+    torch._has_compatible_shallow_copy_type = compatible
     torch.compile = compile  # type: ignore[assignment]
     torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
     GradScaler._maybe_opt_step = maybe_opt_step  # type: ignore[method-assign]
 
     def restore() -> None:
         torch.clear_autocast_cache = original_clear
+        torch._has_compatible_shallow_copy_type = original_compatible
         torch.compile = original_compile
         GradScaler._maybe_opt_step = original_step  # type: ignore[method-assign]
         torch.UntypedStorage.resize_ = original_resize  # type: ignore[method-assign]

@@ -1,0 +1,332 @@
+"""The two modes of a simulated run (see `vram.run.runtime` for the design): `DispatchMode`
+charges every new output storage of every aten op, and `FunctionMode` sends CUDA to meta, plays
+the CUDA tensor to the script, routes SDPA and applies autocast."""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from vram.frontend import memory as _memory
+
+from . import kernels as _k
+from .storages import ChargedStorage, SimState
+from .values import describe, value_error
+
+_SDPA = F.scaled_dot_product_attention
+_CPU_COPY = frozenset({"cpu", "numpy", "tolist", "__array__", "__repr__", "__format__", "equal",
+                       "allclose", "__complex__"})
+_SCALAR = frozenset({"item", "__bool__", "__int__", "__float__", "__index__"})
+_DATA_ERRORS = ("meta tensor", "meta device", "no data", "data-dependent", "data dependent",
+                "register_meta", "Meta tensors", "has no data")
+
+_META = torch.device("meta")
+
+
+class DispatchMode(TorchDispatchMode):
+    """Charges every new output storage of every aten op to the simulated allocator."""
+
+    def __init__(self, sim: SimState) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        sim = self.sim
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as e:
+            if any(s in str(e) for s in _DATA_ERRORS) and any(sim.block_of(t) for t in inputs):
+                what = describe(sim.call) if sim.call is not None else f"{func}"
+                no_kernel = "no fake impl or Meta kernel" in str(e)
+                raise value_error(what, f"{func} has no meta kernel" if no_kernel else "") from None
+            raise
+        idx: int | None = sim.target
+        if idx is None:
+            for t in inputs:
+                b = sim.block_of(t)
+                if b is not None:
+                    idx = b.device
+                    break
+            else:
+                if not sim.explicit_meta and not any(t.is_meta for t in inputs):
+                    idx = _memory.current_device()
+        if idx is None:
+            return out
+        if func._schema.is_mutable:
+            for t in inputs:
+                b = sim.block_of(t)
+                if b is not None:
+                    sim.resize(t.untyped_storage(), b)
+        self._charge(func, args, kwargs, out, idx)
+        return out
+
+    def _charge(self, func: Any, args: Any, kwargs: Any, out: Any, idx: int) -> None:
+        sim = self.sim
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        name = func.overloadpacket.__name__
+        plan = _k.op_plan(name, args, outs, sim.props[idx].multi_processor_count)
+        tmps: list[int] = []
+        done: list[Any] = []
+        seen: set[int] = set()
+        try:
+            for step, arg in plan:
+                if step == "tmp":
+                    tmps.append(sim.malloc(idx, arg))
+                elif step == "free":
+                    _memory.get_allocator(idx).free(tmps[arg])
+                    tmps[arg] = 0
+                else:
+                    for t in tree_leaves(outs[arg]) if arg < len(outs) else ():
+                        if isinstance(t, torch.Tensor) and t.is_meta:
+                            st = t.untyped_storage()
+                            key = st._cdata
+                            if key in seen:
+                                continue
+                            seen.add(key)
+                            b = sim.live.get(key)
+                            if b is None:
+                                sim.track(st, idx)
+                                done.append(st)
+                            else:
+                                sim.resize(st, b)
+            if (name in _k.CUBLAS_OPS and sim.block_of(outs[0]) is not None  # a host matmul: no cuBLAS
+                    and (outs[0].is_floating_point() or outs[0].is_complex())):
+                self._cublas(idx, name, args, kwargs, outs[0])
+        except torch.OutOfMemoryError:
+            for p in tmps:
+                if p:
+                    _memory.get_allocator(idx).free(p)
+            for st in reversed(done):
+                sim.untrack(st)
+            del done, outs, out
+            raise
+
+    def _cublas(self, idx: int, name: str, args: Any, kwargs: Any, out: torch.Tensor) -> None:
+        sim = self.sim
+        thread = "autograd" if torch._C._current_autograd_node() is not None else "main"
+        stream = _memory.current_stream(idx).cuda_stream
+        p = sim.props[idx]
+        size = _k.cublas_workspace_size(p.major, p.minor)
+        sim.workspace((idx, stream, thread, "cublas"), size)
+        if _k.uses_cublaslt(name, args, kwargs, out):
+            lt = _k.cublaslt_workspace_size(size)
+            if lt:
+                sim.workspace((idx, stream, thread, "cublaslt"), lt)
+
+
+def parse_device(value: Any) -> tuple[str, int | None] | None:
+    """("cuda", index) / ("meta", None) / ("cpu", None) for a device-like value, else None."""
+    if isinstance(value, torch.device):
+        kind, index = value.type, value.index
+    elif isinstance(value, str):
+        try:
+            d = torch.device(value)
+        except RuntimeError:
+            return None
+        kind, index = d.type, d.index
+    elif isinstance(value, int) and not isinstance(value, bool):
+        kind, index = "cuda", value
+    else:
+        return None
+    if kind == "cuda":
+        return kind, _memory.current_device() if index is None else _memory._device_index(index)
+    return kind, None
+
+
+class FunctionMode(TorchFunctionMode):
+    """Sends CUDA to meta, plays the CUDA tensor to the script, routes SDPA, applies autocast."""
+
+    def __init__(self, sim: SimState) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        sim = self.sim
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # a Tensor property
+            prop = getattr(getattr(func, "__self__", None), "__name__", "")
+            if prop in ("device", "is_cuda", "is_meta") and args:
+                idx = sim.idx_of(args[0])
+                if idx is not None:
+                    return torch.device("cuda", idx) if prop == "device" else prop == "is_cuda"
+            return func(*args, **kwargs)
+        if name == "__set__" and len(args) == 2 and getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+            if self._set_data(args[0], args[1]):
+                return None
+            return func(*args, **kwargs)
+        t0 = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        b0 = sim.block_of(t0) if t0 is not None else None
+        if b0 is not None and t0 is not None:
+            if name in _CPU_COPY or (name in _SCALAR and t0.numel() == 1):
+                raise value_error(describe(func))
+            if name == "data_ptr":  # the simulated address, as a CUDA tensor's would be
+                return b0.ptr + t0.storage_offset() * t0.element_size() if b0.ptr else 0
+            if name == "get_device":
+                return b0.device
+            if name == "record_stream" and len(args) > 1 and b0.ptr:
+                _memory.get_allocator(b0.device).record_stream(b0.ptr, args[1].cuda_stream)
+                return None
+        if name == "cuda" and t0 is not None:
+            return self._cuda(t0, b0, args, kwargs)
+        if func in _k.TRANSPARENT and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
+            return self._call(func, lambda: self._inside(func, args, kwargs), None, False, args, kwargs)
+        if name == "pin_memory" and t0 is not None:  # page-locked host memory: not GPU memory
+            return t0
+        if torch.is_autocast_enabled("cuda"):
+            if name in _k.AUTOCAST_BANNED and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
+                raise RuntimeError(_k.AUTOCAST_BANNED[name])
+            if name == "cross_entropy" and _k.simple_cross_entropy(args, kwargs) and self._eligible(t0):
+                return self._call(func, lambda: _k.cross_entropy_autocast(args, kwargs, self._cast),
+                                  None, False, args, kwargs)
+            args, kwargs = _k.autocast_args(name, args, kwargs, self._eligible, self._cast)
+        if func is _SDPA and args and sim.block_of(args[0]) is not None:
+            p = _k.sdpa_args(args, kwargs)
+            return self._call(func, lambda: _k.sdpa_cuda(p, _k.select_sdpa_backend(p), func),
+                              None, False, args, kwargs)
+        target, explicit_meta = None, False
+        default = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)  # set_default_device
+        if default is not None and kwargs.get("device") is None and func in _device_constructors():
+            kwargs = dict(kwargs, device=default.device)  # its mode sits below this one: apply it here
+        if "device" in kwargs:
+            d = parse_device(kwargs["device"])
+            if d is not None and d[0] == "cuda":
+                kwargs = dict(kwargs, device=_META)
+                target = d[1]
+            elif d is not None and d[0] == "meta":
+                explicit_meta = True
+        if name == "to" and t0 is not None:
+            args, kwargs, target = self._to(t0, b0, args, kwargs, target)
+        return self._call(func, lambda: func(*args, **kwargs), target, explicit_meta, args, kwargs)
+
+    def _call(self, func: Any, run: Callable[[], Any], target: int | None, explicit_meta: bool,
+              args: Any = (), kwargs: Any = None) -> Any:
+        """Run `run` (the op) with the redirect recorded for the dispatch mode; meta's "no data"
+        errors on simulated tensors become `DataDependentError`."""
+        sim = self.sim
+        saved = (sim.target, sim.explicit_meta, sim.call)
+        sim.target, sim.explicit_meta, sim.call = target, explicit_meta, func
+        try:
+            out = run()
+            if target is not None:  # torch.tensor(..., device=) builds its tensor below the modes
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.is_meta and sim.block_of(t) is None:
+                        sim.track(t.untyped_storage(), target)
+            return out
+        except (RuntimeError, NotImplementedError) as e:
+            if (isinstance(e, torch.OutOfMemoryError) or not any(s in str(e) for s in _DATA_ERRORS)
+                    or not any(sim.block_of(t) for t in tree_leaves((args, kwargs or {})))):
+                raise
+            raise value_error(describe(func)) from None
+        finally:
+            sim.target, sim.explicit_meta, sim.call = saved
+
+    def _set_data(self, t: Any, value: Any) -> bool:
+        """``t.data = value`` between the host and a simulated GPU; False for any other pair.
+
+        On a GPU, ``Module._apply`` (``.to``/``.cuda``/``.to_empty``/``.cpu``) and ``p.data =
+        p.data.cuda()`` keep each Parameter object and swap its data in place (``set_data``), so
+        identity, ties, attributes, hooks and optimizer references survive a move. Meta and CPU
+        tensors cannot share a ``TensorImpl`` type, so here ``t`` swaps implementations with a
+        fresh alias of `value` (same storage, sizes, strides) that has `t`'s ``requires_grad``:
+        the Python object — its class, ``__dict__``, hooks — stays. A gradient moves with the data
+        (``_apply`` then finds it already moved), as set_data would let ``_apply`` move it next.
+        """
+        sim = self.sim
+        if not (isinstance(t, torch.Tensor) and isinstance(value, torch.Tensor)):
+            return False
+        on_sim = sim.block_of(t) is not None
+        if on_sim == (sim.block_of(value) is not None) or (value if on_sim else t).device.type != "cpu":
+            return False
+        alias = value.detach()
+        if t.requires_grad:
+            alias.requires_grad_(True)
+        grad = t.grad
+        if grad is not None:
+            t.grad = None
+        torch._C._swap_tensor_impl(t, alias)
+        # Hooks registered from Python live in the implementation's autograd metadata: re-attach
+        # the object's hook dicts to its new implementation.
+        for hooks in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+            if getattr(t, hooks, None) is not None:
+                setattr(t, hooks, getattr(t, hooks))
+        if grad is not None:
+            if sim.idx_of(grad) != sim.idx_of(t):
+                target = torch.device("cpu") if on_sim else torch.device("cuda", sim.idx_of(t))
+                with self:  # the move itself runs under the simulation, as the script's would
+                    grad = grad.to(target)
+            t.grad = grad
+        return True
+
+    def _inside(self, func: Any, args: Any, kwargs: Any) -> Any:
+        with self:
+            return _k.transparent(func)(*args, **kwargs)
+
+    def _cuda(self, t: torch.Tensor, b: ChargedStorage | None, args: Any, kwargs: Any) -> Any:
+        """``Tensor.cuda(device=None, non_blocking=False, memory_format=...)``."""
+        d = parse_device(args[1] if len(args) > 1 else kwargs.get("device"))
+        idx = d[1] if d is not None and d[0] == "cuda" else _memory.current_device()
+        if b is not None and b.device == idx:
+            return t
+        extra = {k: v for k, v in kwargs.items() if k in ("non_blocking", "memory_format")}
+        if len(args) > 2:
+            extra["non_blocking"] = args[2]
+        return self._call(torch.Tensor.cuda, lambda: torch.Tensor.to(t, _META, copy=b is not None, **extra),
+                          idx, False)
+
+    def _to(self, t: torch.Tensor, b: ChargedStorage | None, args: Any, kwargs: Any,
+            target: int | None) -> tuple[Any, Any, int | None]:
+        """``Tensor.to(device|dtype|tensor, ...)``: CUDA devices become meta; host copies need values."""
+        new = list(args)
+        for i, a in enumerate(new[1:], 1):
+            if isinstance(a, torch.Tensor):
+                ob = self.sim.block_of(a)
+                if ob is not None:
+                    target = ob.device
+                elif b is not None and not a.is_meta:
+                    raise value_error(f"Tensor.to({a.device.type})")
+                continue
+            d = parse_device(a)
+            if d is None:
+                continue
+            if d[0] == "cuda":
+                new[i], target = _META, d[1]
+            elif d[0] == "cpu" and b is not None:
+                raise value_error("Tensor.to('cpu')")
+        kd = parse_device(kwargs.get("device")) if "device" in kwargs else None
+        if kd is not None and kd[0] == "cpu" and b is not None:
+            raise value_error("Tensor.to('cpu')")
+        if target is not None and b is not None and b.device != target:
+            kwargs = dict(kwargs, copy=True)
+        return tuple(new), kwargs, target
+
+    # -- autocast -----------------------------------------------------------------------------
+    def _eligible(self, t: torch.Tensor) -> bool:
+        return t.is_floating_point() and t.dtype != torch.float64 and self.sim.block_of(t) is not None
+
+    def _cast(self, t: torch.Tensor, to: torch.dtype) -> torch.Tensor:
+        """``cached_cast``: a cast copy; float32 leaf parameters keep theirs until autocast exits."""
+        if not self._eligible(t) or t.dtype == to:
+            return t
+        cache = self.sim.autocast_cache
+        cacheable = (to in (torch.float16, torch.bfloat16) and t.dtype == torch.float32 and t.requires_grad
+                     and t.is_leaf and not t._is_view() and torch.is_autocast_cache_enabled())
+        if cacheable:
+            hit = cache.get(id(t))
+            if hit is not None and hit[0]() is t:
+                return hit[1]
+        out = t.to(to)
+        if cacheable:
+            cache[id(t)] = (weakref.ref(t), out)
+        return out
+
+

@@ -1,0 +1,144 @@
+"""What a simulated run has charged to the allocator: one `ChargedStorage` per live meta storage
+that stands for a CUDA one, found by the storage's identity (``untyped_storage()._cdata``), and
+the `SimState` both modes share (see `vram.run.runtime` for the design)."""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from vram.allocator.errors import OutOfMemoryError as _SimOOM
+from vram.frontend import memory as _memory
+
+from .cuda_api import DeviceProperties
+from .values import value_error
+
+_META = torch.device("meta")
+
+
+class ChargedStorage:
+    """One charged storage: its block, device and the weak reference that frees it."""
+
+    __slots__ = ("ptr", "nbytes", "device", "ref")
+
+    def __init__(self, ptr: int, nbytes: int, device: int, ref: weakref.ref[Any]) -> None:
+        self.ptr, self.nbytes, self.device, self.ref = ptr, nbytes, device, ref
+
+
+class SimState:
+    """State shared by the two modes: the charged storages, workspaces, the current redirect."""
+
+    def __init__(self, props: list[DeviceProperties]) -> None:
+        self.props = props
+        self.live: dict[int, ChargedStorage] = {}
+        self.workspaces: dict[tuple[Any, ...], int] = {}
+        self.target: int | None = None       # CUDA index the running torch function was sent to
+        self.explicit_meta = False           # the running torch function asked for "meta" itself
+        self.call: Any = None                # the running top-level torch function
+        self.busy = 0
+        self.pending: list[tuple[int, int]] = []  # (device, ptr) freed while inside malloc
+        self.autocast_cache: dict[int, tuple[weakref.ref[Any], torch.Tensor]] = {}
+        self.active = True
+
+    # -- identity ---------------------------------------------------------------------------
+    def block_of(self, t: Any) -> ChargedStorage | None:
+        if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+            return None
+        try:
+            return self.live.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError, AttributeError):  # sparse, nested, …
+            return None
+
+    def idx_of(self, t: Any) -> int | None:
+        b = self.block_of(t)
+        return None if b is None else b.device
+
+    # -- allocation -------------------------------------------------------------------------
+    def malloc(self, idx: int, nbytes: int) -> int:
+        allocator = _memory.get_allocator(idx)
+        self.busy += 1
+        try:
+            return allocator.malloc(nbytes, _memory.current_stream(idx).cuda_stream)
+        except _SimOOM as e:
+            raise torch.OutOfMemoryError(str(e)) from None
+        finally:
+            self.busy -= 1
+            if not self.busy and self.pending:
+                self._flush()
+
+    def _free(self, b: ChargedStorage) -> None:
+        if b.ptr and self.active:
+            if self.busy:  # a storage died during our own malloc (garbage collector): later
+                self.pending.append((b.device, b.ptr))
+            else:
+                _memory.get_allocator(b.device).free(b.ptr)
+        b.ptr = 0
+
+    def _flush(self) -> None:
+        pending, self.pending = self.pending, []
+        for device, ptr in pending:
+            _memory.get_allocator(device).free(ptr)
+
+    def track(self, storage: Any, idx: int) -> ChargedStorage:
+        """Charge a new storage to device `idx`; its block is freed when the storage dies."""
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        ptr = self.malloc(idx, nbytes) if nbytes else 0
+
+        def died(ref: Any, key: int = key) -> None:
+            b = self.live.get(key)
+            if b is not None and b.ref is ref:
+                del self.live[key]
+                self._free(b)
+
+        b = ChargedStorage(ptr, nbytes, idx, weakref.ref(storage, died))
+        self.live[key] = b
+        return b
+
+    def untrack(self, storage: Any) -> None:
+        b = self.live.pop(storage._cdata, None)
+        if b is not None:
+            self._free(b)
+
+    def resize(self, storage: Any, b: ChargedStorage) -> None:
+        """A charged storage changed size (``resize_``, ``out=``): CUDA allocates anew, then frees."""
+        nbytes = storage.nbytes()
+        if nbytes == b.nbytes:
+            return
+        old = b.ptr
+        b.ptr = self.malloc(b.device, nbytes) if nbytes else 0
+        b.nbytes = nbytes
+        if old:
+            _memory.get_allocator(b.device).free(old)
+
+    def storage_resized(self, storage: Any) -> None:
+        b = self.live.get(storage._cdata)
+        if b is not None:
+            self.resize(storage, b)
+
+    def storage_address(self, storage: Any) -> int | None:
+        b = self.live.get(storage._cdata)
+        return None if b is None else b.ptr
+
+    def storage_to(self, storage: Any, device: torch.device) -> Any:
+        """``UntypedStorage.to(device)``: to a simulated GPU, a new charged meta storage (no values
+        to copy); a simulated storage to the host would need its values."""
+        b = self.live.get(storage._cdata)
+        if device.type == "cuda":
+            idx = _memory._device_index(device)
+            if b is not None and b.device == idx:
+                return storage
+            moved = torch.UntypedStorage(storage.nbytes(), device=_META)
+            self.track(moved, idx)
+            return moved
+        if b is not None and device.type != "meta":
+            raise value_error(f"UntypedStorage.to({device.type!r})")
+        return None
+
+    def workspace(self, key: tuple[Any, ...], nbytes: int) -> None:
+        """A per-(device, stream, thread) workspace, allocated once and kept (cuBLAS)."""
+        if key not in self.workspaces:
+            self.workspaces[key] = self.malloc(key[0], nbytes)
+
+
