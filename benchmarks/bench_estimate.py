@@ -28,7 +28,7 @@ optimizer's ``zero_grad``, wrapped by ``torch._disable_dynamo``, triggers on a G
 
 The model (`gpt2_small`) is GPT-2 small as nanoGPT writes it: 12 layers, d_model 768, 12 heads,
 vocabulary 50,257, 1,024 positions, tied embedding / LM head, causal SDPA, tanh GELU (124.4 M
-parameters). It is importable (``from bench_estimate import gpt2_small``) for other benchmarks.
+parameters), from ``examples/mymodels.py``.
 """
 from __future__ import annotations
 
@@ -40,65 +40,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-
-class Attention(nn.Module):
-    def __init__(self, d: int, heads: int, dropout: float) -> None:
-        super().__init__()
-        self.heads, self.dropout = heads, dropout
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
-        self.resid_dropout = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)))
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int, dropout: float) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(d)
-        self.attn = Attention(d, heads, dropout)
-        self.ln_2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d),
-                                 nn.Dropout(dropout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int = 50257, n_ctx: int = 1024, d: int = 768, heads: int = 12,
-                 layers: int = 12, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(n_ctx, d)
-        self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.size(1), device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
-def gpt2_small() -> GPT:
-    return GPT()
+from mymodels import GPT, gpt2_small  # noqa: E402,F401 - GPT is imported from here by estimate_accuracy
 
 
 def _loop(model: nn.Module, device: str, batch: int, seq: int, iterations: int = 3) -> None:

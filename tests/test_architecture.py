@@ -58,7 +58,7 @@ def test_import_contracts_catch_violations(tmp_path: Path, planted: tuple[str, s
 
 
 def test_ruff_clean() -> None:
-    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "src", "tests", "benchmarks"],
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "src", "tests", "benchmarks", "examples"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -402,3 +403,18 @@ def test_gpu_preset_and_arch(model_file: str, capsys: pytest.CaptureFixture[str]
     assert json.loads(capsys.readouterr().out)["categories"]["cublas_workspaces"] == 2 * cublas_sm80 + CUBLASLT
     assert cli.main(["estimate", "tinymodels:mlp", "--input", "32x256", "--gpu", "A10G"]) == 2
     assert "GPU name" in capsys.readouterr().err
+
+
+def test_readme_example_models_run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's ``cd examples; vram estimate mymodels:...`` commands (smaller inputs)."""
+    from vram.cli import main
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    monkeypatch.chdir(examples)
+    monkeypatch.syspath_prepend(str(examples))
+    assert main(["estimate", "mymodels:gpt2_small", "--input", "1x32:int64", "--optimizer", "adamw",
+                 "--gpu", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "GPT, 124,439,808 parameters" in out  # GPT-2 small with its tied embedding, counted once
+    assert main(["estimate", "mymodels:Net", "--input", "2x3x64x64", "--gpu", "24GiB"]) == 0
+    assert "Net, 11,689,512 parameters" in capsys.readouterr().out  # ResNet-18's published count

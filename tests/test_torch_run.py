@@ -542,3 +542,38 @@ def test_autocast_refuses_binary_cross_entropy_as_cuda_does() -> None:
                 nn.BCELoss()(p, y)
             F.binary_cross_entropy_with_logits(p, y)   # the safe one
         F.binary_cross_entropy(p, y)                    # outside autocast: fine
+
+
+def test_nvtx_ranges_are_no_ops_with_nvtx_return_values() -> None:
+    """Profiling scripts annotate with NVTX; a CPU build of torch has none (it raises)."""
+    with simulated_cuda():
+        assert torch.cuda.nvtx.range_push("forward") == 0   # zero-based depth of the new range
+        assert torch.cuda.nvtx.range_push("attention") == 1
+        assert torch.cuda.nvtx.range_pop() == 1             # depth of the range ended
+        assert torch.cuda.nvtx.range_pop() == 0
+        with torch.cuda.nvtx.range("step %d", 3):
+            torch.empty(256, device="cuda")
+        handle = torch.cuda.nvtx.range_start("io")
+        torch.cuda.nvtx.range_end(handle)
+        torch.cuda.nvtx.mark("here")
+    with pytest.raises(RuntimeError, match="NVTX functions not installed"):
+        torch.cuda.nvtx.range_push("outside")               # torch's own stub is back
+
+
+def test_torch_compile_says_once_that_it_runs_eagerly(capsys: pytest.CaptureFixture[str]) -> None:
+    with simulated_cuda():
+        f = torch.compile(lambda x: x * 2)
+        m = torch.compile(nn.Linear(8, 8).cuda())
+        assert f(torch.ones(4, device="cuda")).is_cuda and isinstance(m, nn.Linear)
+    err = capsys.readouterr().err
+    assert err.count("torch.compile runs eagerly") == 1
+
+
+def test_event_timing_is_zero_on_an_infinitely_fast_gpu() -> None:
+    with simulated_cuda():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.empty(1024, device="cuda")
+        end.record()
+        end.synchronize()
+        assert start.query() and start.elapsed_time(end) == 0.0

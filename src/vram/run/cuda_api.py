@@ -7,6 +7,7 @@ original back. Memory statistics, ``memory_summary()``, ``empty_cache()``, snaps
 """
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +51,8 @@ class DeviceProperties:
 
 
 class Event:
-    """``torch.cuda.Event`` on an infinitely fast GPU: always complete, zero elapsed time."""
+    """``torch.cuda.Event`` on an infinitely fast GPU: always complete, and ``elapsed_time`` is
+    0.0 ms. A simulation knows memory, not time: timings of a simulated run mean nothing."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, external: bool = False) -> None:
@@ -70,6 +72,43 @@ class Event:
 
     def elapsed_time(self, end_event: Event) -> float:
         return 0.0
+
+
+class NVTX:
+    """``torch._C._nvtx`` for the simulated GPU: ranges and marks are kept track of and cost
+    nothing (a CPU build of torch has no NVTX, and profiling annotations allocate no GPU memory).
+    Return values follow NVTX: push/pop give the zero-based depth of the range started/ended
+    (pop without a range: -2, NVTX's error value), start gives a unique handle."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.next_id = 1
+
+    def rangePushA(self, msg: str) -> int:  # noqa: N802 - NVTX's names
+        self.depth += 1
+        return self.depth - 1
+
+    def rangePop(self) -> int:  # noqa: N802
+        if self.depth == 0:
+            return -2
+        self.depth -= 1
+        return self.depth
+
+    def rangeStartA(self, msg: str) -> int:  # noqa: N802
+        self.next_id += 1
+        return self.next_id - 1
+
+    def rangeEnd(self, range_id: int) -> None:  # noqa: N802
+        return None
+
+    def markA(self, msg: str) -> None:  # noqa: N802
+        return None
+
+    def deviceRangeStart(self, msg: str, stream: int = 0) -> object:  # noqa: N802
+        return object()
+
+    def deviceRangeEnd(self, handle: object, stream: int = 0) -> None:  # noqa: N802
+        return None
 
 
 _MEMORY_NAMES = (
@@ -145,6 +184,7 @@ def patch_torch_cuda(props: list[DeviceProperties]) -> Callable[[], None]:
     """Point ``torch.cuda`` at the simulator; returns the function that restores it."""
     import torch.cuda.graphs
     import torch.cuda.memory
+    import torch.cuda.nvtx
     import torch.cuda.random
 
     saved: list[tuple[types.ModuleType, str, Any]] = []
@@ -164,6 +204,7 @@ def patch_torch_cuda(props: list[DeviceProperties]) -> Callable[[], None]:
         put(torch.cuda.memory, name, getattr(_memory, name))
     for name in _PRIVATE_MEMORY_NAMES:
         put(torch.cuda.memory, name, getattr(_memory, name))
+    put(torch.cuda.nvtx, "_nvtx", NVTX())
 
     def restore() -> None:
         for module, name, old in reversed(saved):
@@ -182,8 +223,8 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
 
     * ``torch.clear_autocast_cache`` (called when the outermost autocast exits) also runs
       `clear_cache`, the emulated autocast's weight-cast cache;
-    * ``torch.compile`` returns the function or module unchanged: the run is eager, and so is its
-      memory (a compiled graph fuses ops and usually needs less);
+    * ``torch.compile`` returns the function or module unchanged and says so once on stderr: the
+      run is eager, and so is its memory (a compiled graph fuses ops and usually needs less);
     * ``GradScaler._maybe_opt_step`` reads ``found_inf.item()``: for simulated tensors (for which
       `simulated` is true) it steps unconditionally, as a real run does whenever no inf/NaN
       gradient occurred;
@@ -227,7 +268,14 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
         clear_cache()
         original_clear()
 
+    told: list[bool] = []
+
     def compile(model: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - torch.compile's name
+        if not told:
+            told.append(True)
+            sys.stdout.flush()
+            sys.stderr.write("vram run: torch.compile runs eagerly on the simulated GPU, so memory is "
+                             "eager PyTorch's (a compiled graph fuses ops and usually needs less)\n")
         return model if model is not None else (lambda m: m)
 
     def maybe_opt_step(self: Any, optimizer: Any, optimizer_state: dict[str, Any], *args: Any,
