@@ -147,7 +147,9 @@ def test_oom_is_torch_out_of_memory_error_with_pytorchs_text() -> None:
 
 def test_item_print_and_host_copies_raise_naming_the_line() -> None:
     with simulated_cuda():
-        x = torch.ones((), device="cuda")
+        # values that need the GPU's arithmetic: a sum over 262,144 random elements (more than
+        # vram.run.known keeps on the host), so unknown
+        x = torch.randn(512, 512, device="cuda").sum()
         line = inspect.currentframe().f_lineno + 2  # type: ignore[union-attr]
         with pytest.raises(DataDependentError) as info:
             x.item()
@@ -281,7 +283,7 @@ def test_vram_run_oom_and_values(tmp_path: os.PathLike[str], capsys: pytest.Capt
     assert 'script.py", line 2, in <module>' in err and "torch_run.py" not in err
     path = _script(tmp_path, """\
         import torch
-        loss = torch.ones((), device="cuda")
+        loss = torch.randn(512, 512, device="cuda").mean()
         print(loss.item())
         """)
     assert run_script(path, []) == 1

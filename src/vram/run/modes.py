@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from vram.frontend import memory as _memory
 
 from . import kernels as _k
+from . import known
 from .storages import ChargedStorage, SimState
 from .values import describe, value_error
 
@@ -28,6 +29,22 @@ _DATA_ERRORS = ("meta tensor", "meta device", "no data", "data-dependent", "data
                 "register_meta", "Meta tensors", "has no data")
 
 _META = torch.device("meta")
+#: torch functions that build a tensor from host data below the modes (their values are known)
+_HOST_DATA = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+
+
+def _cuda_repr(text: str, idx: int | None, t: torch.Tensor) -> str:
+    """A CPU tensor's repr as the CUDA tensor's would read: ``device='cuda:N'`` before ``dtype=``,
+    then ``grad_fn=`` / ``requires_grad=`` (``torch/_tensor_str.py``'s suffix order)."""
+    body = text[:-1]
+    suffix = f", device='cuda:{idx}'"
+    i = body.find(", dtype=")
+    body = body[:i] + suffix + body[i:] if i >= 0 else body + suffix
+    if t.grad_fn is not None:
+        body += f", grad_fn=<{type(t.grad_fn).__name__}>"
+    elif t.requires_grad:
+        body += ", requires_grad=True"
+    return body + ")"
 
 
 class DispatchMode(TorchDispatchMode):
@@ -41,14 +58,19 @@ class DispatchMode(TorchDispatchMode):
         kwargs = kwargs or {}
         sim = self.sim
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        computed = None
         try:
             out = func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
             if any(s in str(e) for s in _DATA_ERRORS) and any(sim.block_of(t) for t in inputs):
-                what = describe(sim.call) if sim.call is not None else f"{func}"
-                no_kernel = "no fake impl or Meta kernel" in str(e)
-                raise value_error(what, f"{func} has no meta kernel" if no_kernel else "") from None
-            raise
+                computed = self._data_dependent(func, args, kwargs)
+                if computed is None:
+                    what = describe(sim.call) if sim.call is not None else f"{func}"
+                    no_kernel = "no fake impl or Meta kernel" in str(e)
+                    raise value_error(what, f"{func} has no meta kernel" if no_kernel else "") from None
+                out = known.meta_outputs(computed)
+            else:
+                raise
         idx: int | None = sim.target
         if idx is None:
             for t in inputs:
@@ -67,7 +89,16 @@ class DispatchMode(TorchDispatchMode):
                 if b is not None:
                     sim.resize(t.untyped_storage(), b)
         self._charge(func, args, kwargs, out, idx)
+        known.propagate(sim, func, args, kwargs, out, inputs, computed)
         return out
+
+    def _data_dependent(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """The CPU result of an op whose output shape depends on values (``nonzero``, boolean
+        masks), when its inputs' values are known; else None."""
+        try:
+            return known.run_on_cpu(self.sim, func, args, kwargs)
+        except Exception:  # noqa: BLE001 - unknown inputs or no CPU kernel: the caller reports it
+            return None
 
     def _charge(self, func: Any, args: Any, kwargs: Any, out: Any, idx: int) -> None:
         sim = self.sim
@@ -168,7 +199,7 @@ class FunctionMode(TorchFunctionMode):
         b0 = sim.block_of(t0) if t0 is not None else None
         if b0 is not None and t0 is not None:
             if name in _CPU_COPY or (name in _SCALAR and t0.numel() == 1):
-                raise value_error(describe(func))
+                return self._read(func, name, t0, args, kwargs)
             if name == "data_ptr":  # the simulated address, as a CUDA tensor's would be
                 return b0.ptr + t0.storage_offset() * t0.element_size() if b0.ptr else 0
             if name == "get_device":
@@ -205,6 +236,8 @@ class FunctionMode(TorchFunctionMode):
             elif d is not None and d[0] == "meta":
                 explicit_meta = True
         if name == "to" and t0 is not None:
+            if b0 is not None and self._to_host(args, kwargs):
+                return self._read(func, "to", t0, args, kwargs)
             args, kwargs, target = self._to(t0, b0, args, kwargs, target)
         return self._call(func, lambda: func(*args, **kwargs), target, explicit_meta, args, kwargs)
 
@@ -220,7 +253,11 @@ class FunctionMode(TorchFunctionMode):
             if target is not None:  # torch.tensor(..., device=) builds its tensor below the modes
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t.is_meta and sim.block_of(t) is None:
-                        sim.track(t.untyped_storage(), target)
+                        b = sim.track(t.untyped_storage(), target)
+                        if func in _HOST_DATA and t.numel() <= known.VALUE_LIMIT:
+                            with torch._C.DisableTorchFunction():  # the same data, built on the host
+                                host = func(*args, **dict(kwargs, device="cpu"))
+                            b.value = host.untyped_storage()
             return out
         except (RuntimeError, NotImplementedError) as e:
             if (isinstance(e, torch.OutOfMemoryError) or not any(s in str(e) for s in _DATA_ERRORS)
@@ -266,6 +303,46 @@ class FunctionMode(TorchFunctionMode):
                     grad = grad.to(target)
             t.grad = grad
         return True
+
+    def _to_host(self, args: Any, kwargs: Any) -> bool:
+        """Does ``Tensor.to(...)`` name the CPU?"""
+        for a in list(args[1:]) + [kwargs.get("device")]:
+            d = parse_device(a) if not isinstance(a, torch.Tensor) else None
+            if d is not None and d[0] == "cpu":
+                return True
+        return False
+
+    def _read(self, func: Any, name: str, t: torch.Tensor, args: Any, kwargs: Any) -> Any:
+        """A read of a simulated tensor's values: exact when they are known (`vram.run.known`),
+        else `DataDependentError` naming the script's line."""
+        sim = self.sim
+        if name in ("cpu", "to", "numpy"):
+            host = known.host_copy(sim, t)
+            if host is not None:
+                if name == "numpy":
+                    if t.requires_grad:
+                        raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
+                                           "Use tensor.detach().numpy() instead.")
+                    return host.numpy()
+                if name == "to":
+                    with torch._C.DisableTorchFunction():
+                        return torch.Tensor.to(host, *args[1:], **kwargs)
+                return host
+        elif name in ("__repr__", "__format__") and known.known(sim, t):
+            value = known.host_copy(sim, t)
+            assert value is not None
+            if name == "__format__" and t.dim() == 0:
+                return format(value.item(), *args[1:])
+            return _cuda_repr(repr(value), sim.idx_of(t), t)
+        else:
+            try:
+                cpu_args, cpu_kwargs = tree_map(lambda x: known.to_cpu(sim, x), (args, kwargs))
+            except known.Unknown:
+                pass
+            else:
+                with torch._C.DisableTorchFunction():
+                    return func(*cpu_args, **cpu_kwargs)
+        raise value_error(describe(func) if name != "to" else "Tensor.to('cpu')")
 
     def _inside(self, func: Any, args: Any, kwargs: Any) -> Any:
         with self:

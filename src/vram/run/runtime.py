@@ -30,11 +30,12 @@ How it works, inside `simulated_cuda`:
 * **Freed when PyTorch frees.** ``weakref.ref(storage, callback)`` rather than
   ``weakref.finalize``: the same timing (the storage's PyObject dies with the ``StorageImpl``), no
   atexit registry, and the callbacks can be disarmed when the simulation ends.
-* **No values.** ``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``, printing, ``.numpy()``,
-  ``.cpu()`` / ``.to("cpu")``, ``nonzero``, boolean-mask indexing and other data-dependent ops on a
-  simulated tensor raise `DataDependentError` naming the script line. A copy to the host is
-  legitimate on a GPU, but it would have to invent the values, and invented values silently steer
-  control flow — so it is an error, not zeros.
+* **Values.** A meta tensor has no data, but values that need no model arithmetic are known
+  exactly (`vram.run.known`): factories, host data copied over, and small ops on those alone
+  (masks, ids, counters), so ``.item()``, ``bool(t)``, ``.tolist()``, printing, ``.cpu()`` and
+  data-dependent ops (``nonzero``, boolean masks) give what the GPU would. Reading any other
+  value raises `DataDependentError` naming the script line: invented values would silently steer
+  control flow.
 * **OOM.** The allocator's out-of-memory error surfaces as ``torch.OutOfMemoryError`` (alias
   ``torch.cuda.OutOfMemoryError``) with PyTorch's message, raised from the op that allocated; the
   op's already-allocated outputs are freed first, as C++ unwinding would.

@@ -18,12 +18,14 @@ _META = torch.device("meta")
 
 
 class ChargedStorage:
-    """One charged storage: its block, device and the weak reference that frees it."""
+    """One charged storage: its block, device, the weak reference that frees it, and a CPU copy
+    of its contents when they are known (`vram.run.known`)."""
 
-    __slots__ = ("ptr", "nbytes", "device", "ref")
+    __slots__ = ("ptr", "nbytes", "device", "ref", "value")
 
     def __init__(self, ptr: int, nbytes: int, device: int, ref: weakref.ref[Any]) -> None:
         self.ptr, self.nbytes, self.device, self.ref = ptr, nbytes, device, ref
+        self.value: torch.UntypedStorage | None = None
 
 
 class SimState:
@@ -109,6 +111,7 @@ class SimState:
         old = b.ptr
         b.ptr = self.malloc(b.device, nbytes) if nbytes else 0
         b.nbytes = nbytes
+        b.value = None
         if old:
             _memory.get_allocator(b.device).free(old)
 

@@ -1,0 +1,157 @@
+"""Values a simulated run knows exactly (issue 10 §3), so control flow takes the GPU's branch.
+
+A simulated CUDA tensor is a meta tensor: it has no data. But many values a script reads do
+not depend on the model's arithmetic: masks, position ids, token ids, step counters, anything
+built by factories (``ones``, ``zeros``, ``full``, ``arange``, ``randint``…) or copied from the
+host (``torch.tensor(list, device="cuda")``, ``x.to("cuda")``, ``from_numpy``), and whatever small
+ops compute from such tensors alone (``mask.all()``, ``torch.isin(ids, eos)``, ``ids.ne(pad).sum()``).
+For those, every storage whose contents are known keeps a CPU copy (`ChargedStorage.value`), and
+each aten op whose tensor inputs are all known runs a second time, on the CPU copies, to know its
+outputs (in-place ops update the copies they write). Reading such a tensor (``.item()``,
+``bool()``, ``.tolist()``, ``.cpu()``, printing) gives the exact value, and data-dependent ops
+(``nonzero``, boolean indexing) get their real output shape.
+
+Limits: a new storage's values are kept only up to `VALUE_LIMIT` elements (larger outputs are
+unknown: the CPU work would approach the model's own arithmetic). Uninitialized memory (``empty``)
+is unknown. Random ops draw from the CPU generator, whose state is restored afterwards (the
+script's CPU random stream is untouched), so their values are plausible, not the GPU's. An op that fails on
+the CPU (a CUDA-only kernel) makes its outputs unknown. Reading an unknown value stops the run
+with `DataDependentError`, as before.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .storages import ChargedStorage, SimState
+
+#: Elements of a new storage whose values are kept on the CPU (64 Ki: masks, ids, scalars).
+VALUE_LIMIT = 1 << 16
+_CPU = torch.device("cpu")
+_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                            "empty_permuted", "resize_", "set_"})
+
+
+class Unknown(Exception):
+    """Internal: an input whose values are not known."""
+
+
+def cpu_value(sim: SimState, t: Any) -> torch.Tensor | None:
+    """`t`'s values as a CPU tensor sharing the kept copy (a host tensor is itself); None when
+    unknown. Callers that hand the result to the script must copy it."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    b = sim.block_of(t)
+    if b is None:
+        return t if t.device.type == "cpu" else None
+    if b.value is None:
+        return None
+    with torch._C.DisableTorchFunction():
+        return torch.empty(0, dtype=t.dtype).set_(b.value, t.storage_offset(), t.size(), t.stride())
+
+
+def known(sim: SimState, t: torch.Tensor) -> bool:
+    """Are `t`'s values known (a host tensor, or a simulated one with a kept copy)?"""
+    b = sim.block_of(t)
+    return (b.value is not None) if b is not None else t.device.type == "cpu"
+
+
+def to_cpu(sim: SimState, x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        v = cpu_value(sim, x)
+        if v is None:
+            raise Unknown
+        return v
+    if isinstance(x, torch.device) and x.type == "meta":
+        return _CPU
+    return x
+
+
+def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any) -> Any:
+    """`func` on the CPU copies of its inputs; raises `Unknown` when an input is unknown."""
+    cpu_args, cpu_kwargs = tree_map(lambda x: to_cpu(sim, x), (args, kwargs))
+    with torch._C.DisableTorchFunction():
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            with torch.random.fork_rng(devices=[]):
+                return func(*cpu_args, **cpu_kwargs)
+        return func(*cpu_args, **cpu_kwargs)
+
+
+def _written(sim: SimState, func: Any, inputs: list[Any]) -> list[ChargedStorage]:
+    """The simulated storages a mutable op may write (conservatively: all its simulated inputs)."""
+    if not func._schema.is_mutable:
+        return []
+    return [b for t in inputs if (b := sim.block_of(t)) is not None]
+
+
+def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs: list[Any],
+              computed: Any = None) -> None:
+    """After an aten op ran on meta: know its outputs' values if all its inputs are known.
+
+    `computed` is the op's CPU result when the caller already has it (data-dependent ops)."""
+    if computed is None:
+        for t in inputs:  # the common case (an activation is unknown): return at once
+            if not known(sim, t):
+                _forget([], _written(sim, func, inputs))  # new outputs start unknown already
+                return
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    targets = [(t, b) for t in outs if (b := sim.block_of(t)) is not None]
+    written = _written(sim, func, inputs)
+    if not targets and not written:
+        return
+    name = func.overloadpacket.__name__
+    big = any(t.numel() > VALUE_LIMIT for t, _ in targets)
+    if computed is None and (name in _UNINITIALIZED or big):
+        _forget(targets, written)
+        return
+    try:
+        result = computed if computed is not None else run_on_cpu(sim, func, args, kwargs)
+    except Unknown:
+        _forget(targets, written)
+        return
+    except Exception:  # noqa: BLE001 - no CPU kernel, or a CPU-only failure: the values are unknown
+        _forget(targets, written)
+        return
+    results = [r for r in tree_leaves(result) if isinstance(r, torch.Tensor)]
+    if len(results) != len(outs):
+        _forget(targets, written)
+        return
+    by_out = dict(zip((id(t) for t in outs), results))
+    for t, b in targets:
+        r = by_out[id(t)]
+        if b.value is None:
+            if big:
+                continue
+            b.value = torch.UntypedStorage(b.nbytes)
+        view = cpu_value(sim, t)
+        if view is not None and view.data_ptr() != r.data_ptr():
+            with torch._C.DisableTorchFunction():
+                view.copy_(r)
+
+
+def _forget(targets: list[tuple[Any, ChargedStorage]], written: list[ChargedStorage]) -> None:
+    for _, b in targets:
+        b.value = None
+    for b in written:
+        b.value = None
+
+
+def meta_outputs(result: Any) -> Any:
+    """Meta tensors shaped like the CPU `result` of a data-dependent op (``nonzero``, masks)."""
+    def meta(r: Any) -> Any:
+        if isinstance(r, torch.Tensor):
+            with torch._C.DisableTorchFunction():
+                return torch.empty_strided(r.size(), r.stride(), dtype=r.dtype, device="meta")
+        return r
+    return tree_map(meta, result)
+
+
+def host_copy(sim: SimState, t: torch.Tensor) -> torch.Tensor | None:
+    """A new CPU tensor with `t`'s values (``t.cpu()``), or None when unknown."""
+    v = cpu_value(sim, t)
+    if v is None:
+        return None
+    with torch._C.DisableTorchFunction():
+        return v.clone()
