@@ -67,7 +67,7 @@ def test_host_copies_and_printing() -> None:
 
 
 def test_in_place_updates_follow_and_unknown_inputs_poison() -> None:
-    with simulated_cuda():
+    with simulated_cuda(strict_values=True):
         x = torch.zeros(4, device="cuda")
         x[1] = 5
         x.add_(1)
@@ -79,7 +79,7 @@ def test_in_place_updates_follow_and_unknown_inputs_poison() -> None:
 
 
 def test_values_are_kept_up_to_the_limit() -> None:
-    with simulated_cuda():
+    with simulated_cuda(strict_values=True):
         at_limit = torch.ones(VALUE_LIMIT, device="cuda")
         assert at_limit.sum().item() == VALUE_LIMIT
         over = torch.ones(VALUE_LIMIT + 1, device="cuda")

@@ -20,7 +20,7 @@ nn = torch.nn
 F = torch.nn.functional
 
 from vram import cli  # noqa: E402
-from vram.run.runtime import DataDependentError, run_script, simulated_cuda  # noqa: E402
+from vram.run.runtime import DataDependentError, simulated_cuda  # noqa: E402
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -146,7 +146,7 @@ def test_oom_is_torch_out_of_memory_error_with_pytorchs_text() -> None:
 
 
 def test_item_print_and_host_copies_raise_naming_the_line() -> None:
-    with simulated_cuda():
+    with simulated_cuda(strict_values=True):
         # values that need the GPU's arithmetic: a sum over 262,144 random elements (more than
         # vram.run.known keeps on the host), so unknown
         x = torch.randn(512, 512, device="cuda").sum()
@@ -286,7 +286,7 @@ def test_vram_run_oom_and_values(tmp_path: os.PathLike[str], capsys: pytest.Capt
         loss = torch.randn(512, 512, device="cuda").mean()
         print(loss.item())
         """)
-    assert run_script(path, []) == 1
+    assert cli.main(["run", "--strict-values", path]) == 1
     assert "script.py:3: loss.item() needs tensor values" in capsys.readouterr().err
 
 

@@ -245,7 +245,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.script):
         raise OSError(f"can't open file {args.script!r}: no such file")
     return run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
-                      context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch)
+                      context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch,
+                      strict_values=args.strict_values, value_report=args.value_report)
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
@@ -339,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=1, help="number of simulated GPUs (default 1)")
     p.add_argument("--arch", default=None, help=ARCH_HELP)
     p.add_argument("--summary", action="store_true", help="print torch.cuda.memory_summary() at the end")
+    p.add_argument("--strict-values", action="store_true",
+                   help="stop at the first read of a tensor value the simulation does not know (default: "
+                        "answer it with zeros and list every such read on stderr at the end)")
+    p.add_argument("--value-report", metavar="FILE.json",
+                   help="write the reads answered with placeholder values as JSON")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=cmd_run)

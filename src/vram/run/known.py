@@ -16,7 +16,9 @@ unknown: the CPU work would approach the model's own arithmetic). Uninitialized 
 is unknown. Random ops draw from the CPU generator, whose state is restored afterwards (the
 script's CPU random stream is untouched), so their values are plausible, not the GPU's. An op that fails on
 the CPU (a CUDA-only kernel) makes its outputs unknown. Reading an unknown value stops the run
-with `DataDependentError`, as before.
+with `DataDependentError` when the run is strict about values; otherwise it is answered with a
+`placeholder` (zeros) and recorded in the run's `vram.run.values.ValueReport`, and small unknown
+inputs of an op are replaced by placeholders too, their results marked as assumed.
 """
 from __future__ import annotations
 
@@ -69,9 +71,45 @@ def to_cpu(sim: SimState, x: Any) -> Any:
     return x
 
 
-def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any) -> Any:
-    """`func` on the CPU copies of its inputs; raises `Unknown` when an input is unknown."""
-    cpu_args, cpu_kwargs = tree_map(lambda x: to_cpu(sim, x), (args, kwargs))
+def assumed(sim: SimState, t: Any) -> bool:
+    """Was `t`'s known value computed from placeholders?"""
+    b = sim.block_of(t)
+    return b is not None and b.value is not None and b.assumed
+
+
+def placeholder(t: torch.Tensor) -> torch.Tensor:
+    """The value assumed for an unknown tensor: zeros of its shape and dtype, on the CPU.
+
+    Zeros keep the usual checks on the path a GPU run takes when nothing is wrong: no NaN or
+    inf (``isfinite(loss).all()`` is True), no token equal to a typical EOS id, losses that
+    compare as small."""
+    with torch._C.DisableTorchFunction():
+        return torch.zeros(t.size(), dtype=t.dtype)
+
+
+def to_cpu_assuming(sim: SimState, x: Any, used: list[bool]) -> Any:
+    """`to_cpu`, but an unknown simulated tensor of at most `VALUE_LIMIT` elements becomes its
+    `placeholder` (noted in `used`), unless the run is strict about values."""
+    if isinstance(x, torch.Tensor):
+        v = cpu_value(sim, x)
+        if v is not None:
+            if assumed(sim, x):
+                used.append(True)
+            return v
+        if sim.strict_values or sim.block_of(x) is None or x.numel() > VALUE_LIMIT:
+            raise Unknown
+        used.append(True)
+        return placeholder(x)
+    return to_cpu(sim, x)
+
+
+def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[bool] | None = None) -> Any:
+    """`func` on the CPU copies of its inputs; raises `Unknown` when an input is unknown (with
+    `used` given, small unknown inputs are replaced by placeholders and noted there)."""
+    if used is None:
+        cpu_args, cpu_kwargs = tree_map(lambda x: to_cpu(sim, x), (args, kwargs))
+    else:
+        cpu_args, cpu_kwargs = tree_map(lambda x: to_cpu_assuming(sim, x, used), (args, kwargs))
     with torch._C.DisableTorchFunction():
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             with torch.random.fork_rng(devices=[]):
@@ -87,13 +125,14 @@ def _written(sim: SimState, func: Any, inputs: list[Any]) -> list[ChargedStorage
 
 
 def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs: list[Any],
-              computed: Any = None) -> None:
-    """After an aten op ran on meta: know its outputs' values if all its inputs are known.
+              computed: Any = None, computed_assumed: bool = False) -> None:
+    """After an aten op ran on meta: know its outputs' values if all its inputs are known (or,
+    unless strict, unknown but small: then the outputs are computed from placeholders).
 
     `computed` is the op's CPU result when the caller already has it (data-dependent ops)."""
     if computed is None:
-        for t in inputs:  # the common case (an activation is unknown): return at once
-            if not known(sim, t):
+        for t in inputs:  # the common case (a large activation is unknown): return at once
+            if not known(sim, t) and (sim.strict_values or t.numel() > VALUE_LIMIT or sim.block_of(t) is None):
                 _forget([], _written(sim, func, inputs))  # new outputs start unknown already
                 return
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -106,8 +145,9 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
     if computed is None and (name in _UNINITIALIZED or big):
         _forget(targets, written)
         return
+    used: list[bool] = [True] if computed_assumed else []
     try:
-        result = computed if computed is not None else run_on_cpu(sim, func, args, kwargs)
+        result = computed if computed is not None else run_on_cpu(sim, func, args, kwargs, used)
     except Unknown:
         _forget(targets, written)
         return
@@ -122,9 +162,10 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
     for t, b in targets:
         r = by_out[id(t)]
         if b.value is None:
-            if big:
+            if big or b.nbytes > VALUE_LIMIT * t.element_size():
                 continue
             b.value = torch.UntypedStorage(b.nbytes)
+        b.assumed = bool(used) or (b.assumed and func._schema.is_mutable)
         view = cpu_value(sim, t)
         if view is not None and view.data_ptr() != r.data_ptr():
             with torch._C.DisableTorchFunction():

@@ -58,12 +58,12 @@ class DispatchMode(TorchDispatchMode):
         kwargs = kwargs or {}
         sim = self.sim
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        computed = None
+        computed, computed_assumed = None, False
         try:
             out = func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
             if any(s in str(e) for s in _DATA_ERRORS) and any(sim.block_of(t) for t in inputs):
-                computed = self._data_dependent(func, args, kwargs)
+                computed, computed_assumed = self._data_dependent(func, args, kwargs)
                 if computed is None:
                     what = describe(sim.call) if sim.call is not None else f"{func}"
                     no_kernel = "no fake impl or Meta kernel" in str(e)
@@ -89,16 +89,24 @@ class DispatchMode(TorchDispatchMode):
                 if b is not None:
                     sim.resize(t.untyped_storage(), b)
         self._charge(func, args, kwargs, out, idx)
-        known.propagate(sim, func, args, kwargs, out, inputs, computed)
+        known.propagate(sim, func, args, kwargs, out, inputs, computed, computed_assumed)
         return out
 
-    def _data_dependent(self, func: Any, args: Any, kwargs: Any) -> Any:
+    def _data_dependent(self, func: Any, args: Any, kwargs: Any) -> tuple[Any, bool]:
         """The CPU result of an op whose output shape depends on values (``nonzero``, boolean
-        masks), when its inputs' values are known; else None."""
+        masks) and whether placeholders went into it (then the shape is recorded as assumed);
+        (None, False) when its inputs cannot be known."""
+        sim = self.sim
+        used: list[bool] = []
         try:
-            return known.run_on_cpu(self.sim, func, args, kwargs)
+            result = known.run_on_cpu(sim, func, args, kwargs, used)
         except Exception:  # noqa: BLE001 - unknown inputs or no CPU kernel: the caller reports it
-            return None
+            return None, False
+        if used:
+            what = describe(sim.call) if sim.call is not None else str(func)
+            shapes = [list(r.shape) for r in tree_leaves(result) if isinstance(r, torch.Tensor)]
+            sim.report.record(what, f"output shape {shapes[0] if len(shapes) == 1 else shapes}", derived=True)
+        return result, bool(used)
 
     def _charge(self, func: Any, args: Any, kwargs: Any, out: Any, idx: int) -> None:
         sim = self.sim
@@ -313,36 +321,49 @@ class FunctionMode(TorchFunctionMode):
         return False
 
     def _read(self, func: Any, name: str, t: torch.Tensor, args: Any, kwargs: Any) -> Any:
-        """A read of a simulated tensor's values: exact when they are known (`vram.run.known`),
-        else `DataDependentError` naming the script's line."""
+        """A read of a simulated tensor's values: exact when they are known (`vram.run.known`);
+        else, unless the run is strict, a placeholder recorded in the run's report; else
+        `DataDependentError` naming the script's line."""
         sim = self.sim
-        if name in ("cpu", "to", "numpy"):
-            host = known.host_copy(sim, t)
-            if host is not None:
+        what = describe(func) if name != "to" else "Tensor.to('cpu')"
+        used: list[bool] = []
+        try:
+            value = known.to_cpu_assuming(sim, t, used) if not sim.strict_values else known.to_cpu(sim, t)
+            if name in ("cpu", "to", "numpy", "__repr__", "__format__"):
+                with torch._C.DisableTorchFunction():
+                    host = value.clone()
                 if name == "numpy":
                     if t.requires_grad:
                         raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
                                            "Use tensor.detach().numpy() instead.")
-                    return host.numpy()
-                if name == "to":
+                    result: Any = host.numpy()
+                elif name == "to":
                     with torch._C.DisableTorchFunction():
-                        return torch.Tensor.to(host, *args[1:], **kwargs)
-                return host
-        elif name in ("__repr__", "__format__") and known.known(sim, t):
-            value = known.host_copy(sim, t)
-            assert value is not None
-            if name == "__format__" and t.dim() == 0:
-                return format(value.item(), *args[1:])
-            return _cuda_repr(repr(value), sim.idx_of(t), t)
-        else:
-            try:
-                cpu_args, cpu_kwargs = tree_map(lambda x: known.to_cpu(sim, x), (args, kwargs))
-            except known.Unknown:
-                pass
+                        result = torch.Tensor.to(host, *args[1:], **kwargs)
+                elif name == "__format__" and t.dim() == 0:
+                    result = format(host.item(), *args[1:])
+                elif name in ("__repr__", "__format__"):
+                    result = _cuda_repr(repr(host), sim.idx_of(t), t)
+                else:
+                    result = host
             else:
+                if sim.strict_values:
+                    cpu_args, cpu_kwargs = tree_map(lambda x: known.to_cpu(sim, x), (args, kwargs))
+                else:
+                    cpu_args, cpu_kwargs = tree_map(lambda x: known.to_cpu_assuming(sim, x, used), (args, kwargs))
                 with torch._C.DisableTorchFunction():
-                    return func(*cpu_args, **cpu_kwargs)
-        raise value_error(describe(func) if name != "to" else "Tensor.to('cpu')")
+                    result = func(*cpu_args, **cpu_kwargs)
+        except known.Unknown:
+            if not sim.strict_values and name in ("cpu", "to", "numpy"):  # too large for a value copy
+                host = known.placeholder(t)
+                sim.report.record(what, f"zeros {list(t.shape)}")
+                return host.numpy() if name == "numpy" else host
+            raise value_error(what) from None
+        if used:
+            placeholder = not known.known(sim, t)
+            shown = f"zeros {list(t.shape)}" if isinstance(result, torch.Tensor) else repr(result)
+            sim.report.record(what, shown if len(shown) <= 40 else shown[:37] + "...", derived=not placeholder)
+        return result
 
     def _inside(self, func: Any, args: Any, kwargs: Any) -> Any:
         with self:

@@ -103,7 +103,7 @@ def active_sim() -> SimState | None:
 def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0, conf: str | None = None,
                    device_count: int = 1, *, arch: str | None = None, name: str | None = None,
                    major: int | None = None, minor: int | None = None,
-                   multi_processor_count: int | None = None,
+                   multi_processor_count: int | None = None, strict_values: bool = False,
                    **simulate_kwargs: Any) -> Iterator[list[Any]]:
     """Run PyTorch code inside as if on `device_count` CUDA GPUs of `gpu` bytes each.
 
@@ -113,7 +113,9 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     ``PYTORCH_CUDA_ALLOC_CONF`` string (None: read the environment). A size is otherwise an H100
     (sm90, 132 SMs); `arch` ("8.0", "sm_86") or `major`/`minor` change the compute capability,
     which decides cuBLAS's workspace size, and `multi_processor_count` flash attention's split
-    heuristic. Yields the `vram.SimulatedDevice` list; the simulator's state
+    heuristic. A read of a value the simulation does not know gets a placeholder, recorded in
+    ``active_sim().report`` (`vram.run.values.ValueReport`); `strict_values` makes it raise
+    `DataDependentError` instead. Yields the `vram.SimulatedDevice` list; the simulator's state
     (``vram.memory_summary()`` etc.) remains readable after the block.
     """
     spec = resolve_gpu(gpu, arch)
@@ -124,6 +126,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     total = spec.total_memory
     devices = _memory.simulate(total, context, device_count, conf, name=name, **simulate_kwargs)
     sim = SimState([DeviceProperties(name, total, major, minor, sms) for _ in range(device_count)])
+    sim.strict_values = strict_values
     dispatch, function = DispatchMode(sim), FunctionMode(sim)
     restore = patch_torch_cuda(sim.props)
     restore_extras = patch_torch_extras(sim.autocast_cache.clear, lambda t: sim.block_of(t) is not None,
@@ -158,14 +161,17 @@ def _print_exception(e: BaseException) -> None:
 
 
 def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
-               on_exit: Callable[[], None] | None = None, **sim_kwargs: Any) -> int:
+               on_exit: Callable[[], None] | None = None, value_report: str | None = None,
+               **sim_kwargs: Any) -> int:
     """Run the script at `path` with `argv` under `simulated_cuda`; returns its exit status.
 
     As ``python path argv...`` would: ``sys.argv`` and ``sys.path[0]`` are the script's,
     ``__name__ == "__main__"``, an uncaught exception prints its traceback and gives status 1
     (a `DataDependentError` prints its one-line message), ``sys.exit(n)`` gives n. `summary`
     prints ``torch.cuda.memory_summary()`` when the script ends (while its globals still hold their
-    tensors); `on_exit` is called at that moment too. `sim_kwargs` go to `simulated_cuda`.
+    tensors); `on_exit` is called at that moment too. Reads answered with placeholder values are
+    listed on stderr at the end, and written as JSON to `value_report` when given. `sim_kwargs`
+    go to `simulated_cuda` (``strict_values=True``: stop at the first such read instead).
     """
     path = os.fspath(path)
     saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
@@ -199,6 +205,13 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                 if on_exit is not None:
                     on_exit()
                 del result
+                report = _ACTIVE[-1].report
+                if report.sites:
+                    sys.stdout.flush()
+                    print(report.render(), file=sys.stderr, flush=True)
+                if value_report is not None:
+                    with open(value_report, "w") as f:
+                        f.write(report.as_json() + "\n")
     finally:
         sys.argv = saved_argv
         if saved_path0 is not None:

@@ -12,7 +12,7 @@ from vram.allocator.errors import OutOfMemoryError as _SimOOM
 from vram.frontend import memory as _memory
 
 from .cuda_api import DeviceProperties
-from .values import value_error
+from .values import ValueReport, value_error
 
 _META = torch.device("meta")
 
@@ -21,11 +21,12 @@ class ChargedStorage:
     """One charged storage: its block, device, the weak reference that frees it, and a CPU copy
     of its contents when they are known (`vram.run.known`)."""
 
-    __slots__ = ("ptr", "nbytes", "device", "ref", "value")
+    __slots__ = ("ptr", "nbytes", "device", "ref", "value", "assumed")
 
     def __init__(self, ptr: int, nbytes: int, device: int, ref: weakref.ref[Any]) -> None:
         self.ptr, self.nbytes, self.device, self.ref = ptr, nbytes, device, ref
         self.value: torch.UntypedStorage | None = None
+        self.assumed = False  # the value was computed from placeholders
 
 
 class SimState:
@@ -42,6 +43,8 @@ class SimState:
         self.pending: list[tuple[int, int]] = []  # (device, ptr) freed while inside malloc
         self.autocast_cache: dict[int, tuple[weakref.ref[Any], torch.Tensor]] = {}
         self.active = True
+        self.strict_values = False           # unknown values: raise instead of placeholders
+        self.report = ValueReport()          # where placeholders were used
 
     # -- identity ---------------------------------------------------------------------------
     def block_of(self, t: Any) -> ChargedStorage | None:

@@ -1,15 +1,21 @@
-"""Tensor values on a simulated GPU: there are none (for `vram.run.runtime`; layer 4).
+"""Reads of tensor values a simulated GPU does not have (for `vram.run.runtime`; layer 4).
 
-`DataDependentError` is what a simulated run raises when the script needs a value — ``.item()``,
-``bool(t)``, printing, a host copy, ``nonzero``… It names the innermost line of user code (outside
-torch and vram) and, on Python ≥ 3.11, the exact expression, from the code object's positions:
-``train.py:57: loss.item() needs tensor values, which a simulated GPU does not have``.
+Values that need the model's arithmetic (a loss, logits, gradient norms) do not exist on a
+simulated GPU. By default a read of one — ``.item()``, ``bool(t)``, printing, a host copy, a
+data-dependent shape — is answered with a placeholder (zeros, see `vram.run.known`) and recorded
+in a `ValueReport` by the script line and expression that read it; with ``strict_values`` it
+raises `DataDependentError` instead, which names that line: ``train.py:57: loss.item() needs
+tensor values, which a simulated GPU does not have``. Lines come from the innermost frame of user
+code (outside torch and vram) and, on Python ≥ 3.11, the expression from the code's positions.
 """
 from __future__ import annotations
 
+import dis
+import json
 import linecache
 import os
 import sys
+from dataclasses import asdict, dataclass
 from types import FrameType
 from typing import Any
 
@@ -37,10 +43,30 @@ def user_frame() -> FrameType | None:
     return None
 
 
+_TESTS = ("POP_JUMP", "JUMP_IF", "UNARY_NOT", "TO_BOOL")  # instructions that test a value
+
+
+def _positions(frame: FrameType) -> Any:
+    """The positions of the instruction the frame is executing; for a test (``if x:``, ``while
+    not x``, ``and``/``or``), those of the instruction that produced the tested value, since a
+    test's own span is the whole statement."""
+    code, lasti = frame.f_code, frame.f_lasti
+    positions = list(code.co_positions())
+    instructions = {i.offset: i for i in dis.get_instructions(code)}
+    ins = instructions.get(lasti)
+    if ins is not None and ins.opname.startswith(_TESTS):
+        previous = [o for o in instructions if o < lasti and instructions[o].opname not in ("CACHE", "NOP")]
+        while previous and instructions[previous[-1]].opname.startswith(_TESTS):
+            previous.pop()
+        if previous:
+            return positions[previous[-1] // 2]
+    return positions[lasti // 2]
+
+
 def expression(frame: FrameType) -> str | None:
     """The source text of the expression the frame is executing (Python ≥ 3.11 positions)."""
     try:
-        pos = list(frame.f_code.co_positions())[frame.f_lasti // 2]
+        pos = _positions(frame)
     except (AttributeError, IndexError):
         return None
     line, end_line, col, end_col = pos
@@ -73,3 +99,50 @@ def describe(func: Any) -> str:
         return _SPECIAL[name]
     owner = getattr(func, "__qualname__", "").split(".")[0]
     return f"Tensor.{name}()" if owner.startswith("Tensor") else f"torch.{name}()"
+
+
+@dataclass
+class Site:
+    """One place in the script whose reads were answered with placeholder values."""
+
+    file: str
+    line: int
+    expression: str
+    reads: int
+    assumed: str        # what the first read returned, e.g. "0.0", "False", "zeros [8, 512]"
+    derived: bool       # from values computed on placeholders (not a placeholder itself)
+
+
+class ValueReport:
+    """The reads of a simulated run that got placeholders, by script line (issue 10 §3)."""
+
+    def __init__(self) -> None:
+        self.sites: dict[tuple[str, int, str], Site] = {}
+
+    def record(self, what: str, assumed: str, derived: bool = False) -> None:
+        frame = user_frame()
+        file, line = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<unknown>", 0)
+        expr = (expression(frame) if frame is not None else None) or what
+        site = self.sites.get((file, line, expr))
+        if site is None:
+            self.sites[file, line, expr] = Site(file, line, expr, 1, assumed, derived)
+        else:
+            site.reads += 1
+
+    def render(self) -> str:
+        """The report for stderr at the end of a run ("" when no placeholder was used)."""
+        if not self.sites:
+            return ""
+        total = sum(s.reads for s in self.sites.values())
+        lines = [f"vram run: {total:,} read(s) of values a simulated GPU does not have were answered "
+                 f"with placeholders (zeros) at {len(self.sites)} place(s):"]
+        for s in self.sites.values():
+            kind = "computed from placeholders" if s.derived else "placeholder"
+            lines.append(f"  {s.file}:{s.line}: {s.expression}  x{s.reads:,}  -> {s.assumed} ({kind})")
+        lines.append("  Branches and data-dependent shapes that follow these values may differ from a GPU run "
+                     "(e.g. generate() never sees EOS and runs to max_new_tokens: the worst case); "
+                     "--strict-values stops at the first such read.")
+        return "\n".join(lines)
+
+    def as_json(self) -> str:
+        return json.dumps({"placeholder_reads": [asdict(s) for s in self.sites.values()]}, indent=1)
