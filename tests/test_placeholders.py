@@ -95,3 +95,34 @@ def test_generation_without_eos_runs_to_the_step_limit() -> None:
         assert steps == max_new and tokens.shape == (1, 1 + max_new)
         sites = active_sim().report.sites.values()
         assert any("finished.all()" in s.expression and s.derived and s.assumed == "False" for s in sites)
+
+
+def test_torch_save_writes_a_cuda_checkpoint_with_known_values_and_zeros(tmp_path) -> None:
+    """torch.save copies each storage to the host: known contents are copied, unknown ones are
+    zeros (reported), and the checkpoint records cuda:0, as one saved on a GPU does."""
+    path = tmp_path / "ckpt.pt"
+    with simulated_cuda():
+        from vram.run.runtime import active_sim
+
+        lin = torch.nn.Linear(512, 512)       # built on the host: 262,144 weights, 512 biases
+        bias = lin.bias.detach().clone()
+        lin.cuda()                            # the bias (512 elements) is small enough to keep
+        torch.save(lin.state_dict(), path)
+        (site,) = active_sim().report.sites.values()
+        assert site.reads == 1 and site.assumed == "1,048,576 zero bytes"  # the weight's storage
+    sd = torch.load(path, map_location="cpu")
+    assert torch.equal(sd["bias"], bias) and not sd["weight"].any()
+    with pytest.raises(RuntimeError, match="CUDA"):  # recorded as cuda:0: a CPU-only torch refuses it
+        torch.load(path)
+    with simulated_cuda():
+        loaded = torch.load(path)             # no map_location: back onto the simulated GPU
+        assert loaded["weight"].is_cuda and torch.cuda.memory_allocated() == 1_048_576 + 2048
+
+
+def test_torch_save_stops_when_strict(tmp_path) -> None:
+    from vram.run.runtime import DataDependentError
+
+    with simulated_cuda(strict_values=True):
+        w = torch.randn(512, 512, device="cuda")
+        with pytest.raises(DataDependentError, match="needs tensor values"):
+            torch.save(w, tmp_path / "w.pt")

@@ -321,7 +321,8 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
 
 
 def patch_storages(address_of: Callable[[Any], int | None],
-                   to_device: Callable[[Any, torch.device], Any]) -> Callable[[], None]:
+                   to_device: Callable[[Any, torch.device], Any],
+                   device_of: Callable[[Any], int | None]) -> Callable[[], None]:
     """Storage-level moves, which no mode sees; returns the restore function.
 
     * ``UntypedStorage.data_ptr()``: a simulated storage's simulated address (`address_of` gives
@@ -332,11 +333,21 @@ def patch_storages(address_of: Callable[[Any], int | None],
     * ``UntypedStorage.to(device=)`` / ``.cuda()``, behind ``torch.load(map_location="cuda")`` and
       loading a checkpoint saved on a GPU: `to_device` returns the moved storage (a simulated
       one, charged when CUDA's copy would allocate), or None to leave the move to PyTorch.
+    * ``UntypedStorage.cpu()`` (``torch.save``'s copy of every storage): `to_device` with the CPU;
+      ``torch.serialization.location_tag`` names a simulated storage's GPU (``cuda:N``, from
+      `device_of`), so a checkpoint saved in a simulated run records CUDA, as a GPU run's does.
     """
+    import torch.serialization as serialization
     import torch.storage as storage_module
 
     original_ptr = torch.UntypedStorage.data_ptr
     original_to = storage_module._to
+    original_cpu = torch.UntypedStorage.cpu
+    original_tag = serialization.location_tag
+
+    def location_tag(storage: Any) -> str:
+        idx = device_of(storage) if isinstance(storage, torch.UntypedStorage) else None
+        return original_tag(storage) if idx is None else f"cuda:{idx}"
 
     def data_ptr(self: Any) -> int:
         ptr = address_of(self)
@@ -346,11 +357,19 @@ def patch_storages(address_of: Callable[[Any], int | None],
         moved = to_device(self, device) if isinstance(self, torch.UntypedStorage) else None
         return original_to(self, device, non_blocking) if moved is None else moved
 
+    def cpu(self: Any) -> Any:  # torch.save copies each storage with .cpu()
+        moved = to_device(self, torch.device("cpu"))
+        return original_cpu(self) if moved is None else moved
+
     torch.UntypedStorage.data_ptr = data_ptr  # type: ignore[method-assign]
     storage_module._to = to  # type: ignore[attr-defined]
+    torch.UntypedStorage.cpu = cpu  # type: ignore[method-assign]
+    serialization.location_tag = location_tag
 
     def restore() -> None:
+        serialization.location_tag = original_tag
         torch.UntypedStorage.data_ptr = original_ptr  # type: ignore[method-assign]
         storage_module._to = original_to  # type: ignore[attr-defined]
+        torch.UntypedStorage.cpu = original_cpu  # type: ignore[method-assign]
 
     return restore

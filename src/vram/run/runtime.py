@@ -131,7 +131,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     restore = patch_torch_cuda(sim.props)
     restore_extras = patch_torch_extras(sim.autocast_cache.clear, lambda t: sim.block_of(t) is not None,
                                         sim.storage_resized, function)
-    restore_storages = patch_storages(sim.storage_address, sim.storage_to)
+    restore_storages = patch_storages(sim.storage_address, sim.storage_to, sim.storage_device)
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
     _ACTIVE.append(sim)
     try:

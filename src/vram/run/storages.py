@@ -15,6 +15,9 @@ from .cuda_api import DeviceProperties
 from .values import ValueReport, value_error
 
 _META = torch.device("meta")
+#: Host storages moved to the simulated GPU keep their contents up to this size (as
+#: `vram.run.known.VALUE_LIMIT` float32 elements).
+VALUE_BYTES_LIMIT = (1 << 16) * 4
 
 
 class ChargedStorage:
@@ -127,19 +130,32 @@ class SimState:
         b = self.live.get(storage._cdata)
         return None if b is None else b.ptr
 
+    def storage_device(self, storage: Any) -> int | None:
+        b = self.live.get(storage._cdata)
+        return None if b is None else b.device
+
     def storage_to(self, storage: Any, device: torch.device) -> Any:
         """``UntypedStorage.to(device)``: to a simulated GPU, a new charged meta storage (no values
-        to copy); a simulated storage to the host would need its values."""
+        to copy; a host storage's known contents come along); to the host (``torch.save``,
+        ``storage.cpu()``), a copy of its known contents, else zeros recorded as placeholders
+        (or `DataDependentError` when strict about values)."""
         b = self.live.get(storage._cdata)
         if device.type == "cuda":
             idx = _memory._device_index(device)
             if b is not None and b.device == idx:
                 return storage
             moved = torch.UntypedStorage(storage.nbytes(), device=_META)
-            self.track(moved, idx)
+            nb = self.track(moved, idx)
+            if b is None and storage.device.type == "cpu" and storage.nbytes() <= VALUE_BYTES_LIMIT:
+                nb.value = storage.clone()
             return moved
         if b is not None and device.type != "meta":
-            raise value_error(f"UntypedStorage.to({device.type!r})")
+            if b.value is not None:
+                return b.value.clone()
+            if self.strict_values:
+                raise value_error(f"UntypedStorage.to({device.type!r})")
+            self.report.record(f"UntypedStorage.to({device.type!r})", f"{storage.nbytes():,} zero bytes")
+            return torch.UntypedStorage(storage.nbytes()).fill_(0)
         return None
 
     def workspace(self, key: tuple[Any, ...], nbytes: int) -> None:
