@@ -18,24 +18,9 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   (``CUBLASLT_WORKSPACE_SIZE`` KiB, default 1024, capped at the cuBLAS workspace) unless
   ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` makes it share the cuBLAS one. Allocation order within
   the op: outputs, cuBLAS workspace, cuBLASLt workspace (``preallocate_cublas_workspaces``'s order).
-* **scaled_dot_product_attention** backend choice (``native/transformers/cuda/sdp_utils.cpp``,
-  simplified): flash if enabled, 4-D, no mask, equal head dims ≤ 256, float16/bfloat16, not a
-  causal non-square problem, heads compatible (GQA needs ``enable_gqa``); else memory-efficient if
-  enabled, 4-D, head dims divisible by 8 (half) / 4 (float), float16/bfloat16/float32; else math.
-  The math path is what CPU/meta runs anyway; flash/efficient go to their aten ops, whose meta
-  kernels return the CUDA kernels' outputs: output + logsumexp (float32 [B, H, S], padded to 32
-  for efficient), never the B·H·S² probabilities. A boolean mask is first converted to a float
-  additive mask as ``convert_boolean_attn_mask`` does; a head dim not a multiple of 8 is padded for
-  flash as ``pad_last_dim<8>`` does. cuDNN attention (preferred on sm90/sm100 by builds with
-  cuDNN > 9.15) is not modelled; its saved tensors have the same sizes.
-* **flash-attention scratch** (``native/transformers/cuda/flash_attn/flash_api.cpp``). Forward
-  (``mha_fwd``): out, softmax_lse, then — when the split-KV heuristic picks more than one split
-  (no dropout) — softmax_lse_accum [splits, B, H, Sq] and out_accum [splits, B, H, Sq, Dr] float32,
-  then rng_state (uint64[2]) and an unused uint64 scalar; the accumulators are freed when the op
-  returns. Backward (``mha_bwd``): dq, dk, dv, softmax_d [B, H, Sq128] float32, dq_accum
-  [B, Sq128, H, Dr] float32 (+ dk/dv expanded to all heads for GQA), all scratch freed at the end.
-  The memory-efficient kernel's philox seed/offset are CPU tensors without dropout (not charged);
-  its optional float32 output accumulator and its backward workspace are not modelled.
+* **scaled_dot_product_attention**: backend choice (flash / memory-efficient / cuDNN / math, by the
+  simulated compute capability) and what each kernel allocates, forward and backward, live in
+  `vram.run.sdpa` (re-exported here); `op_plan` asks it first.
 
 The rules follow the newest PyTorch sources read (2026); older releases differ in places (before
 the shared cuBLASLt workspace, each Lt matmul allocated and freed its own 1 MiB).
@@ -48,7 +33,6 @@ intermediates; NCCL buffers; CUDA graphs.
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import types
@@ -58,6 +42,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
+
+from . import sdpa as _sdpa
+from .sdpa import convert_boolean_attn_mask as convert_boolean_attn_mask
+from .sdpa import sdpa_args as sdpa_args
+from .sdpa import sdpa_cuda as sdpa_cuda
+from .sdpa import select_sdpa_backend as select_sdpa_backend
 
 # -- cuBLAS ---------------------------------------------------------------------------------------
 CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot",
@@ -105,151 +95,14 @@ def uses_cublaslt(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out:
             and min(mat1.size(0), mat1.size(1), mat2.size(0), mat2.size(1)) > 1)
 
 
-# -- scaled_dot_product_attention ------------------------------------------------------------------
-def sdpa_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``scaled_dot_product_attention``'s arguments by name, defaults filled in."""
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    defaults: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False,
-                                "scale": None, "enable_gqa": False}
-    p = dict(defaults)
-    p.update(zip(names, args))
-    p.update(kwargs)
-    return p
-
-
-def _heads_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> bool:
-    if q.size(0) != k.size(0) or q.size(0) != v.size(0) or k.size(1) != v.size(1):
-        return False
-    if q.size(1) == k.size(1):
-        return True
-    return gqa and q.size(1) % k.size(1) == 0
-
-
-def select_sdpa_backend(p: dict[str, Any]) -> str:
-    """"flash", "efficient" or "math": the backend CUDA's ``select_sdp_backend`` would pick."""
-    q, k, v = p["query"], p["key"], p["value"]
-    dense4 = all(isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_nested for t in (q, k, v))
-    if not dense4 or 0 in (q.size(2), k.size(2)):
-        return "math"
-    dq, dk, dv = q.size(-1), k.size(-1), v.size(-1)
-    low = q.dtype in (torch.float16, torch.bfloat16)
-    same_dtype = q.dtype == k.dtype == v.dtype
-    heads = _heads_ok(q, k, v, bool(p["enable_gqa"]))
-    if (torch.backends.cuda.flash_sdp_enabled() and p["attn_mask"] is None and low and same_dtype
-            and dq == dk == dv and dq <= 256 and heads
-            and not (p["is_causal"] and q.size(2) != k.size(2))
-            and all(t.stride(-1) == 1 or t.size(-1) == 1 for t in (q, k, v))):
-        return "flash"
-    align = 8 if low else 4
-    if (torch.backends.cuda.mem_efficient_sdp_enabled() and same_dtype and heads
-            and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and dq == dk and dq % align == 0 and dv % align == 0 and dq > 0 and dv > 0
-            and all(t.stride(-1) == 1 for t in (q, k, v))):
-        return "efficient"
-    return "math"
-
-
-def convert_boolean_attn_mask(mask: Any, dtype: torch.dtype) -> Any:
-    """``convert_boolean_attn_mask``: a bool mask becomes a float additive mask (new memory)."""
-    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-        zero = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
-        return torch.where(mask.logical_not(), -math.inf, zero)
-    return mask
-
-
-def sdpa_cuda(p: dict[str, Any], backend: str, fallback: Any) -> torch.Tensor:
-    """Run ``scaled_dot_product_attention`` the way CUDA's chosen `backend` would (on meta)."""
-    q, k, v = p["query"], p["key"], p["value"]
-    mask = convert_boolean_attn_mask(p["attn_mask"], q.dtype)
-    if backend == "math":
-        return fallback(q, k, v, attn_mask=mask, dropout_p=p["dropout_p"], is_causal=p["is_causal"],
-                        scale=p["scale"], enable_gqa=p["enable_gqa"])
-    scale = p["scale"]
-    if backend == "flash":
-        d = q.size(-1)
-        if d % 8:  # pad_last_dim<8>: padded copies, scale from the original head dim
-            pad = 8 - d % 8
-            q, k, v = (torch.nn.functional.pad(t, (0, pad)) for t in (q, k, v))
-            scale = scale if scale is not None else 1.0 / math.sqrt(d)
-        out = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, p["dropout_p"], p["is_causal"], False, scale=scale)[0]
-        return out[..., :d] if d % 8 else out
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if isinstance(mask, torch.Tensor):
-        s = mask.size(-1)
-        if s % 16:  # preprocess_mask / pad_bias<16>: an aligned copy, sliced back
-            mask = torch.nn.functional.pad(mask, (0, 16 - s % 16))[..., :s]
-        mask = mask.expand(q.size(0), q.size(1), q.size(2), k.size(2))
-    return torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, mask, grad, p["dropout_p"], p["is_causal"], scale=scale)[0]
-
-
-def _num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int,
-                          max_splits: int) -> int:
-    """``num_splits_heuristic`` of flash_api.cpp."""
-    if batch_nheads_mblocks >= 0.8 * num_sms:
-        return 1
-    max_splits = min(max_splits, num_sms, num_n_blocks)
-    eff: list[float] = []
-
-    def eligible(s: int) -> bool:
-        return s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))
-
-    for s in range(1, max_splits + 1):
-        if not eligible(s):
-            eff.append(0.0)
-        else:
-            waves = batch_nheads_mblocks * s / num_sms
-            eff.append(waves / math.ceil(waves))
-    best = max(eff) if eff else 0.0
-    for s in range(1, max_splits + 1):
-        if eligible(s) and eff[s - 1] >= 0.85 * best:
-            return s
-    return 1
-
-
-def _round(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int) -> list[tuple[str, Any]]:
     """The order in which a CUDA kernel allocates: ("out", i), ("tmp", nbytes) or ("free", j).
 
-    ``("free", j)`` frees the j-th "tmp" of the plan. Ops without special knowledge allocate their
-    outputs in output order.
+    ``("free", j)`` frees the j-th "tmp" of the plan. SDPA kernels follow `vram.run.sdpa.op_plan`;
+    ops without special knowledge allocate their outputs in output order.
     """
-    if name == "_scaled_dot_product_flash_attention":
-        q, k = args[0], args[1]
-        dropout = float(args[3]) if len(args) > 3 else 0.0
-        plan: list[tuple[str, Any]] = [("out", 0), ("out", 1)]
-        b, h, sq, d = q.shape
-        sk = k.size(2)
-        hd = _round(d, 8)
-        dr = _round(hd, 32 if hd <= 128 else 64)
-        block_n = 256 if hd <= 64 else (128 if hd <= 128 else 64)
-        splits = 1
-        if dropout == 0.0 and b > 0:
-            splits = _num_splits_heuristic(b * h * -(-sq // 64), sms * 2, -(-sk // block_n), 128)
-        if splits > 1:
-            plan += [("tmp", splits * b * h * sq * 4), ("tmp", splits * b * h * sq * dr * 4)]
-        plan += [("out", 6), ("out", 7)]
-        if splits > 1:
-            plan += [("free", 1), ("free", 0)]
-        return plan
-    if name == "_scaled_dot_product_flash_attention_backward":
-        q, k = args[1], args[2]
-        b, h, sq, d = q.shape
-        hk, sk = k.size(1), k.size(2)
-        dr = _round(d, 32 if d <= 128 else 64)
-        sq128 = _round(sq, 128)
-        plan = [("out", 0), ("out", 1), ("out", 2), ("tmp", b * h * sq128 * 4),
-                ("tmp", b * sq128 * h * dr * 4)]
-        if hk != h:
-            plan += [("tmp", b * sk * h * d * q.element_size())] * 2 + [("free", 3), ("free", 2)]
-        return plan + [("free", 1), ("free", 0)]
-    if name == "_scaled_dot_product_efficient_attention":
-        return [("out", 0), ("out", 1)]  # philox seed/offset live on the CPU without dropout
-    return [("out", i) for i in range(len(outs))]
+    plan = _sdpa.op_plan(name, args, outs, sms)
+    return plan if plan is not None else [("out", i) for i in range(len(outs))]
 
 
 # -- autocast ("cuda") ------------------------------------------------------------------------------

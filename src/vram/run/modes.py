@@ -229,9 +229,9 @@ class FunctionMode(TorchFunctionMode):
                                   None, False, args, kwargs)
             args, kwargs = _k.autocast_args(name, args, kwargs, self._eligible, self._cast)
         if func is _SDPA and args and sim.block_of(args[0]) is not None:
-            p = _k.sdpa_args(args, kwargs)
-            return self._call(func, lambda: _k.sdpa_cuda(p, _k.select_sdpa_backend(p), func),
-                              None, False, args, kwargs)
+            p, cc = _k.sdpa_args(args, kwargs), sim.props[sim.block_of(args[0]).device]
+            return self._call(func, lambda: _k.sdpa_cuda(p, _k.select_sdpa_backend(p, cc.major, cc.minor), func,
+                                                          cc.major, cc.minor), None, False, args, kwargs)
         target, explicit_meta = None, False
         default = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)  # set_default_device
         if default is not None and kwargs.get("device") is None and func in _device_constructors():
