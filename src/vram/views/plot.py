@@ -10,7 +10,45 @@ from collections.abc import Sequence
 from typing import Any
 
 GIB = float(1 << 30)
+MIB = float(1 << 20)
+#: Up to this many segments the map has a row per segment; beyond, segments are laid end to end
+#: (by address) and wrapped into this many rows of equal width, so every row stays visible.
+MAX_ROWS = 200
 STATE_COLOURS = {"active_allocated": "#1f77b4", "active_pending_free": "#ff7f0e", "inactive": "#d9d9d9"}
+
+
+def segment_rows(segments: Sequence[dict[str, Any]], max_rows: int = MAX_ROWS) -> list[list[tuple[str, int, int]]]:
+    """The segment map's rows: (state, start, size) spans; ("boundary", x, 0) marks where one
+    segment ends and the next begins in a packed row. A row per segment up to `max_rows`
+    segments; beyond, the segments laid end to end wrapped into `max_rows` rows of equal width
+    (a whole number of MiB), a block that crosses a row's end continuing on the next."""
+    segs = sorted(segments, key=lambda s: s["address"])
+    if len(segs) <= max_rows:
+        rows = []
+        for seg in segs:
+            offset, spans = 0, []
+            for b in seg["blocks"]:
+                spans.append((b["state"], offset, b["size"]))
+                offset += b["size"]
+            rows.append(spans)
+        return rows
+    total = sum(b["size"] for seg in segs for b in seg["blocks"])
+    width = -(-total // max_rows)
+    width = -(-width // (1 << 20)) * (1 << 20)
+    rows = [[] for _ in range(-(-total // width))]
+    pos = 0
+    for k, seg in enumerate(segs):
+        if k and pos % width:
+            rows[pos // width].append(("boundary", pos % width, 0))
+        for b in seg["blocks"]:
+            left = b["size"]
+            while left:
+                row, col = divmod(pos, width)
+                piece = min(left, width - col)
+                rows[row].append((b["state"], col, piece))
+                pos += piece
+                left -= piece
+    return rows
 
 
 def plot_replays(runs: Sequence[tuple[str, Any]], peak_segments: Sequence[dict[str, Any]],
@@ -28,7 +66,10 @@ def plot_replays(runs: Sequence[tuple[str, Any]], peak_segments: Sequence[dict[s
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise RuntimeError("vram plot needs matplotlib: pip install 'vram[plot]'") from e
 
-    fig, (ax, seg_ax) = plt.subplots(2, 1, figsize=(12, 9), gridspec_kw={"height_ratios": [2, 3]})
+    rows = segment_rows(peak_segments)
+    map_height = max(4.0, min(len(rows), MAX_ROWS) * 0.045)  # >= ~5 px per row at 110 dpi
+    fig, (ax, seg_ax) = plt.subplots(2, 1, figsize=(12, 5 + map_height),
+                                     gridspec_kw={"height_ratios": [5, map_height]})
     label0, ref = runs[0]
     allocated, reserved = ref.timeline
     xs = range(len(allocated))
@@ -50,23 +91,21 @@ def plot_replays(runs: Sequence[tuple[str, Any]], peak_segments: Sequence[dict[s
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
 
-    segs = sorted(peak_segments, key=lambda s: s["address"])
-    for row, seg in enumerate(segs):
-        for state in STATE_COLOURS:
-            spans = []
-            offset = 0
-            for b in seg["blocks"]:
-                if b["state"] == state:
-                    spans.append((offset / (1 << 20), b["size"] / (1 << 20)))
-                offset += b["size"]
-            if spans:
-                seg_ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=STATE_COLOURS[state],
-                                   edgecolor="none")
-    seg_ax.set_xlabel("offset in segment (MiB)")
-    seg_ax.set_ylabel("segment (by address)")
-    seg_ax.set_ylim(-1, max(len(segs), 1))
-    seg_ax.set_title(f"segments at the reserved peak ({label0}, event {ref.reserved_peak_event}): "
-                     "blue allocated, orange pending free, grey free")
+    for row, spans in enumerate(rows):
+        for state, colour in STATE_COLOURS.items():
+            mine = [(start / MIB, size / MIB) for s, start, size in spans if s == state]
+            if mine:
+                seg_ax.broken_barh(mine, (row - 0.4, 0.8), facecolors=colour, edgecolor="none")
+        for s, start, _ in spans:
+            if s == "boundary":
+                seg_ax.plot([start / MIB] * 2, [row - 0.45, row + 0.45], color="black", lw=0.5)
+    packed = len(peak_segments) > MAX_ROWS
+    seg_ax.set_xlabel("offset in row (MiB): segments laid end to end by address, black lines between them"
+                      if packed else "offset in segment (MiB)")
+    seg_ax.set_ylabel("row" if packed else "segment (by address)")
+    seg_ax.set_ylim(len(rows), -1)
+    seg_ax.set_title(f"{len(peak_segments):,} segments at the reserved peak ({label0}, event "
+                     f"{ref.reserved_peak_event}): blue allocated, orange pending free, grey free")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
