@@ -579,3 +579,17 @@ def test_event_timing_is_zero_on_an_infinitely_fast_gpu() -> None:
         end.record()
         end.synchronize()
         assert start.query() and start.elapsed_time(end) == 0.0
+
+
+def test_autocast_casts_einsum_operands_left_to_right() -> None:
+    """autocast_mode.h casts a TensorList with a plain loop, first operand first (issue 12 §3):
+    the order decides which cached blocks the casts reuse."""
+    with simulated_cuda():
+        a = torch.randn(128, 256, device="cuda")   # bf16 copy: 65,536 B
+        b = torch.randn(256, 64, device="cuda")    # bf16 copy: 32,768 B
+        torch.cuda.memory._record_memory_history()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = torch.einsum("ij,jk->ik", a, b)
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        sizes = [e["size"] for e in trace if e["action"] == "alloc"]
+        assert sizes[:2] == [65536, 32768] and y.dtype == torch.bfloat16

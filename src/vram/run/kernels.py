@@ -144,7 +144,7 @@ def autocast_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     Lower-precision and float32 ops get their eligible (CUDA, floating, not float64) tensors cast;
     the C++ wrapper's argument pack is evaluated right to left (GCC builds), so casts are made in
-    that order. fp32_set_opt_dtype ops get ``dtype=torch.float32`` when none is given.
+    that order; inside a tensor list (``einsum``'s operands) they go left to right. fp32_set_opt_dtype ops get ``dtype=torch.float32`` when none is given.
     """
     if name in AUTOCAST_LOWER:
         to = torch.get_autocast_dtype("cuda")
@@ -166,7 +166,9 @@ def autocast_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     def one(a: Any) -> Any:
         if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
-            return type(a)([one(x) for x in reversed(a)][::-1])
+            # a TensorList is cast element by element, left to right (autocast_mode.h's
+            # cached_cast overload for TensorList: a plain for loop)
+            return type(a)([one(x) for x in a])
         return cast(a, to) if isinstance(a, torch.Tensor) else a
 
     kw = {k: one(v) for k, v in reversed(list(kwargs.items()))}
