@@ -172,6 +172,9 @@ def autocast_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
         return cast(a, to) if isinstance(a, torch.Tensor) else a
 
     kw = {k: one(v) for k, v in reversed(list(kwargs.items()))}
+    if name == "einsum" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        # torch.einsum(eq, a, b) passes its operands to aten::einsum as one Tensor[]
+        return (args[0], *[one(a) for a in args[1:]]), {k: kw[k] for k in kwargs}
     new = [one(a) for a in reversed(args)][::-1]
     return tuple(new), {k: kw[k] for k in kwargs}
 
