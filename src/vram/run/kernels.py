@@ -144,7 +144,8 @@ def autocast_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     Lower-precision and float32 ops get their eligible (CUDA, floating, not float64) tensors cast;
     the C++ wrapper's argument pack is evaluated right to left (GCC builds), so casts are made in
-    that order; inside a tensor list (``einsum``'s operands) they go left to right. fp32_set_opt_dtype ops get ``dtype=torch.float32`` when none is given.
+    that order; inside a tensor list (``einsum``'s operands) they go left to right.
+    fp32_set_opt_dtype ops get ``dtype=torch.float32`` when none is given.
     """
     if name in AUTOCAST_LOWER:
         to = torch.get_autocast_dtype("cuda")
