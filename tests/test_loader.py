@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hostile_files import reject
 from vram.replay.loader import SnapshotError, load_snapshot
 
 MiB = 1 << 20
@@ -73,19 +74,21 @@ def assert_plain(obj: Any, path: str = "snapshot") -> None:
 
 
 def small_snapshot() -> dict[str, Any]:
-    """A tiny new-format snapshot (spec §18.3): one 2 MiB small segment, three blocks."""
+    """A tiny new-format snapshot (spec §18.3): one 2 MiB small segment, three blocks: allocated,
+    pending free (its free waits for another stream), free. Two free blocks are never adjacent
+    (spec §10.2: they merge)."""
     base = 0x7F00_0000_0000
     frame = {"filename": "t.py", "line": 3, "name": "f"}
     blocks = [
         {"address": base, "size": 512, "requested_size": 4, "state": "active_allocated",
          "frames": [frame]},
-        {"address": base + 512, "size": 1024, "requested_size": 1000, "state": "inactive",
-         "frames": []},
+        {"address": base + 512, "size": 1024, "requested_size": 1000,
+         "state": "active_pending_free", "frames": []},
         {"address": base + 1536, "size": 2 * MiB - 1536, "requested_size": 0,
          "state": "inactive", "frames": []},
     ]
     seg = {"device": 0, "address": base, "total_size": 2 * MiB, "allocated_size": 512,
-           "active_size": 512, "requested_size": 4, "stream": 0, "segment_type": "small",
+           "active_size": 1536, "requested_size": 1004, "stream": 0, "segment_type": "small",
            "segment_pool_id": (0, 0), "is_expandable": False, "frames": [frame], "blocks": blocks}
     trace = [
         {"action": "segment_alloc", "addr": base, "size": 2 * MiB, "stream": 0,
@@ -98,16 +101,6 @@ def small_snapshot() -> dict[str, Any]:
             "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1,
                                    "garbage_collection_threshold": 0.0,
                                    "roundup_power2_divisions": {"1": 0, "2": 0}}}
-
-
-def reject(data: bytes, *needles: str, **kw: Any) -> str:
-    with pytest.raises(SnapshotError) as info:
-        load_snapshot(data, **kw)
-    msg = str(info.value)
-    assert "\n" not in msg and msg.startswith("<bytes>: "), msg
-    for n in needles:
-        assert n in msg, msg
-    return msg
 
 
 # --------------------------------------------------------------------------- real recordings
@@ -147,6 +140,17 @@ def test_recording_details_match_the_readme() -> None:
     for snap in (k, cran, s_mem):
         assert {s["device"] for s in snap["segments"]} == {0}
         assert {e["stream"] for e in snap["device_traces"][0]} == {0}
+
+
+@pytest.mark.parametrize("name", sorted(RECORDINGS))
+def test_both_unpicklers_agree_on_the_recordings(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C unpickler (fast path) and the pure-Python one (canonical, with its key checks)
+    decode every recording to the same snapshot, and neither sees a shared trace entry."""
+    from vram.replay import safe_pickle
+
+    fast = load_snapshot(recording(name))
+    monkeypatch.setattr(safe_pickle, "_c_load", lambda data, stack: None)  # as if the C one failed
+    assert load_snapshot(recording(name)) == fast
 
 
 @pytest.mark.parametrize("name", sorted(n for n, v in RECORDINGS.items() if v[3]))
@@ -305,7 +309,7 @@ def test_not_a_snapshot() -> None:
     reject(pickle.dumps({"foo": 1}), "without 'segments' or 'device_traces'")
     reject(json.dumps({"a": []}).encode(), "without 'segments'")
     reject(b"hello world", "unrecognised format")
-    reject(b"\x80\x04garbage", "unreadable pickle")
+    reject(b"\x80\x04garbage", "truncated")
     reject(b"{not json", "unreadable JSON")
     reject(b'{"segments": [], "allocator_settings": {"x": NaN}}', "allocator_settings.x")
     reject(b'[{"address": Infinity}]', "segments[0].address is not a non-negative int")
@@ -379,19 +383,29 @@ def test_schema_errors_name_the_path(edit: Any, needle: str) -> None:
     reject(_mutated(edit), needle)
 
 
-def test_exploding_shared_references_are_cheap() -> None:
-    """A few KB that would expand to ~10**12 nodes if walked naively."""
+def test_exploding_shared_references_are_cheap_or_refused() -> None:
+    """A few KB that would expand to ~10**12 nodes if walked naively. Frames shared by reference
+    are normal (PyTorch interns them) and normalised once; trace entries and traces are refused,
+    because PyTorch writes a new dict per event and a new list per device (memory_snapshot.cpp),
+    and one entry referenced a million times would be a million events to replay."""
     settings_bomb: Any = "x"
     for _ in range(40):
         settings_bomb = [settings_bomb, settings_bomb]
     reject(_mutated(lambda s: s.update(allocator_settings={"a": settings_bomb})),
            "too large or too deeply nested")
-    trace = small_snapshot()["device_traces"][0] * 10_000
-    data = pickle.dumps({"segments": [], "device_traces": [trace] * 10_000})
-    assert len(data) < 200_000
-    snap = load_snapshot(data)  # shared trace lists/entries/frames are normalised once
-    assert len(snap["device_traces"]) == 10_000 and snap["device_traces"][0] is \
-        snap["device_traces"][-1]
+    frames = [{"filename": "f.py", "line": 1, "name": "g"}] * 200
+    trace = [{"action": "snapshot", "addr": 0, "size": 0, "stream": 0, "time_us": t,
+              "frames": frames} for t in range(2_000)]
+    data = pickle.dumps({"segments": [], "device_traces": [trace]})
+    assert len(data) < 100_000
+    snap = load_snapshot(data)
+    assert snap["device_traces"][0][5]["frames"][7] is snap["device_traces"][0][9]["frames"][3]
+    entries = small_snapshot()["device_traces"][0] * 10_000
+    reject(pickle.dumps({"segments": [], "device_traces": [entries]}),
+           "device_traces[0][0] is the same object as device_traces[0][3]", "shared references refused")
+    one = small_snapshot()["device_traces"][0]
+    reject(pickle.dumps({"segments": [], "device_traces": [one] * 10_000}),
+           "device_traces[1] is the same object as device_traces[0]")
 
 
 SMALL_PICKLE = pickle.dumps(small_snapshot(), protocol=4)

@@ -80,9 +80,35 @@ class _Progress:
 
 
 def _load(path: str) -> dict[str, Any]:
+    """Load a snapshot; what it holds but vram will not replay is said on stderr."""
     from vram.replay.loader import load_snapshot
+    from vram.replay.messages import printable
 
-    return load_snapshot(path)
+    snap = load_snapshot(path)
+    for warning in snap.get("warnings", ()):
+        print(f"vram: warning: {printable(path)}: {warning}", file=sys.stderr)
+    return snap
+
+
+def _replay(path: str, snap: dict[str, Any], **kw: Any) -> Any:
+    """`vram.replay.engine.replay`; a recording it cannot replay is named in the error."""
+    from vram.replay.engine import replay
+    from vram.replay.messages import SnapshotError, printable
+    from vram.replay.state import StateError
+
+    try:
+        return replay(snap, **kw)
+    except (SnapshotError, StateError) as exc:
+        raise SnapshotError(f"{printable(path)}: {exc}") from None
+    except MemoryError:
+        raise SnapshotError(f"{printable(path)}: ran out of memory replaying it") from None
+
+
+def _shown(text: Any, limit: int = 200) -> str:
+    """Text from a file, safe to print: control characters escaped, at most `limit` chars."""
+    from vram.replay.messages import printable
+
+    return printable(str(text), limit)
 
 
 def _label(conf: str) -> str:
@@ -90,17 +116,15 @@ def _label(conf: str) -> str:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from vram.replay.engine import replay
-
     snap = _load(args.snapshot)
     confs = args.conf if args.conf else [None]
     results = []
     for conf in confs:
         label = _label(conf if conf is not None else "recorded config")
-        results.append(replay(snap, gpu=args.gpu, context=args.context, conf=conf,
-                              verify=args.verify, device=args.device,
-                              progress=_Progress(f"replaying ({label})"),
-                              skip_cycles=not args.no_cycle_skip))
+        results.append(_replay(args.snapshot, snap, gpu=args.gpu, context=args.context, conf=conf,
+                               verify=args.verify, device=args.device,
+                               progress=_Progress(f"replaying ({_shown(label)})"),
+                               skip_cycles=not args.no_cycle_skip))
     trials = [_try_alloc(r, parse_size(args.alloc, "--alloc")) for r in results] if args.alloc else None
     if args.json:
         objs = [r.to_json() for r in results]
@@ -127,7 +151,7 @@ def _try_alloc(result: Any, size: int) -> dict[str, Any]:
 
 def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[dict[str, Any]] | None) -> str:
     r0 = results[0]
-    lines = [f"{path}: {r0.events:,} events replayed ({snap['format']}"
+    lines = [f"{_shown(path)}: {r0.events:,} events replayed ({snap['format']}"
              f"{', legacy format' if snap.get('legacy') else ''}), GPU "
              f"{format_size(r0.gpu)}, context {format_size(r0.context)}"]
     rows = [
@@ -155,15 +179,16 @@ def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[di
         lines.append(name.ljust(width) + "".join(v.rjust(w) for v, w in zip(vals, colw)))
     for r in results:
         if r.oom is not None:
-            lines += ["", f"[{_label(r.conf)}] OOM at event {r.oom['event_index']:,}:", r.oom["message"]]
+            lines += ["", f"[{_shown(_label(r.conf))}] OOM at event {r.oom['event_index']:,}:", r.oom["message"]]
             frames = [f for f in r.oom["frames"] if f.get("line")][:6]
             if frames:
                 lines.append("recorded stack (innermost first):")
-                lines += [f"  {f['filename']}:{f['line']} in {f['name']}" for f in frames]
+                lines += [f"  {_shown(f['filename'])}:{f['line']} in {_shown(f['name'])}" for f in frames]
     if trials:
         for r, t in zip(results, trials):
             if not t["ok"]:
-                lines += ["", f"[{_label(r.conf)}] allocating {format_size(t['size'])} now fails:", t["message"]]
+                lines += ["", f"[{_shown(_label(r.conf))}] allocating {format_size(t['size'])} now fails:",
+                          t["message"]]
     for r in results:
         if r.verification is not None:
             lines += ["", "verification against the recording:"]
@@ -174,6 +199,14 @@ def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[di
                 m, t = r.verification[key]["matched"], r.verification[key]["total"]
                 pct = 100.0 * m / t if t else 100.0
                 lines.append(f"  {name:<40} {m:>8,} / {t:<8,} {pct:6.2f}%")
+            unknown = r.verification.get("unknown_actions") or {}
+            if unknown:
+                names = ", ".join(f"'{_shown(a, 24)}' x{c:,}" for a, c in sorted(unknown.items())[:5])
+                lines.append(f"  not replayed: {sum(unknown.values()):,} events with unknown actions ({names})")
+            others = r.verification.get("segments_on_other_devices", 0)
+            if others:
+                lines.append(f"  not verified: {others:,} segments on other devices (see --device)")
+            lines += [f"  note: {note}" for note in r.verification.get("notes", ())]
             for d in r.verification["divergences"][:5]:
                 lines += [f"  divergence ({d['kind']}) at event {d['event_index']}: expected "
                           f"{d['expected']}, got {d['actual']}"] + [f"      {c}" for c in d["context"]]
@@ -181,18 +214,16 @@ def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[di
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    from vram.replay.engine import replay
     from vram.views.summary import memory_summary_from_stats
 
     snap = _load(args.snapshot)
-    result = replay(snap, device=args.device, stop_at=args.at, progress=_Progress("replaying"))
+    result = _replay(args.snapshot, snap, device=args.device, stop_at=args.at, progress=_Progress("replaying"))
     stats = result.allocator.memory_stats()
     print(memory_summary_from_stats(stats, args.device, args.abbreviated), end="")
     return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from vram.replay.engine import replay
     from vram.views.plot import plot_replays
     from vram.views.snapshot import segments
 
@@ -202,12 +233,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
     for conf in confs:
         label = "recorded config" if conf is None else _label(conf)
         gpu = None if conf is None else args.gpu
-        runs.append((label, replay(snap, gpu=gpu, context=args.context, conf=conf, device=args.device,
-                                   timeline=True, progress=_Progress(f"replaying ({label})"))))
+        runs.append((label, _replay(args.snapshot, snap, gpu=gpu, context=args.context, conf=conf,
+                                    device=args.device, timeline=True,
+                                    progress=_Progress(f"replaying ({_shown(label)})"))))
     ref = runs[0][1]
     at = ref.reserved_peak_event + 1 if ref.reserved_peak_event >= 0 else 0
-    peak = replay(snap, device=args.device, stop_at=at)
-    plot_replays(runs, segments(peak.allocator), args.output, title=args.snapshot)
+    peak = _replay(args.snapshot, snap, device=args.device, stop_at=at)
+    plot_replays(runs, segments(peak.allocator), args.output, title=_shown(args.snapshot))
     print(f"wrote {args.output}")
     return 0
 
@@ -220,6 +252,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     snap = _load(args.snapshot)
     out = to_pytorch_snapshot(snap)
     if args.output.endswith(".json"):
+        # JSON has no references: frames shared by reference are written out at every use
+        frames = sum(len(x["frames"]) for t in out["device_traces"] for x in t if "frames" in x)
+        frames += sum(len(s["frames"]) + sum(len(b["frames"]) for b in s["blocks"]) for s in out["segments"])
+        limit = max(10_000_000, os.path.getsize(args.snapshot) // 8)
+        if frames > limit:
+            raise ValueError(f"{_shown(args.snapshot)}: its JSON form would spell out {frames:,} stack "
+                             f"frames (shared by reference in the file), over the {limit:,} limit: "
+                             "export to .pickle instead")
         with open(args.output, "w") as f:
             json.dump(out, f)
     else:
@@ -390,11 +430,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vram.allocator.config import ConfigError
     from vram.allocator.errors import OutOfMemoryError
 
+    for stream in (sys.stdout, sys.stderr):  # text from a file may not encode: never a traceback
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
     try:
         return int(args.func(args))
     except (OSError, ValueError, TypeError, RuntimeError, OutOfMemoryError, ConfigError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"vram: error: {msg}", file=sys.stderr)
+        print(f"vram: error: {_shown(msg, 1000)}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print("vram: error: out of memory", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # pragma: no cover
         return 130

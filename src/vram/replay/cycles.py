@@ -15,7 +15,9 @@ requested size, stream, pending events, recorded stream uses, mapped; GC age whe
 the event queues, expandable segments, the device's recorded-address cursor and bytes in use,
 and the replay's own maps (recorded → our addresses, held-back frees). Two independent 64-bit
 hashes of it must both match. Where anchors keep missing, they are thinned out, so a trace with
-no cycle pays little.
+no cycle pays little. Fingerprints cost the size of the state, and a hostile trace can choose
+addresses that make every event an anchor: their total cost is kept within a constant times the
+events replayed (`affordable`), so skipping never makes a replay quadratic.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ class CycleSkipper:
     """Finds repeated replay states and the periods that can be skipped (see module doc)."""
 
     MAX_MASK = (1 << 14) - 1
+    WORK_PER_EVENT = 64  # fingerprinted rows allowed per replayed event, on top of WORK_BASE
+    WORK_BASE = 1 << 20
 
     def __init__(self, alloc: CachingAllocator, dev: Any, gc_active: bool, verify: bool) -> None:
         self.alloc = alloc
@@ -40,6 +44,11 @@ class CycleSkipper:
         self.seen: dict[tuple[int, int, tuple[Any, ...]], tuple[int, list[int]]] = {}
         self.stats = alloc.stats.all_stats()
         self.skipped_events = 0
+        self.work = 0  # rows fingerprinted so far
+
+    def affordable(self, i: int) -> bool:
+        """Whether a fingerprint at event `i` keeps the total within budget (see module doc)."""
+        return self.work <= self.WORK_BASE + self.WORK_PER_EVENT * i
 
     def is_anchor(self, ev: tuple[Any, ...]) -> bool:
         return ev[0] == 0 and not (hash(ev[1:3]) & self.mask)
@@ -61,6 +70,7 @@ class CycleSkipper:
             rows.append((b.ptr, b.size, 1 if b.allocated else 2, b.requested_size, b.stream,
                          b.event_count, uses, 1, 0))
         rows.sort()
+        self.work += len(rows) + len(ptr_of) + len(pending) + len(extra)
         queues = tuple((s, tuple((e.completed, blk.ptr) for e, blk in q)) for s, q in a.cuda_events.items())
         segs = tuple((es.ptr, es.mapped_pages) for es in a.expandable_segments)
         dev = self.dev

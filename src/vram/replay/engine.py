@@ -21,22 +21,32 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vram.allocator.block import SIZE_MASK, SIZE_SHIFT, STREAM_SHIFT
 from vram.allocator.caching import CachingAllocator
-from vram.allocator.config import parse_alloc_conf
+from vram.allocator.config import ConfigError, parse_alloc_conf
 from vram.allocator.errors import OutOfMemoryError
+from vram.devices.base import Event
 from vram.devices.gpus import gpu_memory
 from vram.devices.trace import TraceDevice
 from vram.units import parse_size
 from vram.views.snapshot import segments as snapshot_segments
 
 from .cycles import CycleSkipper
+from .messages import SnapshotError, printable
 from .rewind import rewind
 from .state import import_segments
+from .validate import KNOWN_ACTIONS, RESERVED_STREAMS
 
 #: capacity of the replay GPU when none is given: large enough for any recording
 UNLIMITED = 1 << 40
-#: pseudo streams that stand for "whatever the recording waited on" before a free completed
-PENDING_STREAM_BASE = 1 << 62
+#: pseudo streams that stand for "whatever the recording waited on" before a free completed;
+#: the loader refuses recorded stream ids this large (`vram.replay.validate.RESERVED_STREAMS`)
+PENDING_STREAM_BASE = RESERVED_STREAMS
+#: at most this many pseudo streams: every malloc visits each stream with outstanding events
+#: (spec §10.3), so one stream per held-back free would make a file of many held-back frees
+#: quadratic. Beyond it, held-back frees share a stream and may complete late (noted).
+MAX_PENDING_STREAMS = 64
+_KEY_TOP = 1 << 192  # above every pool key (stream < 2**63, shifted by 128)
 
 
 @dataclass
@@ -85,6 +95,30 @@ def _recorded_conf(snapshot: Mapping[str, Any]) -> str:
     return conf if isinstance(conf, str) else ""
 
 
+def _recorded_divisions(recorded_conf: str, what_if: bool) -> list[int]:
+    """The recording's ``roundup_power2_divisions`` (rewind infers block sizes with them). A
+    recorded string vram cannot parse is the file's problem: a `SnapshotError` naming the field
+    when replaying under it, else (another config was asked for) the default table."""
+    try:
+        return parse_alloc_conf(recorded_conf).roundup_power2_divisions
+    except ConfigError as exc:
+        if what_if:
+            return [0] * 16
+        raise SnapshotError(f"allocator_settings.PYTORCH_CUDA_ALLOC_CONF "
+                            f"{printable(recorded_conf, 60)!r} cannot be replayed: "
+                            f"{printable(str(exc), 200)} (pass a config to replay under instead)") from None
+
+
+class _ReplayDevice(TraceDevice):
+    """A `TraceDevice` that keeps the last event it recorded (the replay completes it later)."""
+
+    last_event: Event | None = None
+
+    def record_event(self, stream: int) -> Event:
+        event = self.last_event = super().record_event(stream)
+        return event
+
+
 def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context: int | str = 0,
            conf: str | None = None, verify: bool = False, device: int = 0,
            progress: Callable[[int, int], None] | None = None, stop_at: int | None = None,
@@ -98,6 +132,8 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     provably repeat be applied as deltas instead of replayed (`vram.replay.cycles`); results are
     identical either way.
     """
+    if device < 0:
+        raise ValueError(f"device must be >= 0, not {device}")
     recorded_conf = _recorded_conf(snapshot)
     conf_text = recorded_conf if conf is None else conf
     total = UNLIMITED if gpu is None else gpu_memory(gpu)
@@ -106,24 +142,33 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     trace: Sequence[Mapping[str, Any]] = traces[device] if device < len(traces) else []
     final = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
     if final or not trace:
-        initial = rewind(final, trace, parse_alloc_conf(recorded_conf).roundup_power2_divisions)
+        initial = rewind(final, trace, _recorded_divisions(recorded_conf, conf is not None), device)
     else:  # no segment layout (an RMM log): the trace is taken to start from an empty allocator
         initial = []
     recorded = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
-    dev = TraceDevice(recorded, total, ctx, device)
-    alloc = CachingAllocator(dev, conf_text)
-    import_segments(alloc, initial)
-    result = ReplayResult(conf=conf_text, gpu=total, context=ctx, allocator=alloc)
     if stop_at is not None:
         if not 0 <= stop_at <= len(trace):
             raise ValueError(f"event index {stop_at} is outside the trace (0..{len(trace)})")
         trace = trace[:stop_at]
+
+    def start() -> tuple[_ReplayDevice, CachingAllocator, set[int]]:
+        dev = _ReplayDevice(recorded, total, ctx, device)
+        alloc = CachingAllocator(dev, conf_text)
+        import_segments(alloc, initial)
+        return dev, alloc, {b["address"] for seg in initial for b in seg["blocks"] if b["state"] != "inactive"}
+
+    dev, alloc, live = start()
+    result = ReplayResult(conf=conf_text, gpu=total, context=ctx, allocator=alloc)
     checks = _Checks(trace) if verify else None
     if timeline:
         result.timeline = (array("q"), array("q"))
     t0 = time.perf_counter()
-    live = {b["address"] for seg in initial for b in seg["blocks"] if b["state"] != "inactive"}
     _run(alloc, dev, trace, result, checks, verify, progress, skip_cycles, live)
+    if result.largest_free_block_at_reserved_peak < 0:  # too many streams to track it on the go:
+        dev2, alloc2, live2 = start()  # replay again up to the peak (the replay is deterministic)
+        _run(alloc2, dev2, trace[:result.reserved_peak_event + 1], ReplayResult(conf_text, total, ctx),
+             None, verify, None, skip_cycles, live2, track_peak=False)
+        result.largest_free_block_at_reserved_peak = _largest_free_block(alloc2)
     result.seconds_replay = time.perf_counter() - t0
     stats = alloc.stats
     result.events = len(trace)
@@ -138,12 +183,31 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     result.final_reserved = stats.reserved_bytes[0].current
     if checks is not None:
         result.verification = checks.finish(alloc, dev, final, recorded)
+        result.verification["segments_on_other_devices"] = sum(
+            1 for s in snapshot.get("segments", []) if s.get("device", 0) != device)
     return result
 
 
+def _largest_free(alloc: CachingAllocator, budget: int | None = None) -> tuple[int, int]:
+    """(the largest free block of either pool, streams visited). Pools are ordered by (stream,
+    size, address) (spec §1), so each stream's largest is its last key: O(streams x log n), not
+    a scan of every free block at every new reserved peak (quadratic in the trace). The size is
+    -1 if it takes more than `budget` steps (a trace with very many streams)."""
+    best = steps = 0
+    for pool in (alloc.small_blocks, alloc.large_blocks):
+        keys = pool.keys
+        key = keys.floor_below(_KEY_TOP)
+        while key is not None:
+            best = max(best, (key >> SIZE_SHIFT) & SIZE_MASK)
+            steps += 1
+            if budget is not None and steps > budget:
+                return -1, steps
+            key = keys.floor_below((key >> STREAM_SHIFT) << STREAM_SHIFT)
+    return best, steps
+
+
 def _largest_free_block(alloc: CachingAllocator) -> int:
-    return max((b.size for pool in (alloc.small_blocks, alloc.large_blocks)
-                for b in pool.blocks.values()), default=0)
+    return _largest_free(alloc)[0]
 
 
 _CODES = {"alloc": 0, "free_requested": 1, "free_completed": 2, "segment_free": 3, "oom": 4}
@@ -156,18 +220,21 @@ def compact_events(trace: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, i
              e.get("stream", 0)) for e in trace]
 
 
-def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str, Any]],
+def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[str, Any]],
          result: ReplayResult, checks: _Checks | None, verify: bool,
          progress: Callable[[int, int], None] | None, skip_cycles: bool,
-         live_at_start: set[int]) -> None:
-    malloc, free = alloc.malloc, alloc.free
+         live_at_start: set[int], track_peak: bool = True) -> None:
+    malloc, free, active = alloc.malloc, alloc.free, alloc.active
     reserved = alloc.stats.reserved_bytes[0]
     allocated = alloc.stats.allocated_bytes[0]
     best_reserved = reserved.current  # the starting state is the first candidate for the peak
     result.allocated_at_reserved_peak = allocated.current
     result.largest_free_block_at_reserved_peak = _largest_free_block(alloc)
+    peak_steps = 0  # streams visited by _largest_free: at most 4096 + 32 per event (so: linear)
     ptr_of: dict[int, int | None] = {}  # recorded address -> our address (None: the alloc failed)
     pending: dict[int, int] = {}  # recorded address -> pseudo stream of a held-back free
+    events: dict[int, Event] = {}  # recorded address -> the event its free waits for
+    busy: dict[int, int] = {}  # pseudo stream -> held-back frees on it (derived from `pending`)
     ev = compact_events(trace)
     n = len(ev)
     tl_alloc, tl_res = result.timeline if result.timeline is not None else (None, None)
@@ -182,7 +249,8 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
             progress(i, n)
             next_progress = i + 0x10000
         code, addr, size, stream = ev[i]
-        if skipper is not None and code == 0 and not just_skipped and skipper.is_anchor(ev[i]):
+        if (skipper is not None and code == 0 and not just_skipped and skipper.is_anchor(ev[i])
+                and skipper.affordable(i)):
             fp = skipper.fingerprint(ptr_of, pending, tuple(sorted(live_at_start)))
             hit = skipper.check(i, ev[i], fp)
             if checks is not None:
@@ -229,24 +297,47 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
                 best_reserved = reserved.current
                 result.reserved_peak_event = i
                 result.allocated_at_reserved_peak = allocated.current
-                result.largest_free_block_at_reserved_peak = _largest_free_block(alloc)
+                if track_peak and result.largest_free_block_at_reserved_peak >= 0:
+                    largest, steps = _largest_free(alloc, 4096 + 32 * i - peak_steps)
+                    peak_steps += steps
+                    result.largest_free_block_at_reserved_peak = largest
         elif code == 1:  # free_requested
             p = ptr_of.pop(addr, -1)
             if p == -1:  # not allocated in the trace: live at the start, or unknown (skipped)
                 p = addr if addr in live_at_start else None
                 live_at_start.discard(addr)
-            if p is not None:
-                if nxt < n and ev[nxt][0] == 2 and ev[nxt][1] == addr:
-                    free(p)  # completes at once: the next event is its free_completed
-                    nxt += 1
-                else:  # completes later: hold it back with an event, as record_stream does
-                    pseudo = PENDING_STREAM_BASE + len(pending)
-                    alloc.record_stream(p, pseudo)
-                    free(p)
+            block = active.get(p) if p else None
+            if p is None or block is None or not block.allocated:
+                if p and checks is not None:  # a trace that frees one block twice
+                    checks.note(i, "free", "a live block", "none at that address")
+            elif nxt < n and ev[nxt][0] == 2 and ev[nxt][1] == addr:
+                free(p)  # completes at once: the next event is its free_completed
+                nxt += 1
+            else:  # completes later: hold it back with an event, as record_stream does
+                pseudo = _pseudo_stream(busy)
+                if pseudo is None:
+                    pseudo = min(busy, key=lambda s: (busy[s], s))
+                    if checks is not None and not checks.notes:
+                        checks.notes.append(f"event {i}: more than {MAX_PENDING_STREAMS} frees held back "
+                                            "at once share pseudo streams: some may complete late")
+                alloc.record_stream(p, pseudo)
+                dev.last_event = None
+                free(p)
+                old = pending.get(addr)
+                if old is not None:  # a second free_requested before the first completed
+                    _release(busy, old)
+                if dev.last_event is not None:
                     pending[addr] = pseudo
+                    events[addr] = dev.last_event
+                    busy[pseudo] = busy.get(pseudo, 0) + 1
         elif code == 2:  # free_completed
             if addr in pending:
-                dev.complete_events(pending.pop(addr))
+                pseudo = pending.pop(addr)
+                event = events.pop(addr)
+                if _release(busy, pseudo):
+                    dev.complete_events(pseudo)  # its only held-back free: complete the stream
+                else:
+                    dev.synchronize_event(event)
                 alloc.process_events()
             elif addr in live_at_start:  # free requested before the trace began, completing now
                 live_at_start.discard(addr)
@@ -279,6 +370,25 @@ def _run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str,
         progress(n, n)
 
 
+def _pseudo_stream(busy: dict[int, int]) -> int | None:
+    """The lowest pseudo stream with no held-back free on it (None when all are busy): a
+    function of the replay state, so periods with held-back frees can still be skipped."""
+    for k in range(MAX_PENDING_STREAMS):
+        if PENDING_STREAM_BASE + k not in busy:
+            return PENDING_STREAM_BASE + k
+    return None
+
+
+def _release(busy: dict[int, int], stream: int) -> bool:
+    """One held-back free on `stream` is done; True if it was the stream's last."""
+    left = busy[stream] - 1
+    if left:
+        busy[stream] = left
+        return False
+    del busy[stream]
+    return True
+
+
 def _oom_record(trace: Sequence[Mapping[str, Any]], i: int, ex: Exception, size: int) -> dict[str, Any]:
     """The report's first OOM: where, PyTorch's message, and the recording's stack there."""
     return {"event_index": i, "message": str(ex), "size": size,
@@ -293,6 +403,11 @@ class _Checks:
         self.allocs_total = 0
         self.allocs_matched = 0
         self.divergences: list[dict[str, Any]] = []
+        self.notes: list[str] = []  # what the replay could not reproduce exactly
+        self.unknown_actions: dict[str, int] = {}  # events vram does not know: not replayed
+        for e in trace:
+            if e["action"] not in KNOWN_ACTIONS:
+                self.unknown_actions[e["action"]] = self.unknown_actions.get(e["action"], 0) + 1
 
     def note(self, i: int, kind: str, expected: Any, actual: Any) -> None:
         if len(self.divergences) < 10:
@@ -333,6 +448,8 @@ class _Checks:
                                "total": len(want_segs | have_segs)},
             "final_blocks": {"matched": len(want_blocks & have_blocks),
                              "total": len(want_blocks | have_blocks)},
+            "unknown_actions": self.unknown_actions,
+            "notes": self.notes,
             "divergences": self.divergences,
         }
 
@@ -360,4 +477,4 @@ def _hex(x: int) -> str:
 
 def _describe(e: Mapping[str, Any]) -> str:
     where = e.get("addr", e.get("device_free", 0))
-    return f"{e['action']} {where:#x} size {e['size']} stream {e.get('stream', 0)}"
+    return f"{printable(e['action'], 64)} {where:#x} size {e['size']} stream {e.get('stream', 0)}"

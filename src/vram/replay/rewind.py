@@ -14,15 +14,17 @@ rules of spec §8.
 """
 from __future__ import annotations
 
-from bisect import bisect_right, insort
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from vram.allocator.block import SortedKeys
 from vram.allocator.caching import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, round_size
 
+from .messages import SnapshotError
 
-class TraceError(ValueError):
-    """The trace and the final state contradict each other."""
+
+class TraceError(SnapshotError):
+    """The trace and the final state contradict each other (a file that cannot be replayed)."""
 
 
 class _Segment:
@@ -39,39 +41,45 @@ class _Segment:
 
 
 def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
-           divisions: list[int] | None = None) -> list[dict[str, Any]]:
+           divisions: list[int] | None = None, device: int = 0) -> list[dict[str, Any]]:
     """The segments (with blocks) as they were before the first event of `trace`.
 
-    `segments` is the snapshot's final state of one device, `trace` that device's events,
-    `divisions` the recording's ``roundup_power2_divisions`` table (for inferring sizes).
+    `segments` is the snapshot's final state of one device, `trace` that device's events (its
+    index `device` names them in errors), `divisions` the recording's
+    ``roundup_power2_divisions`` table (for inferring sizes). Linear in the trace (a sorted
+    index of segment starts), so 100k segments rewind in well under a second. Raises
+    `TraceError` where the trace contradicts the final state.
     """
     divisions = divisions or [0] * 16
     segs: dict[int, _Segment] = {}
-    starts: list[int] = []
+    starts = SortedKeys()  # segment addresses, for "which segment holds this address"
     final_free: dict[tuple[int, int], int] = {}
     for s in segments:
         if s.get("is_expandable"):
             raise TraceError("rewinding expandable segments is not supported yet")
         seg = _Segment(s["address"], s["total_size"], s.get("stream", 0),
-                       s.get("segment_type", "large"), list(s.get("frames") or []))
+                       s.get("segment_type", "large"), s.get("frames") or [])
         addr = s["address"]
         for b in s["blocks"]:
             if b["state"] != "inactive":
-                seg.live[addr] = (b["size"], b.get("requested_size", 0), list(b.get("frames") or []))
+                seg.live[addr] = (b["size"], b.get("requested_size", 0), b.get("frames") or [])
             else:
                 final_free[(addr, b["size"])] = b.get("requested_size", 0)
                 final_free[(-1, addr + b["size"])] = b.get("requested_size", 0)
             addr += b["size"]
         segs[seg.address] = seg
-        insort(starts, seg.address)
+        starts.add(seg.address)
+
+    def at(i: int) -> str:
+        return f"device_traces[{device}][{i}] ({trace[i]['action']} at {trace[i]['addr']:#x})"
 
     def find(addr: int, i: int) -> _Segment:
-        k = bisect_right(starts, addr) - 1
-        if k >= 0:
-            seg = segs[starts[k]]
+        k = starts.floor_below(addr + 1)
+        if k is not None:
+            seg = segs[k]
             if addr < seg.address + seg.total_size:
                 return seg
-        raise TraceError(f"event {i}: address {addr:#x} is in no segment")
+        raise TraceError(f"{at(i)}: the address is in no segment at that point of the trace")
 
     for i in range(len(trace) - 1, -1, -1):
         e = trace[i]
@@ -79,30 +87,36 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
         if action == "alloc":
             seg = find(e["addr"], i)
             if seg.live.pop(e["addr"], None) is None:
-                raise TraceError(f"event {i}: alloc at {e['addr']:#x}, but no block is live there later")
+                raise TraceError(f"{at(i)}: no block is live at that address later")
         elif action == "free_completed":
             addr = e["addr"]
             seg = find(addr, i)
             if addr in seg.live:
-                raise TraceError(f"event {i}: free_completed at {addr:#x}, but a block is live there later")
+                raise TraceError(f"{at(i)}: a block is live at that address later")
             # Size unknown (-1) until the end: only blocks still live at the start need it.
             seg.live[addr] = (-1, e["size"], e.get("frames") or [])
         elif action == "segment_alloc":
             created = segs.pop(e["addr"], None)
             if created is None:
-                raise TraceError(f"event {i}: segment_alloc at {e['addr']:#x}, but no such segment later")
+                raise TraceError(f"{at(i)}: no segment starts at that address later")
             if created.live:
-                raise TraceError(f"event {i}: segment at {e['addr']:#x} still has live blocks before "
-                                 "its segment_alloc")
+                raise TraceError(f"{at(i)}: the segment still has live blocks before its segment_alloc")
             starts.remove(created.address)
         elif action == "segment_free":
-            if e["addr"] in segs:
-                raise TraceError(f"event {i}: segment_free at {e['addr']:#x}, but it exists later")
-            segs[e["addr"]] = _Segment(e["addr"], e["size"], e.get("stream", 0),
-                                       "small" if e["size"] == 2 * 1024 * 1024 else "large", [])
-            insort(starts, e["addr"])
+            addr, size = e["addr"], e["size"]
+            if addr in segs:
+                raise TraceError(f"{at(i)}: a segment starts at that address later")
+            below, above = starts.floor_below(addr), starts.higher(addr)
+            if (below is not None and segs[below].address + segs[below].total_size > addr
+                    or above is not None and addr + size > above):
+                raise TraceError(f"{at(i)}: the freed segment ({size} bytes) overlaps another one")
+            if size <= 0 or size % K_MIN_BLOCK_SIZE:
+                raise TraceError(f"{at(i)}: a segment of {size} bytes cannot exist (spec §6)")
+            segs[addr] = _Segment(addr, size, e.get("stream", 0),
+                                  "small" if size == 2 * 1024 * 1024 else "large", [])
+            starts.add(addr)
         elif action in ("segment_map", "segment_unmap"):
-            raise TraceError(f"event {i}: {action}: rewinding expandable segments is not supported yet")
+            raise TraceError(f"{at(i)}: rewinding expandable segments is not supported yet")
     for a in starts:
         _infer_sizes(segs[a], divisions)
     return [_as_snapshot_segment(segs[a], final_free) for a in starts]
@@ -124,7 +138,7 @@ def _infer_sizes(seg: _Segment, divisions: list[int]) -> None:
         gap = end - addr - size
         if gap < 0 or (small and gap < K_MIN_BLOCK_SIZE) or (not small and gap <= K_SMALL_SIZE):
             size = end - addr
-        seg.live[addr] = (size, n, list(frames))
+        seg.live[addr] = (size, n, frames)
 
 
 def _stale_requested(final_free: Mapping[tuple[int, int], int], addr: int, end: int) -> int:
@@ -146,6 +160,9 @@ def _as_snapshot_segment(seg: _Segment, final_free: Mapping[tuple[int, int], int
     addr = seg.address
     end = seg.address + seg.total_size
     for a in sorted(seg.live):
+        if a < addr:
+            raise TraceError(f"the trace restores a block at {a:#x}, inside the live block before it "
+                             f"(segment at {seg.address:#x})")
         if a > addr:
             blocks.append({"address": addr, "size": a - addr, "state": "inactive", "frames": [],
                            "requested_size": _stale_requested(final_free, addr, a)})

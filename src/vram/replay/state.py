@@ -73,10 +73,11 @@ def _install(alloc: CachingAllocator, seg: Mapping[str, Any]) -> None:
         if prev is not None:
             prev.next = block
         else:
-            block.segment_frames = list(seg.get("frames") or []) or None
+            block.segment_frames = seg.get("frames") or None  # shared, never copied: a file may
+            # hand one long frame list to many blocks
         if b.get("state") in ALLOCATED_STATES:
             block.allocated = True
-            block.frames = list(b.get("frames") or []) or None
+            block.frames = b.get("frames") or None
             alloc.active[ptr] = block
             stats.on_alloc(i, block.size, block.requested_size)
             if block.size >= max_split:

@@ -28,10 +28,23 @@ def segments(alloc: CachingAllocator) -> list[dict[str, Any]]:
     """One dict per segment (per contiguous mapped run for expandable segments), by address.
 
     Also records a ``snapshot`` trace entry whose size is the total active bytes (spec §18.2).
+    Frame lists are fresh copies, one per distinct list (blocks that share a stack share the
+    copy, as PyTorch's snapshot shares its frames): a replayed file may give one long stack to
+    every block, and copying it per block would be quadratic in the file's size.
     """
     index = alloc.device.index
     out: list[dict[str, Any]] = []
     total_active = 0
+    copies: dict[int, list[dict[str, Any]]] = {}
+
+    def frames(stack: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        if not stack:
+            return []
+        got = copies.get(id(stack))
+        if got is None:
+            got = copies[id(stack)] = list(stack)
+        return got
+
     with alloc.operation(mutates=False):
         for head in alloc.all_blocks():
             if head.prev is not None and head.prev.mapped:
@@ -42,7 +55,7 @@ def segments(alloc: CachingAllocator) -> list[dict[str, Any]]:
             while b is not None and b.mapped:
                 state = _state(b)
                 blocks.append({"address": b.ptr, "size": b.size, "requested_size": b.requested_size,
-                               "state": state, "frames": list(b.frames or [])})
+                               "state": state, "frames": frames(b.frames)})
                 total += b.size
                 if state == "active_allocated":
                     allocated += b.size
@@ -56,7 +69,7 @@ def segments(alloc: CachingAllocator) -> list[dict[str, Any]]:
                 "allocated_size": allocated, "active_size": active, "requested_size": requested,
                 "stream": head.stream, "segment_type": "small" if head.pool.is_small else "large",
                 "segment_pool_id": (0, 0), "is_expandable": head.expandable_segment is not None,
-                "frames": list(head.segment_frames or []), "blocks": blocks,
+                "frames": frames(head.segment_frames), "blocks": blocks,
             })
         out.sort(key=lambda s: s["address"])
         alloc.record_snapshot_entry(total_active)
