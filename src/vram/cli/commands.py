@@ -16,44 +16,9 @@ from typing import Any
 
 from vram.units import format_size, parse_size
 
+from .examples import epilog, overview
+
 MiB = 1024 * 1024
-
-EXAMPLES = """examples:
-  vram replay run.pickle                          replay under the recorded config, report peaks
-  vram replay run.pickle --gpu 24GiB --context 500MiB
-                                                  would this run have fit on a 24 GiB card?
-  vram replay run.pickle --conf '' --conf expandable_segments:True --conf max_split_size_mb:128
-                                                  compare allocator configs side by side
-  vram replay run.pickle --verify                 check vram reproduces the recording exactly
-  vram replay run.pickle --json                   one JSON object on stdout, for scripts
-  vram replay state.pickle --alloc 2GiB           would a 2 GiB allocation succeed now?
-  vram summary run.pickle [--at 1200]             torch.cuda.memory_summary() at the end or an event
-  vram plot run.pickle -o out.png --conf expandable_segments:True
-  vram export rmm_log.csv -o run.pickle           any input -> a snapshot memory_viz opens
-  vram demo                                       a tour on a simulated GPU
-  vram run --gpu 24GiB --context 500MiB train.py --epochs 1
-                                                  run an unmodified PyTorch script on a simulated GPU
-  vram estimate mymodels:gpt2_small --input 8x512:int64 --gpu 24GiB
-                                                  predict a training step's memory before running it
-"""
-
-ESTIMATE_EXAMPLES = """examples:
-  vram estimate mymodels:gpt2_small --input 8x512:int64
-                        mymodels.gpt2_small() -> nn.Module, called with one int64 [8, 512] tensor
-  vram estimate mymodels:gpt2_small --input 8x512:int64 --amp bf16 --optimizer adamw --gpu 24GiB
-  vram estimate mymodels:Net --input 64x3x224x224 --dtype bf16 --checkpoint --grad-accum 4
-  vram estimate mymodels:gpt2_small --input 8x512:int64 --gpu 24GiB --context 500MiB --max-batch
-                        the largest first dimension (batch) that trains without OOM
-  vram estimate models.py:build --input 32x128 --input 32x128:int64 --json
-                        a file path works too; several --input: model(x1, x2)
-
-MODULE:FACTORY is imported from the current directory or sys.path; FACTORY() (no arguments) returns
-an nn.Module. It is called under torch.device("meta"), so building costs no memory. The step is
-forward, loss = sum of the outputs, backward, optimizer.step(), zero_grad(set_to_none=True), run 3
-times; figures are for the steady state (iterations 2-3). Exit status 0 whether or not it fits
-("fits" in --json), 2 on errors.
-"""
-
 
 class _Progress:
     """A progress bar on stderr for replays that take more than a moment (only on a terminal)."""
@@ -239,8 +204,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
     ref = runs[0][1]
     at = ref.reserved_peak_event + 1 if ref.reserved_peak_event >= 0 else 0
     peak = _replay(args.snapshot, snap, device=args.device, stop_at=at)
-    plot_replays(runs, segments(peak.allocator), args.output, title=_shown(args.snapshot))
-    print(f"wrote {args.output}")
+    output = args.output if os.path.splitext(args.output)[1] else args.output + ".png"  # as savefig does
+    plot_replays(runs, segments(peak.allocator), output, title=_shown(os.path.basename(args.snapshot)))
+    print(f"wrote {output}")
     return 0
 
 
@@ -270,6 +236,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    """``vram diff A B``: where two snapshots of one program part ways (`vram.replay.diff`)."""
+    from vram.replay.diff import compare, render, side
+
+    a = side(_shown(os.path.basename(args.a)), _load(args.a), args.device)
+    b = side(_shown(os.path.basename(args.b)), _load(args.b), args.device)
+    result = compare(a, b)
+    print(json.dumps(result.to_json(), indent=1) if args.json else render(result, args.top))
+    return 0
+
+
 def demo(gpu: str, context: str, conf: str | None) -> int:
     from .demo import run_demo
 
@@ -282,7 +259,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         from vram.run.runtime import run_script
     except ImportError as e:  # pragma: no cover - torch missing
         raise RuntimeError(f"vram run needs PyTorch ({e})") from None
-    if not os.path.isfile(args.script):
+    if os.path.isdir(args.script):  # as python does: a directory runs its __main__.py
+        if not os.path.isfile(os.path.join(args.script, "__main__.py")):
+            raise OSError(f"can't find '__main__' module in {args.script!r} (a directory, not a script)")
+    elif not os.path.isfile(args.script):
         raise OSError(f"can't open file {args.script!r}: no such file")
     return run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
                       context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch,
@@ -324,11 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vram", description="PyTorch's CUDA caching allocator, byte-faithful, on a simulated GPU: "
                                  "replay memory snapshots, ask what-if questions, explain OOMs.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=overview(), formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def snapshot_cmd(name: str, help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_, description=help_, epilog=EXAMPLES,
+        p = sub.add_parser(name, help=help_, description=help_, epilog=epilog(name),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("snapshot", help="a torch.cuda.memory._dump_snapshot pickle, a JSON snapshot "
                                         "or an RMM allocation-log CSV")
@@ -359,11 +339,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conf", action="append", metavar="CONF", help="what-if config to overlay (repeatable)")
     p.set_defaults(func=cmd_plot)
 
+    help_ = "compare two snapshots of one program: requests aligned, what differs by stack frame, peaks"
+    p = sub.add_parser("diff", help=help_, description=help_ + " (e.g. a GPU's recording and a vram run "
+                       "dump of the same program)", epilog=epilog("diff"),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("a", metavar="A", help="a snapshot (PyTorch pickle, legacy pickle, JSON, RMM CSV)")
+    p.add_argument("b", metavar="B", help="the snapshot to compare it with")
+    p.add_argument("--device", type=int, default=0, help="device index (default 0)")
+    p.add_argument("--top", type=int, default=10, help="frames listed per side (default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=cmd_diff)
+
     p = snapshot_cmd("export", "convert any supported input to a PyTorch snapshot pickle (or .json)")
     p.add_argument("-o", "--output", required=True, help="output path (.pickle, or .json for JSON)")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("demo", help="walk through reserved vs allocated, the summary table and an OOM")
+    help_ = "walk through reserved vs allocated, the summary table and an OOM on a simulated GPU"
+    p = sub.add_parser("demo", help=help_, description=help_ + ": the classic experiments (a tensor, its "
+                       "cached block after del, fragmentation empty_cache cannot return, PyTorch's OOM "
+                       "message)", epilog=epilog("demo"), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", default="8GiB", help=GPU_HELP + " (default 8GiB)")
     p.add_argument("--context", default="500MiB", help="CUDA context size (default 500MiB)")
     p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF string")
@@ -372,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     help_ = "run an unmodified PyTorch script as if on a CUDA GPU (needs torch)"
     p = sub.add_parser("run", help=help_, description=help_ + ": tensors live on the meta device, "
                        "every allocation goes through the simulated caching allocator, and an OOM is "
-                       "PyTorch's torch.OutOfMemoryError.", epilog=EXAMPLES,
+                       "PyTorch's torch.OutOfMemoryError.", epilog=epilog("run"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", default="80GiB", help=GPU_HELP + " (default 80GiB)")
     p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
@@ -392,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     help_ = "predict a training step's GPU memory before running it (needs torch)"
     p = sub.add_parser("estimate", help=help_, description=help_ + ": the model trains for a few "
                        "steps on a simulated GPU; peaks per phase, what the memory is at the peak, "
-                       "which modules' activations.", epilog=ESTIMATE_EXAMPLES,
+                       "which modules' activations.", epilog=epilog("estimate"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODULE:FACTORY", help="e.g. mymodels:gpt2_small (FACTORY() -> nn.Module)")
     p.add_argument("--input", action="append", metavar="SHAPE[:DTYPE]",
@@ -416,7 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_estimate)
 
-    p = sub.add_parser("gpus", help="list the cards --gpu accepts, with what CUDA reports for each")
+    help_ = "list the cards --gpu accepts, with what CUDA reports for each"
+    p = sub.add_parser("gpus", help=help_, description=help_ + " (total memory in bytes, compute "
+                       "capability, SMs); sources in docs/gpus.md", epilog=epilog("gpus"),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(func=cmd_gpus)
     return parser
 
@@ -436,6 +433,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             reconfigure(errors="backslashreplace")
     try:
         return int(args.func(args))
+    except BrokenPipeError:  # `vram ... | head`: the reader left; stop quietly, as a pipe-killed tool
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit
+        return 141
     except (OSError, ValueError, TypeError, RuntimeError, OutOfMemoryError, ConfigError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"vram: error: {_shown(msg, 1000)}", file=sys.stderr)

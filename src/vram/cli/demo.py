@@ -3,6 +3,7 @@ the cache after ``del``, fragmentation that ``empty_cache`` cannot return, the s
 PyTorch's OOM message."""
 from __future__ import annotations
 
+from vram.devices.gpus import gpu_memory
 from vram.units import parse_size
 
 MiB = 1024 * 1024
@@ -17,7 +18,7 @@ def _mib(n: int) -> str:
 def run_demo(gpu: str, context: str, conf: str | None) -> int:
     import vram
 
-    vram.simulate(total_memory=gpu, context=context, alloc_conf=conf)
+    vram.simulate(total_memory=gpu_memory(gpu, "--gpu"), context=context, alloc_conf=conf)  # a size or a card
     total = vram.get_device().total_memory
     print(f"Simulated GPU: {_mib(total)} total, {_mib(parse_size(context))} CUDA context, "
           f"PYTORCH_CUDA_ALLOC_CONF={conf or ''!r}\n")

@@ -134,6 +134,10 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     """
     if device < 0:
         raise ValueError(f"device must be >= 0, not {device}")
+    devices = max(len(snapshot.get("device_traces") or []),
+                  1 + max((s.get("device", 0) for s in snapshot.get("segments", [])), default=0))
+    if device >= devices:
+        raise ValueError(f"device {device} is not in the snapshot: it records {devices} device(s) (0..{devices - 1})")
     recorded_conf = _recorded_conf(snapshot)
     conf_text = recorded_conf if conf is None else conf
     total = UNLIMITED if gpu is None else gpu_memory(gpu)
