@@ -107,3 +107,17 @@ def test_knowing_values_allocates_nothing_more() -> None:
         keep = mask.all()
         assert torch.cuda.memory_allocated() - a0 == 512  # the 0-dim bool result's block
         assert keep.item() is True
+
+
+def test_overwriting_in_place_ops_define_values_partial_writes_do_not() -> None:
+    with simulated_cuda(strict_values=True):
+        e = torch.empty(3, device="cuda")
+        e.fill_(2)  # every element written: known, whatever empty() held
+        assert e.tolist() == [2.0, 2.0, 2.0]
+        f = torch.empty(4, device="cuda")
+        f.copy_(torch.arange(4.0, device="cuda"))
+        assert f.tolist() == [0.0, 1.0, 2.0, 3.0]
+        g = torch.empty(4, device="cuda")
+        g[:2].fill_(1)  # half of an uninitialized storage: the other half is still unknown
+        with pytest.raises(DataDependentError):
+            g.tolist()

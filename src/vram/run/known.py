@@ -32,6 +32,9 @@ from .storages import ChargedStorage, SimState
 #: Elements of a new storage whose values are kept on the CPU (64 Ki: masks, ids, scalars).
 VALUE_LIMIT = 1 << 16
 _CPU = torch.device("cpu")
+#: in-place ops whose result does not depend on the old contents of the tensor they write
+_OVERWRITE = frozenset({"fill_", "zero_", "copy_", "normal_", "uniform_", "random_", "exponential_",
+                        "geometric_", "log_normal_", "cauchy_", "bernoulli_"})
 _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                             "empty_permuted", "resize_", "set_"})
 
@@ -71,6 +74,11 @@ def to_cpu(sim: SimState, x: Any) -> Any:
     return x
 
 
+def overwrites(func: Any) -> bool:
+    """Does the aten op replace every element of its first argument, whatever it held?"""
+    return func.overloadpacket.__name__ in _OVERWRITE
+
+
 def assumed(sim: SimState, t: Any) -> bool:
     """Was `t`'s known value computed from placeholders?"""
     b = sim.block_of(t)
@@ -105,11 +113,19 @@ def to_cpu_assuming(sim: SimState, x: Any, used: list[bool]) -> Any:
 
 def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[bool] | None = None) -> Any:
     """`func` on the CPU copies of its inputs; raises `Unknown` when an input is unknown (with
-    `used` given, small unknown inputs are replaced by placeholders and noted there)."""
+    `used` given, small unknown inputs are replaced by placeholders and noted there). The tensor
+    an overwriting in-place op (``fill_``, ``copy_``, ``normal_``…) writes needs no old values."""
+    rest: Any = args
+    first: list[Any] = []
+    if overwrites(func) and args and isinstance(args[0], torch.Tensor) and not known(sim, args[0]):
+        if sim.block_of(args[0]) is None or args[0].numel() > VALUE_LIMIT:
+            raise Unknown
+        first, rest = [placeholder(args[0])], args[1:]
     if used is None:
-        cpu_args, cpu_kwargs = tree_map(lambda x: to_cpu(sim, x), (args, kwargs))
+        cpu_args, cpu_kwargs = tree_map(lambda x: to_cpu(sim, x), (rest, kwargs))
     else:
-        cpu_args, cpu_kwargs = tree_map(lambda x: to_cpu_assuming(sim, x, used), (args, kwargs))
+        cpu_args, cpu_kwargs = tree_map(lambda x: to_cpu_assuming(sim, x, used), (rest, kwargs))
+    cpu_args = (*first, *cpu_args)
     with torch._C.DisableTorchFunction():
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             with torch.random.fork_rng(devices=[]):
@@ -131,7 +147,10 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
 
     `computed` is the op's CPU result when the caller already has it (data-dependent ops)."""
     if computed is None:
+        skip = args[0] if overwrites(func) and args else None
         for t in inputs:  # the common case (a large activation is unknown): return at once
+            if t is skip:
+                continue
             if not known(sim, t) and (sim.strict_values or t.numel() > VALUE_LIMIT or sim.block_of(t) is None):
                 _forget([], _written(sim, func, inputs))  # new outputs start unknown already
                 return
@@ -162,14 +181,27 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
     for t, b in targets:
         r = by_out[id(t)]
         if b.value is None:
-            if big or b.nbytes > VALUE_LIMIT * t.element_size():
-                continue
+            if big or b.nbytes > VALUE_LIMIT * t.element_size() or not _covers(t, b):
+                continue  # a write into part of an unknown storage leaves the rest unknown
             b.value = torch.UntypedStorage(b.nbytes)
         b.assumed = bool(used) or (b.assumed and func._schema.is_mutable)
         view = cpu_value(sim, t)
         if view is not None and view.data_ptr() != r.data_ptr():
             with torch._C.DisableTorchFunction():
                 view.copy_(r)
+
+
+def _covers(t: torch.Tensor, b: ChargedStorage) -> bool:
+    """Does `t` span its whole storage (so writing it defines every byte)?"""
+    with torch._C.DisableTorchFunction():
+        if t.storage_offset() or t.numel() * t.element_size() != b.nbytes:
+            return False
+        expected = 1  # non-overlapping and dense: strides, sorted, are the running products of sizes
+        for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.size()) if n != 1):
+            if stride != expected:
+                return False
+            expected *= size
+        return True
 
 
 def _forget(targets: list[tuple[Any, ChargedStorage]], written: list[ChargedStorage]) -> None:
