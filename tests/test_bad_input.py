@@ -141,3 +141,17 @@ def test_address_space_exhaustion_fails_as_pytorch_does_and_changes_nothing():
     keep.clear()
     vram.empty_cache()
     assert vram.memory_reserved() == 0 and not a.expandable_segments
+
+
+def test_cuda_malloc_async_backend_is_refused_not_simulated_as_native() -> None:
+    """issue 14: vram is PyTorch's native allocator; the async backend's reservations are CUDA's."""
+    with pytest.raises(ConfigError, match=r"^backend:cudaMallocAsync is not simulated"):
+        CachingAllocator(SimulatedDevice("1GiB"), "backend:cudaMallocAsync")
+    x = vram.empty(MiB)
+    with pytest.raises(ConfigError, match="not simulated"):
+        vram.simulate("8GiB", alloc_conf="backend:cudaMallocAsync")
+    a = CachingAllocator(SimulatedDevice("1GiB"), "backend:native")
+    with pytest.raises(ConfigError):  # PyTorch's own rule: the backend cannot change at runtime
+        a.set_allocator_settings("backend:cudaMallocAsync")
+    assert a.config.backend == "native" and vram.memory_allocated() == 4 * MiB
+    del x

@@ -22,6 +22,7 @@ from vram.devices.base import Device, Event
 from .block import SIZE_SHIFT, STREAM_SHIFT, Block, BlockPool, try_merge_blocks
 from .config import (
     AllocatorConfig,
+    ConfigError,
     alloc_conf_from_env,
     as_int64,
     caching_disabled_from_env,
@@ -97,6 +98,18 @@ def _check_stream(stream: Any) -> int:
     return int(s)
 
 
+def _native(config: AllocatorConfig) -> AllocatorConfig:
+    """Refuse ``backend:cudaMallocAsync``: vram is PyTorch's native caching allocator. The async
+    backend hands every request to CUDA's stream-ordered pool (``cudaMallocAsync``), whose
+    reservations follow the driver's release threshold and pool policy, which nothing records:
+    simulating it as native would print wrong numbers."""
+    if config.backend == "cudaMallocAsync":
+        raise ConfigError("backend:cudaMallocAsync is not simulated: vram models PyTorch's native caching "
+                          "allocator (CUDA's stream-ordered pool decides its own reservations); use "
+                          "backend:native or leave the backend unset")
+    return config
+
+
 def _report_unraisable(exc: BaseException, message: str) -> None:
     """Report `exc` as CPython reports an exception raised in a finalizer (``sys.unraisablehook``)."""
     sys.unraisablehook(types.SimpleNamespace(exc_type=type(exc), exc_value=exc,
@@ -116,7 +129,7 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
         if oom_format not in ("current", "legacy"):
             raise ValueError(f"oom_format must be 'current' or 'legacy', got {oom_format!r}")
         text = alloc_conf if alloc_conf is not None else alloc_conf_from_env(environ)
-        self.config: AllocatorConfig = parse_alloc_conf(text)
+        self.config: AllocatorConfig = _native(parse_alloc_conf(text))
         self.caching_disabled = caching_disabled_from_env(environ)
         self.device = device
         self.oom_format = oom_format
@@ -142,7 +155,7 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
     def set_allocator_settings(self, text: str) -> None:
         """``torch.cuda.memory._set_allocator_settings``: re-parse (spec §3.1); bad text changes nothing."""
         with self.lock:
-            self.config = parse_alloc_conf(text, self.config)
+            self.config = _native(parse_alloc_conf(text, self.config))
 
     def _set_fraction(self, fraction: float) -> None:
         if fraction < 1.0:
