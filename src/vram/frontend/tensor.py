@@ -236,7 +236,7 @@ def _parse_size_args(size: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[Any,
     """Split ``empty(2, 3)`` / ``empty((2, 3), "float16")`` arguments into (shape, rest)."""
     if size and isinstance(size[0], (tuple, list)):
         return _as_shape(size[0]), size[1:]
-    if size and isinstance(size[0], bool) or size and not hasattr(size[0], "__index__"):
+    if size and (isinstance(size[0], bool) or not hasattr(size[0], "__index__")):
         raise TypeError(f"empty(): argument 'size' (position 1) must be tuple of ints, not {type(size[0]).__name__}")
     n = 0
     while n < len(size) and not isinstance(size[n], (str, dtype)) and hasattr(size[n], "__index__"):

@@ -56,12 +56,10 @@ class Side:
 
 def side(name: str, snapshot: Mapping[str, Any], device: int = 0) -> Side:
     """`snapshot`'s (a loaded snapshot) requests, new segments and peaks on `device`."""
+    result = replay(snapshot, device=device)  # also refuses a device the snapshot does not have
     traces = snapshot.get("device_traces") or []
-    if device >= max(len(traces), 1):
-        raise ValueError(f"{name}: no device {device} (the snapshot has {len(traces)} device trace(s))")
-    trace = traces[device] if traces else []
+    trace = traces[device] if device < len(traces) else []
     allocs = [e for e in trace if e["action"] == "alloc"]
-    result = replay(snapshot, device=device)
     return Side(name, [e["size"] for e in allocs], [e.get("frames") or [] for e in allocs],
                 [e["size"] for e in trace if e["action"] in _NEW_SEGMENT],
                 result.peak_allocated, result.peak_reserved)

@@ -27,10 +27,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .storages import ChargedStorage, SimState
+from .storages import VALUE_LIMIT, ChargedStorage, SimState
 
-#: Elements of a new storage whose values are kept on the CPU (64 Ki: masks, ids, scalars).
-VALUE_LIMIT = 1 << 16
 _CPU = torch.device("cpu")
 #: in-place ops whose result does not depend on the old contents of the tensor they write
 _OVERWRITE = frozenset({"fill_", "zero_", "copy_", "normal_", "uniform_", "random_", "exponential_",
@@ -97,7 +95,8 @@ def placeholder(t: torch.Tensor) -> torch.Tensor:
 
 def to_cpu_assuming(sim: SimState, x: Any, used: list[bool]) -> Any:
     """`to_cpu`, but an unknown simulated tensor of at most `VALUE_LIMIT` elements becomes its
-    `placeholder` (noted in `used`), unless the run is strict about values."""
+    `placeholder` (noted in `used`), unless the run is strict about values (then it is `to_cpu`:
+    a strict run has no assumed values)."""
     if isinstance(x, torch.Tensor):
         v = cpu_value(sim, x)
         if v is not None:
@@ -111,9 +110,9 @@ def to_cpu_assuming(sim: SimState, x: Any, used: list[bool]) -> Any:
     return to_cpu(sim, x)
 
 
-def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[bool] | None = None) -> Any:
-    """`func` on the CPU copies of its inputs; raises `Unknown` when an input is unknown (with
-    `used` given, small unknown inputs are replaced by placeholders and noted there). The tensor
+def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[bool]) -> Any:
+    """`func` on the CPU copies of its inputs (`to_cpu_assuming`: small unknown inputs become
+    placeholders, noted in `used`, unless the run is strict; else `Unknown`). The tensor
     an overwriting in-place op (``fill_``, ``copy_``, ``normal_``…) writes needs no old values."""
     rest: Any = args
     first: list[Any] = []
@@ -121,10 +120,7 @@ def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[bool
         if sim.block_of(args[0]) is None or args[0].numel() > VALUE_LIMIT:
             raise Unknown
         first, rest = [placeholder(args[0])], args[1:]
-    if used is None:
-        cpu_args, cpu_kwargs = tree_map(lambda x: to_cpu(sim, x), (rest, kwargs))
-    else:
-        cpu_args, cpu_kwargs = tree_map(lambda x: to_cpu_assuming(sim, x, used), (rest, kwargs))
+    cpu_args, cpu_kwargs = tree_map(lambda x: to_cpu_assuming(sim, x, used), (rest, kwargs))
     cpu_args = (*first, *cpu_args)
     with torch._C.DisableTorchFunction():
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
@@ -219,12 +215,3 @@ def meta_outputs(result: Any) -> Any:
                 return torch.empty_strided(r.size(), r.stride(), dtype=r.dtype, device="meta")
         return r
     return tree_map(meta, result)
-
-
-def host_copy(sim: SimState, t: torch.Tensor) -> torch.Tensor | None:
-    """A new CPU tensor with `t`'s values (``t.cpu()``), or None when unknown."""
-    v = cpu_value(sim, t)
-    if v is None:
-        return None
-    with torch._C.DisableTorchFunction():
-        return v.clone()

@@ -328,7 +328,7 @@ class FunctionMode(TorchFunctionMode):
         what = describe(func) if name != "to" else "Tensor.to('cpu')"
         used: list[bool] = []
         try:
-            value = known.to_cpu_assuming(sim, t, used) if not sim.strict_values else known.to_cpu(sim, t)
+            value = known.to_cpu_assuming(sim, t, used)
             if name in ("cpu", "to", "numpy", "__repr__", "__format__"):
                 with torch._C.DisableTorchFunction():
                     host = value.clone()
@@ -347,10 +347,7 @@ class FunctionMode(TorchFunctionMode):
                 else:
                     result = host
             else:
-                if sim.strict_values:
-                    cpu_args, cpu_kwargs = tree_map(lambda x: known.to_cpu(sim, x), (args, kwargs))
-                else:
-                    cpu_args, cpu_kwargs = tree_map(lambda x: known.to_cpu_assuming(sim, x, used), (args, kwargs))
+                cpu_args, cpu_kwargs = tree_map(lambda x: known.to_cpu_assuming(sim, x, used), (args, kwargs))
                 with torch._C.DisableTorchFunction():
                     result = func(*cpu_args, **cpu_kwargs)
         except known.Unknown:

@@ -15,9 +15,9 @@ from .cuda_api import DeviceProperties
 from .values import ValueReport, value_error
 
 _META = torch.device("meta")
-#: Host storages moved to the simulated GPU keep their contents up to this size (as
-#: `vram.run.known.VALUE_LIMIT` float32 elements).
-VALUE_BYTES_LIMIT = (1 << 16) * 4
+#: Elements of a storage whose contents are kept on the CPU when known (64 Ki: masks, ids,
+#: scalars; see `vram.run.known`). A host storage moved over keeps up to as many float32s.
+VALUE_LIMIT = 1 << 16
 
 
 class ChargedStorage:
@@ -146,7 +146,7 @@ class SimState:
                 return storage
             moved = torch.UntypedStorage(storage.nbytes(), device=_META)
             nb = self.track(moved, idx)
-            if b is None and storage.device.type == "cpu" and storage.nbytes() <= VALUE_BYTES_LIMIT:
+            if b is None and storage.device.type == "cpu" and storage.nbytes() <= VALUE_LIMIT * 4:
                 nb.value = storage.clone()
             return moved
         if b is not None and device.type != "meta":

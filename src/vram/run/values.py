@@ -11,6 +11,7 @@ code (outside torch and vram) and, on Python ≥ 3.11, the expression from the c
 from __future__ import annotations
 
 import dis
+import functools
 import json
 import linecache
 import os
@@ -50,7 +51,12 @@ def _positions(frame: FrameType) -> Any:
     """The positions of the instruction the frame is executing; for a test (``if x:``, ``while
     not x``, ``and``/``or``), those of the instruction that produced the tested value, since a
     test's own span is the whole statement."""
-    code, lasti = frame.f_code, frame.f_lasti
+    return _instruction_positions(frame.f_code, frame.f_lasti)
+
+
+@functools.lru_cache(maxsize=1024)
+def _instruction_positions(code: Any, lasti: int) -> Any:
+    """`_positions` for one instruction, cached: a loop reads a value at the same place every step."""
     positions = list(code.co_positions())
     instructions = {i.offset: i for i in dis.get_instructions(code)}
     ins = instructions.get(lasti)
