@@ -322,7 +322,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
 
 def patch_storages(address_of: Callable[[Any], int | None],
                    to_device: Callable[[Any, torch.device], Any],
-                   device_of: Callable[[Any], int | None]) -> Callable[[], None]:
+                   location_of: Callable[[Any], str | None]) -> Callable[[], None]:
     """Storage-level moves, which no mode sees; returns the restore function.
 
     * ``UntypedStorage.data_ptr()``: a simulated storage's simulated address (`address_of` gives
@@ -335,7 +335,8 @@ def patch_storages(address_of: Callable[[Any], int | None],
       one, charged when CUDA's copy would allocate), or None to leave the move to PyTorch.
     * ``UntypedStorage.cpu()`` (``torch.save``'s copy of every storage): `to_device` with the CPU;
       ``torch.serialization.location_tag`` names a simulated storage's GPU (``cuda:N``, from
-      `device_of`), so a checkpoint saved in a simulated run records CUDA, as a GPU run's does.
+      `location_of`), so a checkpoint saved in a simulated run records CUDA, as a GPU run's does
+      (and a lazy host storage's "cpu").
     """
     import torch.serialization as serialization
     import torch.storage as storage_module
@@ -346,8 +347,8 @@ def patch_storages(address_of: Callable[[Any], int | None],
     original_tag = serialization.location_tag
 
     def location_tag(storage: Any) -> str:
-        idx = device_of(storage) if isinstance(storage, torch.UntypedStorage) else None
-        return original_tag(storage) if idx is None else f"cuda:{idx}"
+        where = location_of(storage) if isinstance(storage, torch.UntypedStorage) else None
+        return original_tag(storage) if where is None else where
 
     def data_ptr(self: Any) -> int:
         ptr = address_of(self)

@@ -124,8 +124,12 @@ def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[bool
     cpu_args = (*first, *cpu_args)
     with torch._C.DisableTorchFunction():
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-            with torch.random.fork_rng(devices=[]):
+            # the generator's own methods: torch.get_rng_state would settle deferred draws
+            state = torch.default_generator.get_state()
+            try:
                 return func(*cpu_args, **cpu_kwargs)
+            finally:
+                torch.default_generator.set_state(state)
         return func(*cpu_args, **cpu_kwargs)
 
 

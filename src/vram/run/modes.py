@@ -18,6 +18,7 @@ from vram.frontend import memory as _memory
 
 from . import kernels as _k
 from . import known
+from .lazy_host import LAZY_FACTORIES, seeded
 from .storages import ChargedStorage, SimState
 from .values import describe, value_error
 
@@ -25,26 +26,45 @@ _SDPA = F.scaled_dot_product_attention
 _CPU_COPY = frozenset({"cpu", "numpy", "tolist", "__array__", "__repr__", "__format__", "equal",
                        "allclose", "__complex__"})
 _SCALAR = frozenset({"item", "__bool__", "__int__", "__float__", "__index__"})
+_HOST_READS = frozenset({"data_ptr", "__array__", "__dlpack__", "tobytes"})  # host bytes, read directly
 _DATA_ERRORS = ("meta tensor", "meta device", "no data", "data-dependent", "data dependent",
                 "register_meta", "Meta tensors", "has no data")
 
 _META = torch.device("meta")
+_PARSE_TO = torch._C._nn._parse_to
 #: torch functions that build a tensor from host data below the modes (their values are known)
 _HOST_DATA = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
 
 
-def _cuda_repr(text: str, idx: int | None, t: torch.Tensor) -> str:
-    """A CPU tensor's repr as the CUDA tensor's would read: ``device='cuda:N'`` before ``dtype=``,
-    then ``grad_fn=`` / ``requires_grad=`` (``torch/_tensor_str.py``'s suffix order)."""
-    body = text[:-1]
-    suffix = f", device='cuda:{idx}'"
-    i = body.find(", dtype=")
-    body = body[:i] + suffix + body[i:] if i >= 0 else body + suffix
-    if t.grad_fn is not None:
-        body += f", grad_fn=<{type(t.grad_fn).__name__}>"
-    elif t.requires_grad:
-        body += ", requires_grad=True"
-    return body + ")"
+def _repr_as(host: torch.Tensor, t: torch.Tensor, device: str | None = None) -> str:
+    """``repr`` of the script's tensor `t` from `host`, a CPU tensor holding its values: torch's
+    own formatter, with the suffixes `t` has and `host` lacks (``device='cuda:N'`` first, then
+    ``grad_fn=`` or ``requires_grad=``) added where ``torch/_tensor_str.py`` puts them, so the
+    lines wrap as they would."""
+    import torch._tensor_str as tensor_str
+
+    original = tensor_str._add_suffixes
+    grad_fn = t.grad_fn
+    grad_name = type(grad_fn).__name__ if grad_fn is not None else None
+    if grad_name == "CppFunction":
+        grad_name = grad_fn.name().rsplit("::", 1)[-1]  # type: ignore[union-attr]
+
+    def add_suffixes(text: str, suffixes: list[str], indent: int, force_newline: bool) -> str:
+        extra = list(suffixes)
+        if device is not None:
+            extra.insert(0, f"device='{device}'")
+        if grad_name is not None:
+            extra.append(f"grad_fn=<{grad_name}>")
+        elif t.requires_grad:
+            extra.append("requires_grad=True")
+        return original(text, extra, indent, force_newline)
+
+    tensor_str._add_suffixes = add_suffixes
+    try:
+        with torch._C.DisableTorchFunction():
+            return torch.Tensor.__repr__(host)
+    finally:
+        tensor_str._add_suffixes = original
 
 
 class DispatchMode(TorchDispatchMode):
@@ -58,10 +78,22 @@ class DispatchMode(TorchDispatchMode):
         kwargs = kwargs or {}
         sim = self.sim
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        host = sim.host
+        if sim.host_factory and not inputs:  # a large CPU factory: lazy (vram.run.lazy_host)
+            return host.factory(func, args, kwargs)
+        lazy = bool(host.live) and any(host.of(t) is not None for t in inputs)
+        if lazy:
+            if (sim.target is None and not any(sim.block_of(t) for t in inputs)
+                    and host.needs_real(func, args, kwargs, inputs)):
+                return host.run_real(func, args, kwargs)
+        elif host.ledger.owing and seeded(func) and _draws_host_default(func, kwargs, inputs, sim):
+            host.ledger.settle()  # the CPU generator is about to be used: pay the deferred draws
         computed, computed_assumed = None, False
         try:
-            out = func(*args, **kwargs)
+            out = func(*host.on_meta(args), **host.on_meta(kwargs)) if lazy else func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
+            if lazy and any(s in str(e) for s in _DATA_ERRORS) and sim.target is None:
+                return host.run_real(func, args, kwargs)  # a data-dependent op: on real bytes
             if any(s in str(e) for s in _DATA_ERRORS) and any(sim.block_of(t) for t in inputs):
                 computed, computed_assumed = self._data_dependent(func, args, kwargs)
                 if computed is None:
@@ -82,7 +114,11 @@ class DispatchMode(TorchDispatchMode):
                 if not sim.explicit_meta and not any(t.is_meta for t in inputs):
                     idx = _memory.current_device()
         if idx is None:
+            if lazy:
+                host.record(func, args, kwargs, out)
             return out
+        if lazy:  # e.g. a copy from the GPU into a lazy host buffer: the buffer's recipe grows
+            host.record(func, args, kwargs, out, new_outputs=False)
         if func._schema.is_mutable:
             for t in inputs:
                 b = sim.block_of(t)
@@ -162,6 +198,17 @@ class DispatchMode(TorchDispatchMode):
                 sim.workspace((idx, stream, thread, "cublaslt"), lt)
 
 
+def _draws_host_default(func: Any, kwargs: dict[str, Any], inputs: list[Any], sim: SimState) -> bool:
+    """Is this random op about to draw from the default CPU generator for real?"""
+    g = kwargs.get("generator")
+    if (g is not None and g is not torch.default_generator) or sim.target is not None:
+        return False
+    if inputs:
+        return not any(t.is_meta for t in inputs)
+    d = kwargs.get("device")
+    return d is None or torch.device(d).type == "cpu"
+
+
 def parse_device(value: Any) -> tuple[str, int | None] | None:
     """("cuda", index) / ("meta", None) / ("cpu", None) for a device-like value, else None."""
     if isinstance(value, torch.device):
@@ -194,10 +241,12 @@ class FunctionMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name == "__get__":  # a Tensor property
             prop = getattr(getattr(func, "__self__", None), "__name__", "")
-            if prop in ("device", "is_cuda", "is_meta") and args:
+            if prop in ("device", "is_cuda", "is_meta", "is_cpu") and args:
                 idx = sim.idx_of(args[0])
                 if idx is not None:
                     return torch.device("cuda", idx) if prop == "device" else prop == "is_cuda"
+                if sim.host.of(args[0]) is not None:  # a lazy host tensor: a CPU tensor to the script
+                    return torch.device("cpu") if prop == "device" else prop == "is_cpu"
             return func(*args, **kwargs)
         if name == "__set__" and len(args) == 2 and getattr(getattr(func, "__self__", None), "__name__", "") == "data":
             if self._set_data(args[0], args[1]):
@@ -215,6 +264,13 @@ class FunctionMode(TorchFunctionMode):
             if name == "record_stream" and len(args) > 1 and b0.ptr:
                 _memory.get_allocator(b0.device).record_stream(b0.ptr, args[1].cuda_stream)
                 return None
+        elif t0 is not None and sim.host.live and sim.host.of(t0) is not None:
+            if name in _CPU_COPY or name in _SCALAR or name in _HOST_READS:
+                return self._host_read(func, name, t0, args, kwargs)
+            if name == "to" and self._to_host(args, kwargs):  # already on the host: meta, as it is
+                args = tuple(_META if (d := parse_device(a)) is not None and d[0] == "cpu" else a for a in args)
+                kwargs = dict(kwargs, device=_META) if "device" in kwargs else kwargs
+                return self._call(func, lambda: func(*args, **kwargs), None, True, args, kwargs)
         if name == "cuda" and t0 is not None:
             return self._cuda(t0, b0, args, kwargs)
         if func in _k.TRANSPARENT and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
@@ -236,6 +292,9 @@ class FunctionMode(TorchFunctionMode):
         default = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)  # set_default_device
         if default is not None and kwargs.get("device") is None and func in _device_constructors():
             kwargs = dict(kwargs, device=default.device)  # its mode sits below this one: apply it here
+        host_factory = False
+        if func is _PARSE_TO:  # Module.to's argument parser: the device stays what it says
+            return func(*args, **kwargs)
         if "device" in kwargs:
             d = parse_device(kwargs["device"])
             if d is not None and d[0] == "cuda":
@@ -243,19 +302,22 @@ class FunctionMode(TorchFunctionMode):
                 target = d[1]
             elif d is not None and d[0] == "meta":
                 explicit_meta = True
+        if (target is None and not explicit_meta and name in LAZY_FACTORIES and "out" not in kwargs
+                and func in _device_constructors()):  # a CPU factory: lazy if large (vram.run.lazy_host)
+            kwargs, host_factory = dict(kwargs, device=_META), True
         if name == "to" and t0 is not None:
             if b0 is not None and self._to_host(args, kwargs):
                 return self._read(func, "to", t0, args, kwargs)
             args, kwargs, target = self._to(t0, b0, args, kwargs, target)
-        return self._call(func, lambda: func(*args, **kwargs), target, explicit_meta, args, kwargs)
+        return self._call(func, lambda: func(*args, **kwargs), target, explicit_meta, args, kwargs, host_factory)
 
     def _call(self, func: Any, run: Callable[[], Any], target: int | None, explicit_meta: bool,
-              args: Any = (), kwargs: Any = None) -> Any:
+              args: Any = (), kwargs: Any = None, host_factory: bool = False) -> Any:
         """Run `run` (the op) with the redirect recorded for the dispatch mode; meta's "no data"
         errors on simulated tensors become `DataDependentError`."""
         sim = self.sim
-        saved = (sim.target, sim.explicit_meta, sim.call)
-        sim.target, sim.explicit_meta, sim.call = target, explicit_meta, func
+        saved = (sim.target, sim.explicit_meta, sim.call, sim.host_factory)
+        sim.target, sim.explicit_meta, sim.call, sim.host_factory = target, explicit_meta, func, host_factory
         try:
             out = run()
             if target is not None:  # torch.tensor(..., device=) builds its tensor below the modes
@@ -273,7 +335,7 @@ class FunctionMode(TorchFunctionMode):
                 raise
             raise value_error(describe(func)) from None
         finally:
-            sim.target, sim.explicit_meta, sim.call = saved
+            sim.target, sim.explicit_meta, sim.call, sim.host_factory = saved
 
     def _set_data(self, t: Any, value: Any) -> bool:
         """``t.data = value`` between the host and a simulated GPU; False for any other pair.
@@ -343,7 +405,7 @@ class FunctionMode(TorchFunctionMode):
                 elif name == "__format__" and t.dim() == 0:
                     result = format(host.item(), *args[1:])
                 elif name in ("__repr__", "__format__"):
-                    result = _cuda_repr(repr(host), sim.idx_of(t), t)
+                    result = _repr_as(host, t, f"cuda:{sim.idx_of(t)}")
                 else:
                     result = host
             else:
@@ -362,6 +424,21 @@ class FunctionMode(TorchFunctionMode):
             sim.report.record(what, shown if len(shown) <= 40 else shown[:37] + "...", derived=not placeholder)
         return result
 
+    def _host_read(self, func: Any, name: str, t: torch.Tensor, args: Any, kwargs: Any) -> Any:
+        """A lazy host tensor's bytes are needed: computed now (`vram.run.lazy_host`), and the
+        read runs on them. ``.cpu()`` of a host tensor is the tensor itself."""
+        if name == "cpu":
+            return t
+        if name == "numpy" and t.requires_grad:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
+                               "Use tensor.detach().numpy() instead.")
+        host = self.sim.host
+        real_args, real_kwargs = tree_map(lambda x: host.real(x) if host.of(x) is not None else x, (args, kwargs))
+        if name == "__repr__":  # the view has no autograd state: say what the script's tensor has
+            return _repr_as(real_args[0], t)
+        with torch._C.DisableTorchFunction():
+            return func(*real_args, **real_kwargs)
+
     def _inside(self, func: Any, args: Any, kwargs: Any) -> Any:
         with self:
             return _k.transparent(func)(*args, **kwargs)
@@ -375,7 +452,8 @@ class FunctionMode(TorchFunctionMode):
         extra = {k: v for k, v in kwargs.items() if k in ("non_blocking", "memory_format")}
         if len(args) > 2:
             extra["non_blocking"] = args[2]
-        return self._call(torch.Tensor.cuda, lambda: torch.Tensor.to(t, _META, copy=b is not None, **extra),
+        copy = b is not None or self.sim.host.of(t) is not None  # meta to meta would alias
+        return self._call(torch.Tensor.cuda, lambda: torch.Tensor.to(t, _META, copy=copy, **extra),
                           idx, False)
 
     def _to(self, t: torch.Tensor, b: ChargedStorage | None, args: Any, kwargs: Any,
@@ -400,7 +478,7 @@ class FunctionMode(TorchFunctionMode):
         kd = parse_device(kwargs.get("device")) if "device" in kwargs else None
         if kd is not None and kd[0] == "cpu" and b is not None:
             raise value_error("Tensor.to('cpu')")
-        if target is not None and b is not None and b.device != target:
+        if target is not None and (b.device != target if b is not None else self.sim.host.of(t) is not None):
             kwargs = dict(kwargs, copy=True)
         return tuple(new), kwargs, target
 

@@ -75,7 +75,9 @@ from vram.allocator import history as _history
 from vram.devices.gpus import GpuPreset, resolve_gpu
 from vram.frontend import memory as _memory
 
+from . import known
 from .cuda_api import DeviceProperties, patch_storages, patch_torch_cuda, patch_torch_extras
+from .host_rng import patch_rng
 from .modes import DispatchMode, FunctionMode
 from .storages import SimState
 from .values import DataDependentError
@@ -131,16 +133,20 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     restore = patch_torch_cuda(sim.props)
     restore_extras = patch_torch_extras(sim.autocast_cache.clear, lambda t: sim.block_of(t) is not None,
                                         sim.storage_resized, function)
-    restore_storages = patch_storages(sim.storage_address, sim.storage_to, sim.storage_device)
+    sim.host.known_value = lambda t: known.cpu_value(sim, t)
+    restore_storages = patch_storages(sim.storage_address, sim.storage_to, sim.storage_location)
+    restore_rng = patch_rng(sim.host.ledger)
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
     _ACTIVE.append(sim)
     try:
         with dispatch, function:
             yield devices
     finally:
+        sim.host.ledger.settle()  # code after the block uses the CPU generator where a GPU run's would be
         _ACTIVE.remove(sim)
         for prefix in _MODE_FRAMES:
             _history.SKIP_PREFIXES.remove(prefix)
+        restore_rng()
         restore_storages()
         restore_extras()
         restore()
@@ -205,6 +211,7 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                 if on_exit is not None:
                     on_exit()
                 del result
+                _ACTIVE[-1].host.ledger.drop()  # the script is over: nothing will draw again
                 report = _ACTIVE[-1].report
                 if report.sites:
                     sys.stdout.flush()

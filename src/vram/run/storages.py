@@ -12,6 +12,7 @@ from vram.allocator.errors import OutOfMemoryError as _SimOOM
 from vram.frontend import memory as _memory
 
 from .cuda_api import DeviceProperties
+from .lazy_host import LazyHost
 from .values import ValueReport, value_error
 
 _META = torch.device("meta")
@@ -48,6 +49,11 @@ class SimState:
         self.active = True
         self.strict_values = False           # unknown values: raise instead of placeholders
         self.report = ValueReport()          # where placeholders were used
+        self.host_factory = False            # the running torch function is a CPU factory
+        self.host = LazyHost(VALUE_LIMIT, lambda t: None, self._host_unknown)  # lazy host tensors
+
+    def _host_unknown(self, what: str) -> None:
+        self.report.record("a host tensor's recipe read a simulated tensor", what)
 
     # -- identity ---------------------------------------------------------------------------
     def block_of(self, t: Any) -> ChargedStorage | None:
@@ -127,12 +133,21 @@ class SimState:
             self.resize(storage, b)
 
     def storage_address(self, storage: Any) -> int | None:
+        """A simulated storage's simulated address; a lazy host storage's real one (its bytes
+        are computed: whoever asks for a host pointer reads through it)."""
         b = self.live.get(storage._cdata)
-        return None if b is None else b.ptr
+        if b is not None:
+            return b.ptr
+        ls = self.host.storage(storage)
+        return None if ls is None else self.host.materialize(ls).data_ptr()
 
-    def storage_device(self, storage: Any) -> int | None:
+    def storage_location(self, storage: Any) -> str | None:
+        """``torch.serialization.location_tag`` of a simulated ("cuda:N") or lazy host ("cpu")
+        storage; None for others."""
         b = self.live.get(storage._cdata)
-        return None if b is None else b.device
+        if b is not None:
+            return f"cuda:{b.device}"
+        return "cpu" if self.host.storage(storage) is not None else None
 
     def storage_to(self, storage: Any, device: torch.device) -> Any:
         """``UntypedStorage.to(device)``: to a simulated GPU, a new charged meta storage (no values
@@ -140,6 +155,9 @@ class SimState:
         ``storage.cpu()``), a copy of its known contents, else zeros recorded as placeholders
         (or `DataDependentError` when strict about values)."""
         b = self.live.get(storage._cdata)
+        ls = self.host.storage(storage) if b is None else None
+        if ls is not None and device.type == "cpu":
+            return self.host.materialize(ls)
         if device.type == "cuda":
             idx = _memory._device_index(device)
             if b is not None and b.device == idx:

@@ -1,0 +1,161 @@
+"""Lazy host tensors (issue 10 §7): a model built on the CPU costs nothing until its bytes are
+needed, and then they are exact; the CPU generator's stream is the one a GPU run would see.
+
+Every expectation is PyTorch's own behaviour on real CPU tensors, computed in the test outside the
+simulation with the same seed."""
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+from vram.run.host_rng import advance, word_count
+from vram.run.runtime import active_sim, simulated_cuda
+
+
+def _state_after(op: Any) -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    op(g)
+    return g.get_state()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [16, 17, 1000, 1024, 65_537, 100_003])
+def test_word_counts_match_the_cpu_kernels(dtype: torch.dtype, n: int) -> None:
+    """The words `uniform_`/`normal_` draw, as `host_rng.word_count` models them, are the words the
+    CPU kernels draw: the generator ends in the same state."""
+    for name in ("uniform_", "normal_"):
+        t = torch.empty(n, dtype=dtype)
+        words = word_count(name, t)
+        assert words is not None
+        real = _state_after(lambda g, t=t, name=name: getattr(t, name)(generator=g))
+        assert torch.equal(real, _state_after(lambda g, w=words: advance(g, w))), (name, dtype, n)
+
+
+def test_unmodelled_shapes_are_replayed() -> None:
+    t = torch.empty(64, 64).t()  # non-contiguous: normal_ takes its per-element path
+    assert word_count("normal_", t) is None
+    assert word_count("normal_", torch.empty(8)) is None  # fewer than 16 elements
+    assert word_count("uniform_", torch.empty(8, dtype=torch.int32)) is None
+
+
+class Net(nn.Module):
+    """Large enough to be lazy (> 65,536 elements per weight), with the usual initialisers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1000, 128, padding_idx=0)
+        self.fc1 = nn.Linear(128, 600)
+        self.fc2 = nn.Linear(600, 128)
+        self.head = nn.Linear(128, 1000, bias=False)
+        self.head.weight = self.emb.weight
+        nn.init.trunc_normal_(self.fc1.weight, std=0.02)
+        nn.init.orthogonal_(self.fc2.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc2(torch.relu(self.fc1(self.emb(ids)))))
+
+
+def _build(seed: int = 5) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def test_cpu_model_is_lazy_until_needed_and_then_exact() -> None:
+    ref = _build()
+    ids = torch.tensor([[1, 2, 3, 0]])
+    ref_logits = ref(ids)
+    with simulated_cuda(gpu="24GiB"):
+        m = _build()
+        host = active_sim().host
+        big = [p for p in m.parameters() if p.numel() > 65_536]
+        assert big and all(host.of(p) is not None and host.of(p).mirror is None for p in big)
+        w = m.fc1.weight
+        assert w.device == torch.device("cpu") and w.is_cpu and not w.is_meta and not w.is_cuda
+        assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in ref.parameters())
+        logits = m(ids)  # small real input, lazy weights: a lazy result
+        assert host.of(logits) is not None
+        assert torch.equal(logits, ref_logits)  # read: computed exactly as the CPU computes it
+        assert m.fc2.weight[3, :5].tolist() == ref.fc2.weight[3, :5].tolist()
+        assert m.emb.weight[0].abs().sum().item() == 0.0  # padding_idx row zeroed in place
+        assert repr(m.fc1.weight) == repr(ref.fc1.weight)
+        assert (m.fc1.weight.detach().numpy() == ref.fc1.weight.detach().numpy()).all()
+
+
+def test_cpu_generator_stream_is_the_gpu_runs() -> None:
+    """Draws after a lazy initialisation are those after a real one (settled when observed)."""
+    ref = _build()
+    ref_built = torch.get_rng_state()
+    ref_ids = torch.randint(0, 50_000, (4, 8))
+    ref_state = torch.get_rng_state()
+    with simulated_cuda(gpu="24GiB"):
+        m = _build()
+        ids = torch.randint(0, 50_000, (4, 8))
+        assert torch.equal(ids, ref_ids)
+        assert torch.equal(torch.get_rng_state(), ref_state)
+        assert torch.equal(m.fc1.weight, ref.fc1.weight)
+    with simulated_cuda(gpu="24GiB"):
+        _build()
+        assert torch.equal(torch.get_rng_state(), ref_built)  # get_rng_state settles too
+    with simulated_cuda(gpu="24GiB"):
+        m = _build()
+        torch.manual_seed(7)  # replaces the state: nothing owed
+        after_reseed = torch.randn(5)
+        assert torch.equal(m.fc2.weight, ref.fc2.weight)  # values still known after the reseed
+    torch.manual_seed(7)
+    assert torch.equal(after_reseed, torch.randn(5))
+
+
+def test_explicit_generator_is_advanced_now() -> None:
+    def init(g: torch.Generator) -> torch.Tensor:
+        w = torch.empty(400, 300)
+        nn.init.normal_(w, std=0.5, generator=g)
+        return w
+    g_ref = torch.Generator().manual_seed(3)
+    ref = init(g_ref)
+    with simulated_cuda(gpu="24GiB"):
+        g = torch.Generator().manual_seed(3)
+        w = init(g)
+        assert active_sim().host.of(w) is not None
+        assert torch.equal(g.get_state(), g_ref.get_state())
+        assert torch.equal(w, ref)
+
+
+def test_move_to_gpu_charges_only_the_gpu() -> None:
+    with simulated_cuda(gpu="24GiB"):
+        m = _build()
+        m.to("cuda", dtype=torch.bfloat16)
+        unique = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in m.parameters()}
+        assert m.fc1.weight.is_cuda and m.head.weight is m.emb.weight
+        assert torch.cuda.memory_allocated() == sum(-(-n // 512) * 512 for n in unique.values())
+
+
+def test_save_deepcopy_and_load_state_dict() -> None:
+    ref = _build()
+    with simulated_cuda(gpu="24GiB"):
+        m = _build()
+        twin = copy.deepcopy(m)
+        assert twin.fc1.weight.device.type == "cpu" and twin.fc1.weight is not m.fc1.weight
+        buf = io.BytesIO()
+        torch.save(twin.state_dict(), buf)
+        other = Net()  # fresh lazy weights, overwritten from real host tensors
+        other.load_state_dict(ref.state_dict())
+        assert torch.equal(other.fc2.weight, ref.fc2.weight)
+    buf.seek(0)
+    saved = torch.load(buf)
+    assert all(torch.equal(saved[k], v) for k, v in ref.state_dict().items())
+
+
+def test_data_dependent_op_on_lazy_tensor_runs_on_real_bytes() -> None:
+    torch.manual_seed(1)
+    ref = torch.rand(300, 300)
+    with simulated_cuda(gpu="24GiB"):
+        torch.manual_seed(1)
+        x = torch.rand(300, 300)
+        assert active_sim().host.of(x) is not None
+        idx = (x > 0.5).nonzero()
+        assert torch.equal(idx, (ref > 0.5).nonzero())
