@@ -434,7 +434,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script = None
+    if argv[:1] == ["tune"] and "--" in argv:  # vram tune [options] -- script.py args
+        k = argv.index("--")
+        argv, script = argv[:k], argv[k + 1:]
     args = parser.parse_args(argv)
+    if script is not None:
+        args.script = script
     if args.command is None:
         parser.print_help()
         return 0

@@ -419,6 +419,8 @@ def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[st
             for _ in range(nxt - i):
                 tl_alloc.append(a_now)
                 tl_res.append(r_now)
+        if cache_points and nxt > i + 1 and not cache_points.isdisjoint(range(i + 1, nxt)):
+            alloc.empty_cache()  # a point inside events handled together (a free and its completion)
         i = nxt
     result.skipped_events = skipper.skipped_events if skipper is not None else 0
     if progress is not None:
