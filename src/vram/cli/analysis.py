@@ -89,8 +89,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         lines.append("  " + _shown(at["message"], 2000))
         if at.get("frame"):
             lines.append(f"  requested at {_shown(at['frame'], 300)}")
-    gpu = "unlimited" if ex.gpu is None else f"{ex.gpu:,} B for PyTorch"
-    lines += ["", f"GPU: {gpu} ({_shown(ex.gpu_from)})",
+    gpu = _shown(ex.gpu_from) if ex.gpu is None else f"{ex.gpu:,} B for PyTorch ({_shown(ex.gpu_from)})"
+    lines += ["", f"GPU: {gpu}",
               f"allocated {f(ex.allocated)}, reserved {f(ex.reserved)}, reserved but unallocated "
               f"{f(ex.reserved_unallocated)}, largest free block {f(ex.largest_free_block)}", "",
               "top consumers (live tensors by the user's stack frame):"]
