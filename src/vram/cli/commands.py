@@ -10,39 +10,17 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from vram.units import format_size, parse_size
 
+from .analysis import CLUSTER_HELP, JOBS_HELP
+from .analysis import add_parsers as add_analysis_parsers
 from .examples import epilog, overview
+from .progress import Progress as _Progress
 
 MiB = 1024 * 1024
-
-class _Progress:
-    """A progress bar on stderr for replays that take more than a moment (only on a terminal)."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.start = time.perf_counter()
-        self.shown = False
-        self.enabled = sys.stderr.isatty()
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled or total == 0:
-            return
-        if not self.shown and time.perf_counter() - self.start < 0.5:
-            return
-        self.shown = True
-        width = 30
-        filled = width * done // total
-        sys.stderr.write(f"\r{self.label} [{'#' * filled}{' ' * (width - filled)}] "
-                         f"{100 * done // total:3d}% {done:,}/{total:,} events")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
 
 def _load(path: str) -> dict[str, Any]:
     """Load a snapshot; what it holds but vram will not replay is said on stderr."""
@@ -81,24 +59,38 @@ def _label(conf: str) -> str:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    snap = _load(args.snapshot)
+    """One snapshot: every device (or --device) under every --conf. Several: `cli.analysis`."""
+    from vram.replay.engine import device_count
+
+    if len(args.snapshot) > 1:
+        if args.alloc:
+            raise ValueError("--alloc takes one snapshot")
+        from .analysis import cmd_replay_fleet
+        return cmd_replay_fleet(args)
+    path = args.snapshot[0]
+    snap = _load(path)
+    devices = [args.device] if args.device is not None else list(range(device_count(snap)))
     confs = args.conf if args.conf else [None]
-    results = []
-    for conf in confs:
-        label = _label(conf if conf is not None else "recorded config")
-        results.append(_replay(args.snapshot, snap, gpu=args.gpu, context=args.context, conf=conf,
-                               verify=args.verify, device=args.device,
-                               progress=_Progress(f"replaying ({_shown(label)})"),
-                               skip_cycles=not args.no_cycle_skip))
-    trials = [_try_alloc(r, parse_size(args.alloc, "--alloc")) for r in results] if args.alloc else None
+    reports, objs = [], []
+    for device in devices:
+        results = []
+        for conf in confs:
+            label = _label(conf if conf is not None else "recorded config")
+            results.append(_replay(path, snap, gpu=args.gpu, context=args.context, conf=conf,
+                                   verify=args.verify, device=device,
+                                   progress=_Progress(f"replaying ({_shown(label)})"),
+                                   skip_cycles=not args.no_cycle_skip))
+        trials = [_try_alloc(r, parse_size(args.alloc, "--alloc")) for r in results] if args.alloc else None
+        for k, r in enumerate(results):
+            objs.append(r.to_json())
+            if trials:
+                objs[-1]["alloc_trial"] = trials[k]
+        header = f"device {device}: " if len(devices) > 1 else ""
+        reports.append(header + _report(path, snap, results, trials))
     if args.json:
-        objs = [r.to_json() for r in results]
-        if trials:
-            for o, t in zip(objs, trials):
-                o["alloc_trial"] = t
         print(json.dumps(objs[0] if len(objs) == 1 else {"runs": objs}))
         return 0
-    print(_report(args.snapshot, snap, results, trials))
+    print("\n\n".join(reports))
     return 0
 
 
@@ -129,7 +121,7 @@ def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[di
         ("segment allocations (cudaMalloc/map)", lambda r: f"{r.segment_allocs:,}"),
         ("segment frees (cudaFree/unmap)", lambda r: f"{r.segment_frees:,}"),
         ("cudaMalloc retries", lambda r: f"{r.alloc_retries:,}"),
-        ("first OOM", lambda r: "none" if r.oom is None else f"event {r.oom['event_index']:,}"),
+        ("OOMs", lambda r: f"{r.ooms:,}" if r.oom is None else f"{r.ooms:,} (first: event {r.oom['event_index']:,})"),
         ("replay time", lambda r: f"{r.seconds_replay:.2f} s" + (
             f" ({r.skipped_events:,} events in repeated periods)" if r.skipped_events else "")),
     ]
@@ -160,6 +152,7 @@ def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[di
             for key, name in (("segment_allocs", "segment_alloc (size, order, address)"),
                               ("segment_frees", "segment_free (address, size, order)"),
                               ("alloc_addresses", "alloc addresses"),
+                              ("recorded_ooms", "OOMs (same event, recorded free memory)"),
                               ("final_segments", "final segments"), ("final_blocks", "final blocks")):
                 m, t = r.verification[key]["matched"], r.verification[key]["total"]
                 pct = 100.0 * m / t if t else 100.0
@@ -216,7 +209,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     from vram.replay.loader import to_pytorch_snapshot
 
     snap = _load(args.snapshot)
-    out = to_pytorch_snapshot(snap)
+    if args.start is not None or args.end is not None:
+        from vram.replay.cut import cut, event_index
+
+        traces = snap.get("device_traces") or []
+        trace = traces[args.device] if args.device < len(traces) else []
+        start = 0 if args.start is None else event_index(trace, args.start, "--from")
+        end = len(trace) if args.end is None else event_index(trace, args.end, "--to")
+        out = cut(snap, start, end, args.device)
+    else:
+        out = to_pytorch_snapshot(snap)
     if args.output.endswith(".json"):
         # JSON has no references: frames shared by reference are written out at every use
         frames = sum(len(x["frames"]) for t in out["device_traces"] for x in t if "frames" in x)
@@ -307,15 +309,22 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=overview(), formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    def snapshot_cmd(name: str, help_: str) -> argparse.ArgumentParser:
+    def snapshot_cmd(name: str, help_: str, many: bool = False) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_, epilog=epilog(name),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("snapshot", help="a torch.cuda.memory._dump_snapshot pickle, a JSON snapshot "
-                                        "or an RMM allocation-log CSV")
-        p.add_argument("--device", type=int, default=0, help="device index in the snapshot (default 0)")
+        what = "a torch.cuda.memory._dump_snapshot pickle, a JSON snapshot or an RMM allocation-log CSV"
+        if many:
+            p.add_argument("snapshot", nargs="+", help=what + " (several: replayed in parallel)")
+            p.add_argument("--device", type=int, default=None, help="device index (default: every device)")
+            p.add_argument("--jobs", type=int, default=None, help=JOBS_HELP)
+            p.add_argument("--cluster", default=None, help=CLUSTER_HELP)
+        else:
+            p.add_argument("snapshot", help=what)
+            p.add_argument("--device", type=int, default=0, help="device index in the snapshot (default 0)")
         return p
 
-    p = snapshot_cmd("replay", "replay a recorded snapshot through the allocator (what-if, verification)")
+    p = snapshot_cmd("replay", "replay recorded snapshots through the allocator (what-if, verification)",
+                     many=True)
     p.add_argument("--gpu", help=GPU_HELP + " (default: large enough for anything)")
     p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
     p.add_argument("--conf", action="append", metavar="CONF",
@@ -352,7 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = snapshot_cmd("export", "convert any supported input to a PyTorch snapshot pickle (or .json)")
     p.add_argument("-o", "--output", required=True, help="output path (.pickle, or .json for JSON)")
+    p.add_argument("--from", dest="start", metavar="EVENT|TIME",
+                   help="the piece starts at this event index, or time from the first event (2.5s, 300ms)")
+    p.add_argument("--to", dest="end", metavar="EVENT|TIME",
+                   help="the piece ends before this event (or time); its segments are the state there")
     p.set_defaults(func=cmd_export)
+    add_analysis_parsers(sub, GPU_HELP)
 
     help_ = "walk through reserved vs allocated, the summary table and an OOM on a simulated GPU"
     p = sub.add_parser("demo", help=help_, description=help_ + ": the classic experiments (a tensor, its "
@@ -420,7 +434,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script = None
+    if argv[:1] == ["tune"] and "--" in argv:  # vram tune [options] -- script.py args
+        k = argv.index("--")
+        argv, script = argv[:k], argv[k + 1:]
     args = parser.parse_args(argv)
+    if script is not None:
+        args.script = script
     if args.command is None:
         parser.print_help()
         return 0

@@ -10,7 +10,9 @@ EXAMPLES = {
                                                   compare allocator configs side by side
   vram replay run.pickle --verify                 check vram reproduces the recording exactly
   vram replay run.pickle --json                   one JSON object on stdout, for scripts
-  vram replay state.pickle --alloc 2GiB           would a 2 GiB allocation succeed now?""",
+  vram replay state.pickle --alloc 2GiB           would a 2 GiB allocation succeed now?
+  vram replay dumps/*.pickle --verify             a fleet: every file and device, in parallel on all cores
+  vram replay dumps/*.pickle --cluster local      ... on a Dask LocalCluster (or --cluster tcp://host:8786)""",
     "summary": """\
   vram summary run.pickle                         torch.cuda.memory_summary() at the end of the trace
   vram summary run.pickle --at 1200               ... before event 1200""",
@@ -20,7 +22,11 @@ EXAMPLES = {
                                                   overlay a what-if config's reserved memory""",
     "export": """\
   vram export rmm_log.csv -o run.pickle           any input -> a snapshot PyTorch's memory_viz opens
-  vram export run.pickle -o run.json              the same data as JSON""",
+  vram export run.pickle -o run.json              the same data as JSON
+  vram export big.pickle -o piece.pickle --from 200000 --to 500000
+                                                  events [200000, 500000) with the state at 500000
+  vram export big.pickle -o piece.pickle --from 30s --to 45s
+                                                  the same by time from the first event (s, ms, us)""",
     "diff": """\
   vram diff real.pickle sim.pickle                a GPU's recording vs a `vram run` dump of the program
   vram diff a.pickle b.pickle --json              one JSON object on stdout""",
@@ -33,6 +39,15 @@ EXAMPLES = {
   vram run --gpu A100-80GB --summary train.py     a card; torch.cuda.memory_summary() at the end
   vram run --strict-values train.py               stop at the first read of an unknown value
   vram run --value-report values.json train.py    the placeholder reads as JSON""",
+    "explain": """\
+  vram explain oom.pickle                         the OOM: who allocated what, why it failed, fixes
+  vram explain run.pickle --gpu 24GiB             ... on a 24 GiB card (else: the reserved peak)
+  vram explain oom.pickle --json                  top_consumers, reserved_unallocated, fixes, ...""",
+    "tune": """\
+  vram tune run.pickle --gpu 24GiB                the allocator settings with the lowest peak reserved
+  vram tune dumps/*.pickle --cluster local        one config for a fleet of OOM dumps, on Dask
+  vram tune --gpu 24GiB -- train.py --batch 8     record the script once under vram run, then tune
+  vram tune oom.pickle --json                     {"best": {"conf", "peak_reserved", "oom"}, "results"}""",
     "gpus": """\
   vram gpus                                       the cards --gpu accepts, CUDA's bytes for each""",
 }

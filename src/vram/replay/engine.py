@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,9 +56,11 @@ class ReplayResult:
     conf: str
     gpu: int
     context: int
+    device: int = 0
     events: int = 0
     seconds_replay: float = 0.0
     peak_allocated: int = 0
+    peak_requested: int = 0
     peak_reserved: int = 0
     peak_device_used: int = 0
     allocated_at_reserved_peak: int = 0
@@ -68,6 +70,7 @@ class ReplayResult:
     alloc_retries: int = 0
     ooms: int = 0
     oom: dict[str, Any] | None = None
+    oom_events: list[dict[str, Any]] = field(default_factory=list)
     final_allocated: int = 0
     final_reserved: int = 0
     verification: dict[str, Any] | None = None
@@ -110,19 +113,39 @@ def _recorded_divisions(recorded_conf: str, what_if: bool) -> list[int]:
 
 
 class _ReplayDevice(TraceDevice):
-    """A `TraceDevice` that keeps the last event it recorded (the replay completes it later)."""
+    """A `TraceDevice` that keeps the last event it recorded (the replay completes it later) and,
+    while a recorded OOM is replayed, reports the free memory the recording measured then."""
 
     last_event: Event | None = None
+    #: replay the recording's ``oom`` events as failures (else: as requests that may succeed)
+    reproduce_ooms = False
+    #: the recorded ``device_free`` while a recorded OOM is replayed
+    oom_free: int | None = None
+    #: the GPU's capacity is known (``gpu=`` given): else an OOM reports the smallest consistent
+    capacity_known = False
+    #: event indices before which the replay calls ``empty_cache()`` (a what-if)
+    empty_cache_at: frozenset[int] = frozenset()
 
     def record_event(self, stream: int) -> Event:
         event = self.last_event = super().record_event(stream)
         return event
 
+    def mem_get_info(self) -> tuple[int, int]:
+        """cudaMemGetInfo. At a recorded OOM: the recorded free bytes, and the capacity given, or
+        else this process's segments + context + other processes + that free memory (the recording
+        does not hold the capacity: the smallest GPU consistent with it)."""
+        if self.oom_free is None:
+            return super().mem_get_info()
+        total = (self.total_memory if self.capacity_known
+                 else self.used + self.context + self.other_used + self.oom_free)
+        return self.oom_free, total
+
 
 def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context: int | str = 0,
            conf: str | None = None, verify: bool = False, device: int = 0,
            progress: Callable[[int, int], None] | None = None, stop_at: int | None = None,
-           timeline: bool = False, skip_cycles: bool = True) -> ReplayResult:
+           timeline: bool = False, skip_cycles: bool = True,
+           empty_cache_at: Collection[int] = ()) -> ReplayResult:
     """Replay one device's trace of `snapshot` (a loaded snapshot dict); see the module doc.
 
     `conf` None means the recording's own ``PYTORCH_CUDA_ALLOC_CONF``; `gpu` None means a GPU
@@ -130,12 +153,19 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     allocator is left in that state: ``result.allocator``). `timeline` keeps allocated and
     reserved bytes after every event (``result.timeline``). `skip_cycles` lets periods that
     provably repeat be applied as deltas instead of replayed (`vram.replay.cycles`); results are
-    identical either way.
+    identical either way. `empty_cache_at` calls ``empty_cache()`` before each of those event
+    indices (a what-if: the program calling it there).
+
+    The recording's ``oom`` events (requests that failed) are reproduced under the recorded config
+    on the recorded GPU (`conf` and `gpu` None) and when verifying: the device fails as the real one
+    did and reports the ``device_free`` recorded, so PyTorch's message has the recorded figures
+    (spec §15; CUDACachingAllocator.cpp records ``device_free`` from cudaMemGetInfo just before it
+    formats the message). Otherwise they are requests that may now succeed (then freed at once:
+    the program never got the tensor).
     """
     if device < 0:
         raise ValueError(f"device must be >= 0, not {device}")
-    devices = max(len(snapshot.get("device_traces") or []),
-                  1 + max((s.get("device", 0) for s in snapshot.get("segments", [])), default=0))
+    devices = device_count(snapshot)
     if device >= devices:
         raise ValueError(f"device {device} is not in the snapshot: it records {devices} device(s) (0..{devices - 1})")
     recorded_conf = _recorded_conf(snapshot)
@@ -157,12 +187,17 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
 
     def start() -> tuple[_ReplayDevice, CachingAllocator, set[int]]:
         dev = _ReplayDevice(recorded, total, ctx, device)
+        dev.reproduce_ooms = verify or (conf is None and gpu is None)
+        dev.capacity_known = gpu is not None
+        dev.empty_cache_at = frozenset(empty_cache_at)
         alloc = CachingAllocator(dev, conf_text)
         import_segments(alloc, initial)
         return dev, alloc, {b["address"] for seg in initial for b in seg["blocks"] if b["state"] != "inactive"}
 
+    if empty_cache_at:
+        skip_cycles = False  # the periods are no longer the recording's
     dev, alloc, live = start()
-    result = ReplayResult(conf=conf_text, gpu=total, context=ctx, allocator=alloc)
+    result = ReplayResult(conf=conf_text, gpu=total, context=ctx, device=device, allocator=alloc)
     checks = _Checks(trace) if verify else None
     if timeline:
         result.timeline = (array("q"), array("q"))
@@ -178,6 +213,7 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     result.events = len(trace)
     result.peak_allocated = stats.allocated_bytes[0].peak
     result.peak_reserved = stats.reserved_bytes[0].peak
+    result.peak_requested = stats.requested_bytes[0].peak
     result.peak_device_used = result.peak_reserved + ctx + dev.other_used
     result.segment_allocs = stats.num_device_alloc
     result.segment_frees = stats.num_device_free
@@ -190,6 +226,12 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
         result.verification["segments_on_other_devices"] = sum(
             1 for s in snapshot.get("segments", []) if s.get("device", 0) != device)
     return result
+
+
+def device_count(snapshot: Mapping[str, Any]) -> int:
+    """How many devices a snapshot records: its traces, or its segments' highest index + 1."""
+    return max(len(snapshot.get("device_traces") or []),
+               1 + max((s.get("device", 0) for s in snapshot.get("segments", [])), default=0))
 
 
 def _largest_free(alloc: CachingAllocator, budget: int | None = None) -> tuple[int, int]:
@@ -245,6 +287,8 @@ def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[st
     skipper = CycleSkipper(alloc, dev, alloc._gc_active(), verify) if skip_cycles else None
     anchor_checks: dict[int, tuple[int, int, int]] = {}
     in_empty_cache = False
+    reproduce = dev.reproduce_ooms
+    cache_points = dev.empty_cache_at
     just_skipped = False
     next_progress = 0
     i = 0
@@ -268,6 +312,8 @@ def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[st
                     k += 1
                 if checks is not None and anchor_checks.get(j, (0, 0, -1))[2] != len(checks.divergences):
                     k = 0  # a period with divergences is replayed, so they are all listed
+                if result.oom_events and result.oom_events[-1]["event_index"] >= j:
+                    k = 0  # so is a period with an OOM: each OOM is listed with its message
                 if k:
                     skipper.apply(before, k)
                     if checks is not None:
@@ -285,6 +331,8 @@ def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[st
                     continue
         just_skipped = False
         nxt = i + 1
+        if cache_points and i in cache_points:
+            alloc.empty_cache()
         if code != 3:
             in_empty_cache = False
         if code == 0:  # alloc
@@ -292,8 +340,7 @@ def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[st
                 p = malloc(size, stream)
             except OutOfMemoryError as ex:
                 p = None
-                if result.oom is None:
-                    result.oom = _oom_record(trace, i, ex, size)
+                _note_oom(result, alloc, trace, i, ex, size)
             ptr_of[addr] = p
             if checks is not None:
                 checks.alloc(i, addr, p)
@@ -352,22 +399,28 @@ def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[st
                 alloc.empty_cache()
                 in_empty_cache = True
         elif code == 4:  # oom: a request that failed in the recording
-            dev.fail_mallocs = verify  # verification: the device fails as the real one did
+            if reproduce:  # the device fails as the real one did, and reports its recorded free
+                dev.fail_mallocs = True
+                dev.oom_free = addr
             try:
                 p = malloc(size, stream)
                 free(p)  # the program never got this tensor
                 if checks is not None:
                     checks.note(i, "oom", "OutOfMemoryError", "allocation succeeded")
             except OutOfMemoryError as ex:
-                if result.oom is None and not verify:
-                    result.oom = _oom_record(trace, i, ex, size)
+                _note_oom(result, alloc, trace, i, ex, size)
+                if checks is not None:
+                    checks.ooms_matched += 1
             finally:
                 dev.fail_mallocs = False
+                dev.oom_free = None
         if tl_alloc is not None and tl_res is not None:
             a_now, r_now = allocated.current, reserved.current
             for _ in range(nxt - i):
                 tl_alloc.append(a_now)
                 tl_res.append(r_now)
+        if cache_points and nxt > i + 1 and not cache_points.isdisjoint(range(i + 1, nxt)):
+            alloc.empty_cache()  # a point inside events handled together (a free and its completion)
         i = nxt
     result.skipped_events = skipper.skipped_events if skipper is not None else 0
     if progress is not None:
@@ -393,10 +446,23 @@ def _release(busy: dict[int, int], stream: int) -> bool:
     return True
 
 
-def _oom_record(trace: Sequence[Mapping[str, Any]], i: int, ex: Exception, size: int) -> dict[str, Any]:
-    """The report's first OOM: where, PyTorch's message, and the recording's stack there."""
-    return {"event_index": i, "message": str(ex), "size": size,
-            "frames": list(trace[i].get("frames") or [])}
+#: OOMs listed one by one in a result (all are counted in ``ooms``)
+MAX_LISTED_OOMS = 100
+
+
+def _note_oom(result: ReplayResult, alloc: CachingAllocator, trace: Sequence[Mapping[str, Any]], i: int,
+              ex: Exception, size: int) -> None:
+    """Keep an OOM: where, PyTorch's message and its figures, and the recording's stack there."""
+    free, total = alloc.device.mem_get_info()
+    record = {"event_index": i, "message": str(ex), "size": size, "recorded": trace[i]["action"] == "oom",
+              "device_free": free, "device_total": total,
+              "allocated": alloc.stats.allocated_bytes[0].current,
+              "reserved": alloc.stats.reserved_bytes[0].current,
+              "frames": list(trace[i].get("frames") or [])}
+    if result.oom is None:
+        result.oom = record
+    if len(result.oom_events) < MAX_LISTED_OOMS:
+        result.oom_events.append({k: v for k, v in record.items() if k != "frames"})
 
 
 class _Checks:
@@ -406,11 +472,15 @@ class _Checks:
         self.trace = trace
         self.allocs_total = 0
         self.allocs_matched = 0
+        self.ooms_matched = 0  # recorded OOMs that failed in the replay too
+        self.ooms_total = 0
         self.divergences: list[dict[str, Any]] = []
         self.notes: list[str] = []  # what the replay could not reproduce exactly
         self.unknown_actions: dict[str, int] = {}  # events vram does not know: not replayed
         for e in trace:
-            if e["action"] not in KNOWN_ACTIONS:
+            if e["action"] == "oom":
+                self.ooms_total += 1
+            elif e["action"] not in KNOWN_ACTIONS:
                 self.unknown_actions[e["action"]] = self.unknown_actions.get(e["action"], 0) + 1
 
     def note(self, i: int, kind: str, expected: Any, actual: Any) -> None:
@@ -448,6 +518,7 @@ class _Checks:
             "segment_allocs": {"matched": seg_matched, "total": max(len(recorded), len(ours))},
             "segment_frees": {"matched": free_matched, "total": max(len(rec_frees), len(dev.frees))},
             "alloc_addresses": {"matched": self.allocs_matched, "total": self.allocs_total},
+            "recorded_ooms": {"matched": self.ooms_matched, "total": self.ooms_total},
             "final_segments": {"matched": len(want_segs & have_segs),
                                "total": len(want_segs | have_segs)},
             "final_blocks": {"matched": len(want_blocks & have_blocks),

@@ -1,0 +1,282 @@
+"""``vram explain``: why a recording ran out of memory (or what its reserved peak is made of), and
+what would have avoided it — every fix checked by replaying the recording with it.
+
+The moment: the first OOM (recorded, or on ``gpu`` when given), else the reserved peak. There:
+- what was allocated, grouped by the user's innermost stack frame (`vram.replay.diff.user_frame`);
+- reserved but unallocated, and why: the free blocks per pool and stream, the largest of them
+  against the request (spec §7: a request is served only from its own pool and stream, by a
+  block at least its rounded size; §9: before an OOM PyTorch has already returned every unsplit
+  cached segment, so what is left free is inside segments that also hold live blocks), and frees
+  still pending on other streams' events (§10.3);
+- fixes, each replayed through the whole recording on the same GPU (``verified`` is that replay's
+  answer, not a guess): allocator settings (`vram.analysis.tune`), a larger GPU (the smallest found
+  by bisection, then replayed), ``empty_cache()`` at a point, or "it does not fit": the live
+  tensors alone need more than the GPU had.
+
+The GPU: ``gpu``/``context`` when given; else, at a recorded OOM, reserved + the recorded free
+memory there (what PyTorch could have had: context and other processes taken as constant); else
+unlimited.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vram.allocator.block import SIZE_MASK, SIZE_SHIFT, STREAM_SHIFT
+from vram.allocator.caching import K_SMALL_SIZE, round_size
+from vram.replay.cut import allocation_stacks
+from vram.replay.diff import user_frame
+from vram.replay.engine import device_count, replay
+from vram.units import format_size
+
+from .fleet import ReplayJob, load_cached, run_jobs
+from .tune import budgets_for, tune
+
+#: consumers listed
+TOP = 10
+#: candidate points tried for an ``empty_cache()`` call
+EMPTY_CACHE_POINTS = 6
+#: replays spent bisecting the smallest GPU that fits
+GPU_BISECTIONS = 10
+MiB = 1 << 20
+
+
+@dataclass
+class Explanation:
+    """What `explain` found; `to_json` is ``vram explain --json``."""
+
+    path: str
+    device: int
+    at: dict[str, Any]
+    gpu: int | None
+    gpu_from: str
+    allocated: int = 0
+    reserved: int = 0
+    top_consumers: list[dict[str, Any]] = field(default_factory=list)
+    free_by_pool: list[dict[str, Any]] = field(default_factory=list)
+    largest_free_block: int = 0
+    pending_frees: dict[str, int] = field(default_factory=dict)
+    why: list[str] = field(default_factory=list)
+    fixes: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def reserved_unallocated(self) -> int:
+        return self.reserved - self.allocated
+
+    def to_json(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["reserved_unallocated"] = self.reserved_unallocated
+        return out
+
+
+def _pools(alloc: Any) -> list[dict[str, Any]]:
+    """Free bytes, block count and largest block per (pool, stream), from the sorted keys."""
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for name, pool in (("small", alloc.small_blocks), ("large", alloc.large_blocks)):
+        for key in pool.keys:
+            stream, size = key >> STREAM_SHIFT, (key >> SIZE_SHIFT) & SIZE_MASK
+            row = rows.setdefault((name, stream), {"pool": name, "stream": stream, "free_bytes": 0,
+                                                   "blocks": 0, "largest": 0})
+            row["free_bytes"] += size
+            row["blocks"] += 1
+            row["largest"] = max(row["largest"], size)
+    return sorted(rows.values(), key=lambda r: (r["pool"], r["stream"]))
+
+
+def _state(ex: Explanation, snap: Mapping[str, Any], stop: int, gpu: int | None, context: int | str) -> None:
+    """Fill in the allocation and fragmentation figures at the state before event `stop`."""
+    state = replay(snap, device=ex.device, stop_at=stop, gpu=gpu, context=context)
+    alloc = state.allocator
+    assert alloc is not None
+    ex.allocated = alloc.stats.allocated_bytes[0].current
+    ex.reserved = alloc.stats.reserved_bytes[0].current
+    trace = (snap.get("device_traces") or [[]] * (ex.device + 1))[ex.device]
+    known = allocation_stacks(snap, trace, stop, ex.device)
+    groups: dict[str, list[int]] = {}
+    pending = [0, 0]
+    for block in alloc.all_blocks():
+        if block.allocated:
+            frames = known.get(block.ptr)
+            label = user_frame(frames) if frames else "(allocated before the recording began)"
+            g = groups.setdefault(label, [0, 0])
+            g[0] += block.size
+            g[1] += 1
+        elif block.event_count > 0:
+            pending[0] += block.size
+            pending[1] += 1
+    ex.top_consumers = [{"frame": k, "bytes": v[0], "blocks": v[1]}
+                        for k, v in sorted(groups.items(), key=lambda kv: (-kv[1][0], kv[0]))[:TOP]]
+    ex.free_by_pool = _pools(alloc)
+    ex.pending_frees = {"bytes": pending[0], "blocks": pending[1]}
+    at = ex.at
+    if at["kind"] == "oom":
+        rounded = round_size(at["size"], alloc.config.roundup_power2_divisions)
+        pool = "small" if rounded <= K_SMALL_SIZE else "large"
+        at["pool"] = pool
+        mine = [r for r in ex.free_by_pool if r["pool"] == pool and r["stream"] == at["stream"]]
+        ex.largest_free_block = mine[0]["largest"] if mine else 0
+    else:
+        ex.largest_free_block = max((r["largest"] for r in ex.free_by_pool), default=0)
+
+
+def _why(ex: Explanation) -> None:
+    at, f = ex.at, format_size
+    if at["kind"] == "oom":
+        ex.why.append(f"the request: {f(at['size'])} from the {at['pool']} pool on stream {at['stream']}; "
+                      f"{f(ex.allocated)} allocated, {f(ex.reserved)} reserved, "
+                      f"{f(at['device_free'])} of the GPU free")
+        if ex.reserved_unallocated:
+            ex.why.append(f"{f(ex.reserved_unallocated)} reserved but unallocated could not serve it: the "
+                          f"largest free block in its pool and stream is {f(ex.largest_free_block)}; the "
+                          "free blocks lie in segments that also hold live tensors, so empty_cache() "
+                          "(which PyTorch already ran before raising) cannot return them")
+        others = [r for r in ex.free_by_pool if not (r["pool"] == at["pool"] and r["stream"] == at["stream"])]
+        if any(r["free_bytes"] for r in others):
+            ex.why.append("free in other pools/streams (not usable for this request): " + ", ".join(
+                f"{r['pool']} stream {r['stream']}: {f(r['free_bytes'])} (largest {f(r['largest'])})"
+                for r in others if r["free_bytes"]))
+    else:
+        ex.why.append(f"the reserved peak: {f(ex.reserved)} reserved, {f(ex.allocated)} allocated, "
+                      f"{f(ex.reserved_unallocated)} cached but unallocated (largest free block "
+                      f"{f(ex.largest_free_block)})")
+    if ex.pending_frees["blocks"]:
+        ex.why.append(f"{f(ex.pending_frees['bytes'])} in {ex.pending_frees['blocks']} freed blocks waits on "
+                      "other streams' events (record_stream) and cannot be reused yet")
+
+
+def _bisect_gpu(path: str, device: int, conf: str, low: int, high: int, workers: int | None,
+                cluster: str | None) -> int | None:
+    """The smallest GPU (bytes for PyTorch, 2 MiB steps) in (low, high] where `conf` has no OOM."""
+    def fits(gpu: int) -> bool:
+        r = run_jobs([ReplayJob(path, device, conf, gpu)], workers=1)[0]
+        return "error" not in r and r["ooms"] == 0
+
+    if not fits(high):
+        return None
+    lo, hi = low // (2 * MiB), -(-high // (2 * MiB))
+    for _ in range(GPU_BISECTIONS):
+        if hi - lo <= 1:
+            break
+        mid = (lo + hi) // 2
+        if fits(mid * 2 * MiB):
+            hi = mid
+        else:
+            lo = mid
+    return min(hi * 2 * MiB, high)
+
+
+def explain(path: str, *, device: int | None = None, gpu: int | str | None = None, context: int | str = 0,
+            workers: int | None = None, cluster: str | None = None,
+            progress: Callable[[int, int], None] | None = None) -> Explanation:
+    """Explain one snapshot file (see the module doc)."""
+    from vram.devices.gpus import gpu_memory
+    from vram.units import parse_size
+
+    snap = load_cached(path)
+    if device is None:  # the first device with a recorded OOM, else 0
+        traces = snap.get("device_traces") or []
+        device = next((d for d, t in enumerate(traces) if any(e["action"] == "oom" for e in t)), 0)
+    elif not 0 <= device < device_count(snap):
+        raise ValueError(f"device {device} is not in the snapshot: it records {device_count(snap)} device(s)")
+    gpu_bytes = None if gpu is None else gpu_memory(gpu)
+    ctx = parse_size(context, "context")
+    probe = run_jobs([ReplayJob(path, device, None, gpu_bytes, ctx)], workers=1)[0]
+    if "error" in probe:
+        raise ValueError(probe["error"])
+    recorded_conf = probe["conf"]
+    budget = budgets_for([probe], gpu_bytes, ctx)[0]
+    oom = probe["oom"]
+    if oom is not None:
+        at = {"kind": "oom", "event_index": oom["event_index"], "size": oom["size"], "message": oom["message"],
+              "recorded": oom["recorded"], "device_free": oom["device_free"],
+              "stream": (snap["device_traces"][device][oom["event_index"]].get("stream", 0)),
+              "frame": user_frame(oom["frames"]) if oom["frames"] else None}
+        stop = oom["event_index"]
+    else:
+        at = {"kind": "reserved_peak", "event_index": probe["reserved_peak_event"]}
+        stop = probe["reserved_peak_event"] + 1
+    b_gpu = budget.gpu if isinstance(budget.gpu, int) or budget.gpu is None else gpu_memory(budget.gpu)
+    ex = Explanation(path, device, at, b_gpu, budget.why)
+    _state(ex, snap, stop, gpu_bytes, ctx)
+    _why(ex)
+    _fixes(ex, path, recorded_conf, probe, budget.context, workers, cluster, progress)
+    return ex
+
+
+def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any], context: int | str,
+           workers: int | None, cluster: str | None, progress: Callable[[int, int], None] | None) -> None:
+    f = format_size
+    oom = ex.at["kind"] == "oom"
+    unlimited = run_jobs([ReplayJob(path, ex.device, recorded_conf)], workers=1)[0]
+    tuned = tune([path], gpu=ex.gpu, context=context, devices=[ex.device], workers=workers, cluster=cluster,
+                 progress=progress)
+    if oom:
+        good = [r for r in tuned.results if not r["oom"]][:3]
+        for r in good:
+            ex.fixes.append({"kind": "config", "change": f"PYTORCH_CUDA_ALLOC_CONF={r['conf']}", "verified": True,
+                             "peak_reserved": r["peak_reserved"]})
+        if not good:
+            best = tuned.best["conf"] or "the default"
+            ex.fixes.append({"kind": "config", "verified": False,
+                             "change": f"no allocator setting avoids it ({len(tuned.results)} tried; best: {best})"})
+    else:
+        base = probe["peak_reserved"]
+        for r in [r for r in tuned.results if not r["oom"] and r["peak_reserved"] < base][:3]:
+            ex.fixes.append({"kind": "config", "change": f"PYTORCH_CUDA_ALLOC_CONF={r['conf']}", "verified": True,
+                             "peak_reserved": r["peak_reserved"],
+                             "saves": base - r["peak_reserved"]})
+    _empty_cache_fixes(ex, path, recorded_conf, probe, context, workers, cluster)
+    if ex.gpu is None:
+        return
+    ctx = context if isinstance(context, int) else 0
+    if oom:
+        need = _bisect_gpu(path, ex.device, recorded_conf, ex.gpu, max(unlimited["peak_reserved"], ex.gpu),
+                           workers, cluster)
+        if need is not None:
+            ex.fixes.append({"kind": "gpu", "change": f"a GPU with {f(need - ex.gpu)} more memory ({need + ctx:,} B "
+                                                      f"for PyTorch and the context, not {ex.gpu + ctx:,} B)",
+                             "verified": True, "gpu": need + ctx, "more": need - ex.gpu})
+        live = unlimited["peak_requested"]
+        if live > ex.gpu:
+            ex.fixes.insert(0, {"kind": "does_not_fit", "verified": True, "more": live - ex.gpu,
+                                "change": f"it does not fit: the tensors requested and alive at once reach "
+                                          f"{f(live)}, {f(live - ex.gpu)} more than the {f(ex.gpu)} PyTorch could "
+                                          "have: it needs at least that much more, whatever the settings"})
+
+
+def _empty_cache_fixes(ex: Explanation, path: str, conf: str, probe: dict[str, Any], context: int | str,
+                       workers: int | None, cluster: str | None) -> None:
+    """``empty_cache()`` before one of a few events: where allocated memory is lowest in each of
+    `EMPTY_CACHE_POINTS` windows before the moment (the cache is largest relative to live data)."""
+    snap = load_cached(path)
+    end = ex.at["event_index"]
+    if end <= 1:
+        return
+    timeline = replay(snap, device=ex.device, conf=conf, gpu=ex.gpu, context=context, timeline=True,
+                      stop_at=end).timeline
+    assert timeline is not None
+    allocated = timeline[0]
+    points = []
+    step = max(1, end // EMPTY_CACHE_POINTS)
+    for lo in range(0, end, step):
+        window = range(lo, min(end, lo + step))
+        k = min(window, key=lambda j: (allocated[j], j))
+        points.append(k + 1)  # after that event: before the next
+    points = sorted({p for p in points if p < end})
+    jobs = [ReplayJob(path, ex.device, conf, ex.gpu, context, empty_cache_at=(p,)) for p in points]
+    trace = snap["device_traces"][ex.device]
+    for p, r in zip(points, run_jobs(jobs, workers=workers, cluster=cluster)):
+        if "error" in r:
+            continue
+        frames = trace[p].get("frames") or []
+        where = f"before event {p}" + (f" ({user_frame(frames)})" if frames else "")
+        if ex.at["kind"] == "oom" and r["ooms"] == 0:
+            ex.fixes.append({"kind": "empty_cache", "change": f"torch.cuda.empty_cache() {where}",
+                             "verified": True, "event_index": p, "peak_reserved": r["peak_reserved"]})
+            return
+        if ex.at["kind"] != "oom" and r["peak_reserved"] < probe["peak_reserved"] and r["ooms"] == 0:
+            ex.fixes.append({"kind": "empty_cache", "change": f"torch.cuda.empty_cache() {where}",
+                             "verified": True, "event_index": p, "peak_reserved": r["peak_reserved"],
+                             "saves": probe["peak_reserved"] - r["peak_reserved"]})
+            return
