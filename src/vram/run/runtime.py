@@ -76,6 +76,7 @@ from vram.devices.gpus import GpuPreset, resolve_gpu
 from vram.frontend import memory as _memory
 
 from .cuda_api import DeviceProperties, patch_storages, patch_torch_cuda, patch_torch_extras
+from .distributed import install as install_distributed
 from .modes import DispatchMode, FunctionMode
 from .storages import SimState
 from .values import DataDependentError
@@ -132,6 +133,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     restore_extras = patch_torch_extras(sim.autocast_cache.clear, lambda t: sim.block_of(t) is not None,
                                         sim.storage_resized, function)
     restore_storages = patch_storages(sim.storage_address, sim.storage_to, sim.storage_device)
+    restore_distributed = install_distributed(sim)  # init_process_group("nccl") on simulated GPUs
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
     _ACTIVE.append(sim)
     try:
@@ -139,6 +141,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
             yield devices
     finally:
         _ACTIVE.remove(sim)
+        restore_distributed()
         for prefix in _MODE_FRAMES:
             _history.SKIP_PREFIXES.remove(prefix)
         restore_storages()
