@@ -266,9 +266,37 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise OSError(f"can't find '__main__' module in {args.script!r} (a directory, not a script)")
     elif not os.path.isfile(args.script):
         raise OSError(f"can't open file {args.script!r}: no such file")
-    return run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
-                      context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch,
-                      strict_values=args.strict_values, value_report=args.value_report)
+    if args.nproc_per_node is not None:
+        return _launch(args)
+    status = run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
+                        context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch,
+                        strict_values=args.strict_values, value_report=args.value_report)
+    from vram.run.distributed.rank import write_result
+
+    write_result(status, parse_size(args.context, "--context"))  # for a launcher, when one started us
+    return status
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """``vram run --nproc-per-node N``: one ``vram run`` process per rank (`vram.run.distributed.launcher`)."""
+    from vram.run.distributed.launcher import Launch, launch, parse_ranks
+
+    if args.nproc_per_node < 1 or args.nnodes < 1:
+        raise ValueError(f"--nproc-per-node and --nnodes must be >= 1, got {args.nproc_per_node} and {args.nnodes}")
+    if args.devices != 1:
+        raise ValueError("--devices is the GPUs of one process; with --nproc-per-node each node has that many")
+    if args.value_report is not None:
+        raise ValueError("--value-report is per process; it is not supported with --nproc-per-node yet")
+    spec = Launch(args.nproc_per_node, args.nnodes, jobs=args.jobs)
+    spec.ranks = parse_ranks(args.ranks, spec.world_size)
+    parse_size(args.context, "--context")  # bad input stops here, before any rank starts
+    child = ["--gpu", args.gpu, "--context", args.context, "--devices", str(args.nproc_per_node)]
+    if args.conf is not None:
+        child += ["--conf", args.conf]
+    if args.arch is not None:
+        child += ["--arch", args.arch]
+    child += ["--summary"] * args.summary + ["--strict-values"] * args.strict_values
+    return launch(spec, child, args.script, args.args)
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
@@ -393,6 +421,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "answer it with zeros and list every such read on stderr at the end)")
     p.add_argument("--value-report", metavar="FILE.json",
                    help="write the reads answered with placeholder values as JSON")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="as torchrun: N processes (ranks) per node, one simulated GPU each")
+    p.add_argument("--nnodes", type=int, default=1, metavar="M", help="nodes, with --nproc-per-node (default 1)")
+    p.add_argument("--ranks", default="all", metavar="LIST",
+                   help="ranks to simulate, e.g. 0 or 0,3 or 0-3 (default all); ranks running identical "
+                        "programs need only one")
+    p.add_argument("--jobs", type=int, default=None, metavar="J",
+                   help="ranks simulated at once (default: the machine's cores)")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=cmd_run)

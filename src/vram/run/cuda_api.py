@@ -8,7 +8,6 @@ original back. Memory statistics, ``memory_summary()``, ``empty_cache()``, snaps
 from __future__ import annotations
 
 import sys
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -187,13 +186,7 @@ def patch_torch_cuda(props: list[DeviceProperties]) -> Callable[[], None]:
     import torch.cuda.nvtx
     import torch.cuda.random
 
-    saved: list[tuple[types.ModuleType, str, Any]] = []
-    missing = object()
-
-    def put(module: types.ModuleType, name: str, value: Any) -> None:
-        saved.append((module, name, getattr(module, name, missing)))
-        setattr(module, name, value)
-
+    put, restore = attribute_patches()
     for name, value in _replacements(props).items():
         put(torch.cuda, name, value)
         for module in (torch.cuda.random, torch.cuda.graphs, torch.cuda.memory):
@@ -205,16 +198,28 @@ def patch_torch_cuda(props: list[DeviceProperties]) -> Callable[[], None]:
     for name in _PRIVATE_MEMORY_NAMES:
         put(torch.cuda.memory, name, getattr(_memory, name))
     put(torch.cuda.nvtx, "_nvtx", NVTX())
+    return restore
+
+
+def attribute_patches() -> tuple[Callable[[Any, str, Any], None], Callable[[], None]]:
+    """``(put, restore)``: ``put(owner, name, value)`` sets an attribute and remembers the old one
+    (or its absence); ``restore()`` puts every one back, last first."""
+    saved: list[tuple[Any, str, Any]] = []
+    missing = object()
+
+    def put(owner: Any, name: str, value: Any) -> None:
+        saved.append((owner, name, getattr(owner, name, missing)))
+        setattr(owner, name, value)
 
     def restore() -> None:
-        for module, name, old in reversed(saved):
+        for owner, name, old in reversed(saved):
             if old is missing:
-                delattr(module, name)
+                delattr(owner, name)
             else:
-                setattr(module, name, old)
+                setattr(owner, name, old)
         saved.clear()
 
-    return restore
+    return put, restore
 
 
 def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any], bool],

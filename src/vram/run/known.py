@@ -179,16 +179,25 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
         return
     by_out = dict(zip((id(t) for t in outs), results))
     for t, b in targets:
-        r = by_out[id(t)]
-        if b.value is None:
-            if big or b.nbytes > VALUE_LIMIT * t.element_size() or not _covers(t, b):
-                continue  # a write into part of an unknown storage leaves the rest unknown
-            b.value = torch.UntypedStorage(b.nbytes)
-        b.assumed = bool(used) or (b.assumed and func._schema.is_mutable)
-        view = cpu_value(sim, t)
-        if view is not None and view.data_ptr() != r.data_ptr():
-            with torch._C.DisableTorchFunction():
-                view.copy_(r)
+        if not big:
+            define(sim, t, by_out[id(t)], bool(used) or (b.assumed and func._schema.is_mutable))
+
+
+def define(sim: SimState, t: torch.Tensor, value: torch.Tensor, assumed: bool) -> None:
+    """`t` now holds `value` (a CPU tensor of its shape); `assumed` when that rests on guesses.
+    A write into part of an unknown storage, or into one too large to keep, leaves it unknown."""
+    b = sim.block_of(t)
+    if b is None:
+        return
+    if b.value is None:
+        if b.nbytes > VALUE_LIMIT * t.element_size() or not _covers(t, b):
+            return
+        b.value = torch.UntypedStorage(b.nbytes)
+    b.assumed = assumed
+    view = cpu_value(sim, t)
+    if view is not None and view.data_ptr() != value.data_ptr():
+        with torch._C.DisableTorchFunction():
+            view.copy_(value)
 
 
 def _covers(t: torch.Tensor, b: ChargedStorage) -> bool:

@@ -273,6 +273,9 @@ class FunctionMode(TorchFunctionMode):
                 return self._call(func, lambda: func(*args, **kwargs), None, True, args, kwargs)
         if name == "cuda" and t0 is not None:
             return self._cuda(t0, b0, args, kwargs)
+        if name in ("copy_", "copy_.default") and b0 is None and t0 is not None and t0.device.type == "cpu" \
+                and len(args) > 1 and isinstance(args[1], torch.Tensor) and sim.block_of(args[1]) is not None:
+            return self._copy_to_host(t0, args[1])
         if func in _k.TRANSPARENT and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
             return self._call(func, lambda: self._inside(func, args, kwargs), None, False, args, kwargs)
         if name == "pin_memory" and t0 is not None:  # page-locked host memory: not GPU memory
@@ -438,6 +441,13 @@ class FunctionMode(TorchFunctionMode):
             return _repr_as(real_args[0], t)
         with torch._C.DisableTorchFunction():
             return func(*real_args, **real_kwargs)
+
+    def _copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """``host.copy_(simulated)`` (a device-to-host copy, also from C++: DDP's bucket indices):
+        the source's known values, else a placeholder as for any read (`_read`)."""
+        value = self._read(torch.Tensor.cpu, "cpu", src, (src,), {})
+        with torch._C.DisableTorchFunction():
+            return dst.copy_(value)
 
     def _inside(self, func: Any, args: Any, kwargs: Any) -> Any:
         with self:

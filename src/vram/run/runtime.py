@@ -77,6 +77,7 @@ from vram.frontend import memory as _memory
 
 from . import known
 from .cuda_api import DeviceProperties, patch_storages, patch_torch_cuda, patch_torch_extras
+from .distributed import install as install_distributed
 from .host_rng import patch_rng
 from .modes import DispatchMode, FunctionMode
 from .storages import SimState
@@ -136,6 +137,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     sim.host.known_value = lambda t: known.cpu_value(sim, t)
     restore_storages = patch_storages(sim.storage_address, sim.storage_to, sim.storage_location)
     restore_rng = patch_rng(sim.host.ledger)
+    restore_distributed = install_distributed(sim)  # init_process_group("nccl") on simulated GPUs
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
     _ACTIVE.append(sim)
     try:
@@ -144,6 +146,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     finally:
         sim.host.ledger.settle()  # code after the block uses the CPU generator where a GPU run's would be
         _ACTIVE.remove(sim)
+        restore_distributed()
         for prefix in _MODE_FRAMES:
             _history.SKIP_PREFIXES.remove(prefix)
         restore_rng()

@@ -1,0 +1,76 @@
+"""Layer 4: many simulated GPUs for ``vram run`` (issue 13): ``torch.distributed`` with the
+``nccl`` backend on simulated GPUs, one process per rank.
+
+* `install` (called by `vram.run.runtime.simulated_cuda`) makes ``init_process_group("nccl")``
+  (also ``"cuda:nccl"``, ``"cpu:gloo,cuda:nccl"``, ``init_device_mesh("cuda", ...)``) build a
+  `process_group.SimProcessGroup`: ``is_nccl_available()`` is True and ``ProcessGroupNCCL`` is
+  vram's. Rendezvous (``env://``, ``tcp://``) keeps PyTorch's parsing, checks and messages
+  (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` must be set) but its store is an
+  in-process ``HashStore``: no rank waits for another, since each is simulated on its own.
+* `vram.run.distributed.launcher` is ``torchrun`` for simulated GPUs (``vram run
+  --nproc-per-node N``): one process per rank, the torchrun environment, a per-rank summary.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from vram.frontend import memory as _memory
+
+from ..cuda_api import attribute_patches
+from ..storages import SimState
+
+__all__ = ["install", "current_sim"]
+
+_SIMS: list[SimState] = []
+
+
+def current_sim() -> SimState:
+    """The state of the simulation the process groups charge (the innermost `install`)."""
+    if not _SIMS:
+        raise RuntimeError("vram's ProcessGroupNCCL is used outside a simulated run")
+    return _SIMS[-1]
+
+
+def install(sim: SimState) -> Callable[[], None]:
+    """Make ``torch.distributed``'s ``nccl`` backend vram's; returns the function that undoes it."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    import torch.distributed.rendezvous  # noqa: F401 - the module; the package's name is a function
+    from torch.distributed import HashStore
+
+    from .ddp import verify_params_across_processes
+    from .process_group import SimProcessGroup
+    from .rank import stage_snapshots
+
+    rdzv = sys.modules["torch.distributed.rendezvous"]
+
+    put, undo = attribute_patches()
+
+    def create_store(hostname: str, port: int, rank: int, world_size: int, timeout: Any,
+                     use_libuv: bool = True) -> Any:
+        if not 0 <= port < 2**16:  # rendezvous.py's own check, kept
+            raise ValueError(f"port must have value from 0 to 65535 but was {port}.")
+        return HashStore()
+
+    put(c10d, "ProcessGroupNCCL", SimProcessGroup)
+    put(dist, "ProcessGroupNCCL", SimProcessGroup)
+    put(c10d, "is_nccl_available", lambda: True)
+    put(dist, "is_nccl_available", lambda: True)
+    put(c10d, "_NCCL_AVAILABLE", True)
+    put(rdzv, "_create_c10d_store", create_store)
+    put(dist, "_verify_params_across_processes", verify_params_across_processes)
+    staged = stage_snapshots(_memory._dump_snapshot)  # a launched rank: dumps wait for the launcher
+    if staged is not None:
+        import torch.cuda.memory
+        put(torch.cuda.memory, "_dump_snapshot", staged)
+    _SIMS.append(sim)
+
+    def restore() -> None:
+        _SIMS.remove(sim)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        undo()
+
+    return restore

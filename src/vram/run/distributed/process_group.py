@@ -1,0 +1,392 @@
+"""``ProcessGroupNCCL`` on simulated GPUs: collectives that move no data but allocate, keep alive
+and free what ProcessGroupNCCL does (``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``).
+
+`SimProcessGroup` is a Python ``torch.distributed.ProcessGroup`` (the trampoline PyTorch's own
+``multi_threaded_pg`` uses), so collectives called from Python (``dist.all_reduce``, FSDP2,
+DTensor) and from C++ (DDP's ``Reducer``, the functional collectives) reach it. Every rank runs
+in its own process, so no rank waits for another: a collective completes at once, as on an
+infinitely fast GPU, like PyTorch's ``FakeProcessGroup``. What a collective does to memory, from
+``ProcessGroupNCCL::collective`` and the collectives built on it:
+
+* **Where it runs.** ``asyncOp=False`` (``dist.all_reduce(t)``; FSDP2's collectives inside its own
+  streams) runs on the *current* stream and keeps nothing. ``asyncOp=True`` (``async_op=True``,
+  DDP's bucket all-reduce, the functional collectives) runs on the group's NCCL stream (one per
+  device, ``getStreamFromPool``) and *stashes* its inputs and outputs on the Work
+  (``stashed_for_allocator_safety_``) until ``work.wait()``; a Work that is never waited is
+  unstashed by the watchdog once the GPU is done, the shelf being emptied at the *next*
+  collective's ``workEnqueue`` on the same group (the GPU is infinitely fast here, and the
+  watchdog has seen completion by then). The Work also keeps its outputs (``outputs_``, for
+  ``result()``) for as long as it lives.
+* **What it allocates.** ``allgather`` into a list of equal-size tensors flattens them into one
+  new tensor (``newLikeFlat``: ``[world, *shape]``, on the current stream, before the collective)
+  and copies out of it; ``reduce_scatter`` from a list flattens its inputs likewise; ``barrier``
+  all-reduces a new 1-element float32 ``zeros`` tensor on the group's device. Uneven lists become
+  coalesced broadcasts/reduces, which allocate nothing. Nothing else goes through the caching
+  allocator: NCCL's own buffers are ``cudaMalloc``'d outside it (see `vram.run.distributed.nccl`).
+* **Values.** Other ranks' data is not simulated. When a collective's inputs are known (`vram.run.
+  known`: counts, flags, ids, DDP's bucket indices), its outputs are computed as if every rank
+  held this rank's values (all-reduce SUM: ``world`` times the value; all-gather: ``world``
+  copies; broadcast: unchanged) and marked *assumed*, so reads of them are listed in the run's
+  value report; they are exact where no other rank contributes (the broadcast root, a group of
+  one). Otherwise, and always in a run strict about values, the outputs are unknown.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from vram.frontend import memory as _memory
+
+from .. import known
+from ..storages import SimState
+
+__all__ = ["Options", "SimProcessGroup", "SimWork"]
+
+BACKEND_NAME = "nccl"
+#: computes a collective's output values from its inputs' (CPU tensors), all ranks alike
+Values = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+class Options:
+    """``ProcessGroupNCCL.Options``: the fields ``torch.distributed`` sets and reads."""
+
+    def __init__(self, is_high_priority_stream: bool = False) -> None:
+        self.is_high_priority_stream = is_high_priority_stream
+        self._timeout = timedelta(minutes=10)
+        self.global_ranks_in_group: list[int] = []
+        self.group_name = ""
+        self.split_from: Any = None
+        self.split_color = 0
+        self.config: Any = None
+        self.backend = BACKEND_NAME
+
+
+class SimWork(dist.Work):  # type: ignore[misc]
+    """A completed collective's Work (``WorkNCCL``): `wait` unstashes its tensors."""
+
+    def __init__(self, outputs: list[torch.Tensor] | None, shelf: list[Any]) -> None:
+        super().__init__()
+        self._outputs = outputs
+        self._shelf = shelf
+
+    def wait(self, timeout: Any = None) -> bool:
+        """``WorkNCCL::wait``: the current stream waits for the NCCL stream, then unstashes."""
+        self._shelf.clear()
+        return True
+
+    def synchronize(self) -> None:
+        self._shelf.clear()
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> None:
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return list(self._outputs or ())
+
+    def get_future(self) -> Future[list[torch.Tensor]]:
+        fut: Future[list[torch.Tensor]] = Future()
+        fut.set_result(list(self._outputs or ()))
+        return fut
+
+
+class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
+    """``ProcessGroupNCCL(store, rank, size, options)`` on simulated GPUs (see the module doc)."""
+
+    Options = Options
+
+    def __init__(self, store: Any, rank: int, size: int, options: Options | None = None) -> None:
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self.options = options if options is not None else Options()
+        self._group_name = getattr(self.options, "group_name", "") or ""
+        self._group_desc = ""
+        self._store = store
+        self._streams: dict[int, Any] = {}      # device -> the NCCL stream (asyncOp)
+        self._unwaited: list[list[Any]] = []   # shelves of async works not waited for
+        self._used: list[int] = []             # devices collectives ran on (guessDeviceId)
+        self.bound_device_id: Any = None
+
+    # -- identity ---------------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - torch's names
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        if not self._group_name:
+            raise RuntimeError("ProcessGroup name not set")
+        return self._group_name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def _set_sequence_number_for_group(self) -> None:
+        return None
+
+    def eager_connect_single_device(self, device: Any) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"<vram ProcessGroupNCCL rank={self._rank} size={self._size} name={self._group_name!r}>"
+
+    # -- the collective skeleton ------------------------------------------------------------
+    def _collective(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], async_op: bool,
+                    post: Callable[[], None] | None = None, keep: Sequence[torch.Tensor] = (),
+                    value: Values | None = None, exact: bool = False) -> SimWork:
+        """``ProcessGroupNCCL::collective``: stash when async, run, then ``workEnqueue``.
+
+        `value` computes the outputs' values from the inputs' (CPU tensors) as if every rank held
+        this rank's; `exact` when no other rank's data enters them."""
+        sim = _sim()
+        device = _device_of(sim, inputs[0] if inputs else outputs[0])
+        if device is not None and device not in self._used:
+            self._used.append(device)
+        shelf: list[Any] = []
+        if async_op:
+            if device is not None and device not in self._streams:
+                self._streams[device] = _memory.Stream(device)
+            shelf.extend(inputs)
+            shelf.extend(outputs)
+            shelf.extend(keep)
+        if post is not None:
+            post()
+        exact = exact or self._size == 1
+        ins = [known.cpu_value(sim, t) for t in inputs]
+        results = None
+        if value is not None and all(v is not None for v in ins) and (exact or not sim.strict_values):
+            assumed = not exact or any(known.assumed(sim, t) for t in inputs)
+            with torch._C.DisableTorchFunction():
+                results = value([v.clone() for v in ins if v is not None])
+        for i, t in enumerate(outputs):
+            if results is None:
+                _forget_value(sim, t)
+            else:
+                known.define(sim, t, results[i], assumed)
+        # workEnqueue: shelves of earlier works the watchdog saw complete are unstashed now
+        for old in self._unwaited:
+            old.clear()
+        self._unwaited = [shelf] if shelf else []
+        return SimWork(list(outputs) if async_op else None, shelf)
+
+    # -- collectives --------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
+        op = _reduction(opts, self._size)
+        return self._collective(tensors, tensors, _async(opts), value=op and (lambda vs: [op(v) for v in vs]))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
+        root = getattr(opts, "rootRank", 0) if opts is not None else 0
+        return self._collective(tensors, tensors, _async(opts), value=lambda vs: vs, exact=root == self._rank)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
+        root = getattr(opts, "rootRank", 0) if opts is not None else 0
+        if root != self._rank:  # NCCL leaves a non-root's buffer as it was
+            return self._collective(tensors, tensors, _async(opts), value=lambda vs: vs, exact=True)
+        op = _reduction(opts, self._size)
+        return self._collective(tensors, tensors, _async(opts), value=op and (lambda vs: [op(v) for v in vs]))
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> SimWork:
+        """Equal sizes: ``newLikeFlat(outputs)`` receives, then is copied out on the NCCL stream."""
+        outs, inp = output_lists[-1], inputs[-1]
+        if outs and all(o.shape == outs[0].shape for o in outs):
+            inp = inp.contiguous()
+            flat = _new_like_flat(outs)
+
+            def copy_out() -> None:
+                for j, o in enumerate(outs):
+                    o.copy_(flat[j])
+            work = self._collective([inp], [flat], _async(opts), copy_out, keep=outs,
+                                    value=lambda vs: [torch.stack([vs[0]] * len(outs))])
+            with torch._C.DisableTorchFunction():
+                values = known.cpu_value(_sim(), flat)
+            for j, o in enumerate(outs):  # the copies out, as on the NCCL stream
+                if values is not None:
+                    known.define(_sim(), o, values[j], known.assumed(_sim(), flat))
+            return work
+        return self._collective([inp, *outs], list(outs), _async(opts))  # coalesced broadcasts
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:  # noqa: A002
+        n = self._size
+        return self._collective([input], [output], _async(opts),
+                                value=lambda vs: [torch.cat([vs[0].reshape(-1)] * n).reshape(output.shape)])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> SimWork:
+        return self._collective(inputs, outputs, _async(opts))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists: Any, inputs: Any, opts: Any = None) -> SimWork:
+        raise NotImplementedError("ProcessGroupNCCL does not support allgather_coalesced")
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                       opts: Any = None) -> SimWork:
+        """Equal sizes: the inputs are copied into ``newLikeFlat(inputs)`` on the NCCL stream."""
+        out, ins = outputs[-1], input_lists[-1]
+        if ins and all(i.shape == ins[0].shape for i in ins):
+            out = out.contiguous()
+            flat = _new_like_flat(ins)
+
+            def copy_in() -> None:
+                for j, i in enumerate(ins):
+                    flat[j].copy_(i)
+            copy_in()
+            op, rank = _reduction(opts, self._size), self._rank
+            return self._collective([flat], [out], _async(opts), keep=ins,
+                                    value=op and (lambda vs: [op(vs[0][rank])]))
+        return self._collective(list(ins), [out], _async(opts))  # coalesced reduces
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:  # noqa: A002
+        op, rank = _reduction(opts, self._size), self._rank
+        return self._collective([input], [output], _async(opts), value=op and (
+            lambda vs: [op(vs[0].reshape(-1).chunk(self._size)[rank].reshape(output.shape))]))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> SimWork:
+        return self._collective(inputs, outputs, _async(opts))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: Any = None,  # noqa: A002
+                          input_splits: Any = None, opts: Any = None) -> SimWork:
+        return self._collective([input], [output], _async(opts))
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> SimWork:
+        return self._collective(inputs, outputs, _async(opts))
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> SimWork:
+        outs = output_lists[-1] if output_lists else []
+        return self._collective(inputs, list(outs), _async(opts))
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> SimWork:
+        ins = input_lists[-1] if input_lists else []
+        return self._collective(list(ins) or outputs, outputs, _async(opts))
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> SimWork:
+        return self._collective(tensors, [], True)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> SimWork:
+        return self._collective([], tensors, True)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> SimWork:
+        return self._collective([], tensors, True)
+
+    def barrier(self, opts: Any = None) -> SimWork:
+        """``ProcessGroupNCCL::barrier``: all-reduce of ``zeros({1}, float)`` on the guessed device."""
+        ids = list(getattr(opts, "device_ids", None) or [])
+        if ids:
+            device = ids[0]
+        elif self.bound_device_id is not None:
+            device = self.bound_device_id.index
+        elif self._used:
+            device = self._used[0]
+        else:
+            device = dist.get_rank() % max(1, _memory.device_count()) if dist.is_initialized() else 0
+        t = torch.zeros(1, dtype=torch.float32, device=torch.device("cuda", device))
+        work = self._collective([t], [t], _async(opts))
+        work.wait()  # barrier: a CPU wait (sync mode) or the same at the user's wait()
+        return work
+
+    def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def start_coalescing(self, device: Any = None) -> None:
+        return None
+
+    def end_coalescing(self, device: Any = None) -> SimWork:
+        return SimWork(None, [])
+
+    def _start_coalescing(self, device: Any = None) -> None:
+        return None
+
+    def _end_coalescing(self, device: Any = None) -> SimWork:
+        return SimWork(None, [])
+
+
+def _sim() -> SimState:
+    from . import current_sim
+    return current_sim()
+
+
+def _async(opts: Any) -> bool:
+    """``opts.asyncOp``: C++ options default to True; ``dist.*(async_op=False)`` sets False."""
+    return bool(getattr(opts, "asyncOp", True)) if opts is not None else True
+
+
+def _reduction(opts: Any, world: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``world`` equal contributions reduced by ``opts.reduceOp`` (None: an op we do not model,
+    such as PREMUL_SUM, whose factor lives in C++). NCCL sums booleans as a max (``getNcclReduceOp``)."""
+    op = getattr(opts, "reduceOp", None) if opts is not None else None
+    op = getattr(op, "op", dist.ReduceOp.SUM)  # ReduceOp -> its RedOpType (``in`` needs the enum)
+    R = dist.ReduceOp
+    if op in (R.AVG, R.MIN, R.MAX, R.BAND, R.BOR):
+        return lambda v: v
+    if op == R.SUM:
+        return lambda v: v if v.dtype == torch.bool else v * world
+    if op == R.PRODUCT:
+        return lambda v: v if v.dtype == torch.bool else v ** world
+    return None
+
+
+def _device_of(sim: SimState, t: torch.Tensor) -> int | None:
+    return sim.idx_of(t)
+
+
+def _new_like_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``newLikeFlat``: ``at::empty({n, *t.sizes()}, t.options())`` under a guard of t's device."""
+    t = tensors[0]
+    return torch.empty((len(tensors), *t.shape), dtype=t.dtype, device=t.device)
+
+
+def _forget_value(sim: SimState, t: torch.Tensor) -> None:
+    """Other ranks' data is not simulated: a collective's output values are unknown."""
+    b = sim.block_of(t)
+    if b is not None:
+        b.value = None
