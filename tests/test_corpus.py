@@ -1,7 +1,10 @@
 """Small but real programs on the libraries people train with, run under ``vram run`` to their end
 (issue 10): Hugging Face GPT-2 and Llama with GQA (padded masks, gradient checkpointing, bf16
-autocast, loss logging, generate), a PEFT LoRA step, a diffusers UNet step and a nanoGPT-style
-loop (tests/corpus/). Each program prints its parameter count and ``torch.cuda.memory_allocated()``
+autocast, loss logging, generate), a PEFT LoRA step, a diffusers UNet step, a nanoGPT-style
+loop, a torchvision ResNet and a timm ViT trained with AMP and GradScaler (tests/corpus/; PyPI's
+torchvision wheel is built for CUDA torch, so its operator library cannot load next to the CPU
+torch: `vram.run.compat` defines its operators' schemas so that it imports, here and under
+``vram run``). Each program prints its parameter count and ``torch.cuda.memory_allocated()``
 right after moving the model; the expectations come from building the same model here, on the
 CPU without vram: the same count, and the model's unique parameter and buffer storages, each
 rounded up to the allocator's 512-byte blocks (spec §4).
@@ -17,7 +20,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from vram.run.compat import define_torchvision_ops  # noqa: E402
 from vram.run.runtime import run_script  # noqa: E402
+
+define_torchvision_ops()  # PyPI's torchvision is built for CUDA torch: without this, no import here
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
 PROGRAMS = {  # program -> the libraries it needs
@@ -26,6 +32,8 @@ PROGRAMS = {  # program -> the libraries it needs
     "peft_lora.py": ("transformers", "peft"),
     "diffusers_unet.py": ("diffusers",),
     "nanogpt_style.py": (),
+    "tv_resnet.py": ("torchvision",),
+    "timm_vit.py": ("timm", "torchvision"),
 }
 
 

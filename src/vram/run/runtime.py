@@ -76,6 +76,7 @@ from vram.devices.gpus import GpuPreset, resolve_gpu
 from vram.frontend import memory as _memory
 
 from . import known
+from .compat import define_torchvision_ops
 from .cuda_api import DeviceProperties, patch_storages, patch_torch_cuda, patch_torch_extras
 from .distributed import install as install_distributed
 from .host_rng import patch_rng
@@ -121,6 +122,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     `DataDependentError` instead. Yields the `vram.SimulatedDevice` list; the simulator's state
     (``vram.memory_summary()`` etc.) remains readable after the block.
     """
+    define_torchvision_ops()  # a CUDA build of torchvision next to a CPU torch: importable
     spec = resolve_gpu(gpu, arch)
     name = spec.name if name is None else name
     major = spec.major if major is None else major

@@ -1,0 +1,89 @@
+"""A torchvision built for CUDA next to a CPU build of torch (for `vram.run.runtime`; layer 4).
+
+PyPI's torchvision wheels are built against CUDA torch: their operator library (``_C.so``) links
+``libtorch_cuda``, so next to a CPU torch it cannot load, and ``import torchvision`` then fails in
+``torchvision/_meta_registrations.py``, which registers fake kernels for ``torchvision::nms`` and
+friends: ``RuntimeError: operator torchvision::nms does not exist``. A simulated GPU needs none of
+those kernels for the models themselves (ResNet, ViT, timm's models: convolutions, attention,
+norms), so when the library cannot load, `define_torchvision_ops` defines the operators' schemas
+(as ``torchvision/csrc/ops/*.cpp`` declares them with ``TORCH_LIBRARY_FRAGMENT(torchvision, m)``)
+without kernels: torchvision imports, its own fake kernels register, and calling one of its C++
+ops says what is missing (torchvision's ``_assert_has_ops`` message).
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import sys
+from typing import Any
+
+import torch
+
+#: ``torchvision/csrc/ops/*.cpp``'s schemas (torchvision 0.17 onwards: SymInt sizes)
+TORCHVISION_SCHEMAS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
+    "int sampling_ratio, bool aligned) -> Tensor",
+    "_roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
+    "SymInt batch_size, SymInt channels, SymInt height, SymInt width, int sampling_ratio, bool aligned) -> Tensor",
+    "qroi_align(Tensor input, Tensor rois, float input_scale, int input_zero_point, float rois_scale, "
+    "int rois_zero_point, float spatial_scale, SymInt pooled_height, SymInt pooled_width, int sampling_ratio, "
+    "bool aligned) -> Tensor",
+    "roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width) "
+    "-> (Tensor, Tensor)",
+    "_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, SymInt pooled_height, "
+    "SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width) -> Tensor",
+    "ps_roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
+    "int sampling_ratio) -> (Tensor, Tensor)",
+    "_ps_roi_align_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, "
+    "SymInt pooled_height, SymInt pooled_width, int sampling_ratio, SymInt batch_size, SymInt channels, "
+    "SymInt height, SymInt width) -> Tensor",
+    "ps_roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width) "
+    "-> (Tensor, Tensor)",
+    "_ps_roi_pool_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, "
+    "SymInt pooled_height, SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, "
+    "SymInt width) -> Tensor",
+    "deform_conv2d(Tensor input, Tensor weight, Tensor offset, Tensor mask, Tensor bias, SymInt stride_h, "
+    "SymInt stride_w, SymInt pad_h, SymInt pad_w, SymInt dilation_h, SymInt dilation_w, SymInt groups, "
+    "SymInt offset_groups, bool use_mask) -> Tensor",
+    "_deform_conv2d_backward(Tensor grad, Tensor input, Tensor weight, Tensor offset, Tensor mask, Tensor bias, "
+    "SymInt stride_h, SymInt stride_w, SymInt pad_h, SymInt pad_w, SymInt dilation_h, SymInt dilation_w, "
+    "SymInt groups, SymInt offset_groups, bool use_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "box_iou_rotated(Tensor boxes1, Tensor boxes2) -> Tensor",
+)
+_LIBRARY: list[Any] = []  # the torch.library.Library holding the definitions, kept alive
+
+
+def define_torchvision_ops() -> bool:
+    """If torchvision is installed, not imported yet, and its operator library cannot load with
+    this torch, define its operators' schemas (no kernels) so that it imports. True if it did."""
+    if "torchvision" in sys.modules or _LIBRARY:
+        return False
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    libraries = sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "_C*.so")))
+    for path in libraries:
+        try:
+            torch.ops.load_library(path)
+            return False  # it loads: torchvision has its kernels
+        except (OSError, RuntimeError):
+            continue
+    if not libraries or _defined("torchvision::nms"):
+        return False
+    lib = torch.library.Library("torchvision", "FRAGMENT")
+    for schema in TORCHVISION_SCHEMAS:
+        if not _defined("torchvision::" + schema.split("(", 1)[0]):
+            lib.define(schema)
+    _LIBRARY.append(lib)
+    return True
+
+
+def _defined(qualname: str) -> bool:
+    try:
+        torch._C._dispatch_find_schema_or_throw(qualname, "")
+        return True
+    except RuntimeError:
+        return False
