@@ -159,3 +159,23 @@ def test_data_dependent_op_on_lazy_tensor_runs_on_real_bytes() -> None:
         assert active_sim().host.of(x) is not None
         idx = (x > 0.5).nonzero()
         assert torch.equal(idx, (ref > 0.5).nonzero())
+
+
+def test_dataloader_over_a_lazy_dataset_gives_the_cpu_batches() -> None:
+    """A synthetic dataset drawn on the CPU (lazy), shuffled and batched in worker processes:
+    the batches, moved to the GPU, hold the values a CPU/GPU run's batches hold."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def batches() -> list[list[float]]:
+        torch.manual_seed(0)
+        ds = TensorDataset(torch.randn(20_000, 64), torch.randint(0, 10, (20_000,)))
+        seen = []
+        for workers in (0, 2):
+            for i, (x, _) in enumerate(DataLoader(ds, batch_size=256, shuffle=True, num_workers=workers)):
+                if i == 2:
+                    seen.append(x.to("cuda" if torch.cuda.is_available() else x.device)[0, :3].tolist())
+                    break
+        return seen
+    expected = batches()
+    with simulated_cuda(gpu="24GiB"):
+        assert batches() == expected

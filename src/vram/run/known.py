@@ -48,6 +48,8 @@ def cpu_value(sim: SimState, t: Any) -> torch.Tensor | None:
         return None
     b = sim.block_of(t)
     if b is None:
+        if sim.host.of(t) is not None:  # a lazy host tensor: its bytes, computed (vram.run.lazy_host)
+            return sim.host.real(t)
         return t if t.device.type == "cpu" else None
     if b.value is None:
         return None
@@ -58,7 +60,7 @@ def cpu_value(sim: SimState, t: Any) -> torch.Tensor | None:
 def known(sim: SimState, t: torch.Tensor) -> bool:
     """Are `t`'s values known (a host tensor, or a simulated one with a kept copy)?"""
     b = sim.block_of(t)
-    return (b.value is not None) if b is not None else t.device.type == "cpu"
+    return (b.value is not None) if b is not None else (t.device.type == "cpu" or sim.host.of(t) is not None)
 
 
 def to_cpu(sim: SimState, x: Any) -> Any:

@@ -267,6 +267,9 @@ class FunctionMode(TorchFunctionMode):
         elif t0 is not None and sim.host.live and sim.host.of(t0) is not None:
             if name in _CPU_COPY or name in _SCALAR or name in _HOST_READS:
                 return self._host_read(func, name, t0, args, kwargs)
+            if name in ("new", "new_tensor"):  # legacy constructors: a real host tensor, as on the CPU
+                with torch._C.DisableTorchFunction():
+                    return getattr(torch.empty(0, dtype=t0.dtype), name)(*args[1:], **kwargs)
             if name == "to" and self._to_host(args, kwargs):  # already on the host: meta, as it is
                 args = tuple(_META if (d := parse_device(a)) is not None and d[0] == "cpu" else a for a in args)
                 kwargs = dict(kwargs, device=_META) if "device" in kwargs else kwargs
