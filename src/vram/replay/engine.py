@@ -176,17 +176,19 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     trace: Sequence[Mapping[str, Any]] = traces[device] if device < len(traces) else []
     final = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
     if final or not trace:
-        initial = rewind(final, trace, _recorded_divisions(recorded_conf, conf is not None), device)
+        initial = rewind(final, trace, _recorded_divisions(recorded_conf, conf is not None), device,
+                         "expandable_segments:true" in recorded_conf.replace(" ", "").lower())
     else:  # no segment layout (an RMM log): the trace is taken to start from an empty allocator
         initial = []
     recorded = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
+    recorded_maps = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_map"]
     if stop_at is not None:
         if not 0 <= stop_at <= len(trace):
             raise ValueError(f"event index {stop_at} is outside the trace (0..{len(trace)})")
         trace = trace[:stop_at]
 
     def start() -> tuple[_ReplayDevice, CachingAllocator, set[int]]:
-        dev = _ReplayDevice(recorded, total, ctx, device)
+        dev = _ReplayDevice(recorded, total, ctx, device, recorded_maps=recorded_maps)
         dev.reproduce_ooms = verify or (conf is None and gpu is None)
         dev.capacity_known = gpu is not None
         dev.empty_cache_at = frozenset(empty_cache_at)
@@ -256,7 +258,10 @@ def _largest_free_block(alloc: CachingAllocator) -> int:
     return _largest_free(alloc)[0]
 
 
-_CODES = {"alloc": 0, "free_requested": 1, "free_completed": 2, "segment_free": 3, "oom": 4}
+#: a run of ``segment_free`` / ``segment_unmap`` is one ``empty_cache()`` (both are its release
+#: steps, spec §11.1 and §14), so both share code 3
+_CODES = {"alloc": 0, "free_requested": 1, "free_completed": 2, "segment_free": 3, "segment_unmap": 3,
+          "oom": 4}
 
 
 def compact_events(trace: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, int, int]]:
@@ -392,9 +397,12 @@ def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[st
                 alloc.process_events()
             elif addr in live_at_start:  # free requested before the trace began, completing now
                 live_at_start.discard(addr)
-                if addr in alloc.active and alloc.active[addr].allocated:
+                block = active.get(addr)
+                if block is not None and block.allocated:
                     free(addr)
-        elif code == 3:  # segment_free: a run of them is one empty_cache() call
+                elif block is not None:  # pending at the start (vram.replay.state): its event is done
+                    _complete_pending(alloc, dev, block)
+        elif code == 3:  # segment_free / segment_unmap: a run of them is one empty_cache() call
             if not in_empty_cache:
                 alloc.empty_cache()
                 in_empty_cache = True
@@ -425,6 +433,15 @@ def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[st
     result.skipped_events = skipper.skipped_events if skipper is not None else 0
     if progress is not None:
         progress(n, n)
+
+
+def _complete_pending(alloc: CachingAllocator, dev: _ReplayDevice, block: Any) -> None:
+    """Complete the events of a block that was pending when the trace began, then free it."""
+    for queue in alloc.cuda_events.values():
+        for event, b in queue:
+            if b is block:
+                dev.synchronize_event(event)
+    alloc.process_events()
 
 
 def _pseudo_stream(busy: dict[int, int]) -> int | None:
@@ -503,6 +520,8 @@ class _Checks:
         seg_matched = sum(1 for x, y in zip(ours, recorded) if x == y)
         rec_frees = [(e["addr"], e["size"]) for e in self.trace if e["action"] == "segment_free"]
         free_matched = sum(1 for x, y in zip(dev.frees, rec_frees) if x == y)
+        maps = _matched(self.trace, "segment_map", dev.maps)
+        unmaps = _matched(self.trace, "segment_unmap", dev.unmaps)
         mine = snapshot_segments(alloc)
         want_segs = {(s["address"], s["total_size"]) for s in final}
         have_segs = {(s["address"], s["total_size"]) for s in mine}
@@ -517,6 +536,8 @@ class _Checks:
         return {
             "segment_allocs": {"matched": seg_matched, "total": max(len(recorded), len(ours))},
             "segment_frees": {"matched": free_matched, "total": max(len(rec_frees), len(dev.frees))},
+            "segment_maps": maps,
+            "segment_unmaps": unmaps,
             "alloc_addresses": {"matched": self.allocs_matched, "total": self.allocs_total},
             "recorded_ooms": {"matched": self.ooms_matched, "total": self.ooms_total},
             "final_segments": {"matched": len(want_segs & have_segs),
@@ -527,6 +548,12 @@ class _Checks:
             "notes": self.notes,
             "divergences": self.divergences,
         }
+
+
+def _matched(trace: Sequence[Mapping[str, Any]], action: str, ours: Sequence[tuple[int, int]]) -> dict[str, int]:
+    """Recorded `action` events (address, size) equal to ours, in order."""
+    rec = [(e["addr"], e["size"]) for e in trace if e["action"] == action]
+    return {"matched": sum(1 for x, y in zip(ours, rec) if x == y), "total": max(len(rec), len(ours))}
 
 
 def _with_addresses(seg: Mapping[str, Any]) -> list[Mapping[str, Any]]:
