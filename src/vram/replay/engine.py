@@ -98,15 +98,17 @@ def _recorded_conf(snapshot: Mapping[str, Any]) -> str:
     return conf if isinstance(conf, str) else ""
 
 
-def _recorded_divisions(recorded_conf: str, what_if: bool) -> list[int]:
-    """The recording's ``roundup_power2_divisions`` (rewind infers block sizes with them). A
-    recorded string vram cannot parse is the file's problem: a `SnapshotError` naming the field
-    when replaying under it, else (another config was asked for) the default table."""
+def _recorded_rules(recorded_conf: str, what_if: bool) -> tuple[list[int], bool]:
+    """The recording's ``roundup_power2_divisions`` and ``expandable_segments`` (rewind infers
+    block sizes with them). A recorded string vram cannot parse is the file's problem: a
+    `SnapshotError` naming the field when replaying under it, else (another config was asked
+    for) the defaults."""
     try:
-        return parse_alloc_conf(recorded_conf).roundup_power2_divisions
+        cfg = parse_alloc_conf(recorded_conf)
+        return cfg.roundup_power2_divisions, cfg.expandable_segments
     except ConfigError as exc:
         if what_if:
-            return [0] * 16
+            return [0] * 16, False
         raise SnapshotError(f"allocator_settings.PYTORCH_CUDA_ALLOC_CONF "
                             f"{printable(recorded_conf, 60)!r} cannot be replayed: "
                             f"{printable(str(exc), 200)} (pass a config to replay under instead)") from None
@@ -176,8 +178,8 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     trace: Sequence[Mapping[str, Any]] = traces[device] if device < len(traces) else []
     final = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
     if final or not trace:
-        initial = rewind(final, trace, _recorded_divisions(recorded_conf, conf is not None), device,
-                         "expandable_segments:true" in recorded_conf.replace(" ", "").lower())
+        divisions, expandable = _recorded_rules(recorded_conf, conf is not None)
+        initial = rewind(final, trace, divisions, device, expandable)
     else:  # no segment layout (an RMM log): the trace is taken to start from an empty allocator
         initial = []
     recorded = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
