@@ -162,7 +162,7 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
             drop(created)
         elif action == "segment_free":
             addr, size = e["addr"], e["size"]
-            _check_unused(segs, starts, addr, size, at(i))
+            _check_unused(segs, starts, addr, size, at(i), "freed segment")
             if size <= 0 or size % K_MIN_BLOCK_SIZE:
                 raise TraceError(f"{at(i)}: a segment of {size} bytes cannot exist (spec §6)")
             add(_Segment(addr, size, e.get("stream", 0), "small" if size == 2 * 1024 * 1024 else "large", []))
@@ -217,12 +217,13 @@ def _bound_below(seg: _Segment, addr: int) -> None:
         seg.bound[u] = min(seg.bound.get(u, addr), addr)
 
 
-def _check_unused(segs: Mapping[int, _Segment], starts: SortedKeys, addr: int, size: int, where: str) -> None:
+def _check_unused(segs: Mapping[int, _Segment], starts: SortedKeys, addr: int, size: int, where: str,
+                  what: str) -> None:
     if addr in segs:
         raise TraceError(f"{where}: a segment starts at that address later")
     k = starts.floor_below(addr + size)
     if k is not None and segs[k].end > addr:
-        raise TraceError(f"{where}: the range ({size} bytes) overlaps a segment that exists later")
+        raise TraceError(f"{where}: the {what} ({size} bytes) overlaps another one")
 
 
 def _unmap_back(e: Mapping[str, Any], seg: _Segment, where: str, add: _Edit, drop: _Edit, groups: _Groups) -> None:
@@ -251,7 +252,7 @@ def _map_back(e: Mapping[str, Any], where: str, add: _Edit, drop: _Edit, segs: M
     addr, size, stream = e["addr"], e["size"], e.get("stream", 0)
     if size <= 0 or size % (2 * 1024 * 1024):
         raise TraceError(f"{where}: {size} bytes cannot be unmapped (whole 2 MiB or 20 MiB pages, spec §14)")
-    _check_unused(segs, starts, addr, size, where)
+    _check_unused(segs, starts, addr, size, where, "unmapped range")
     k = starts.floor_below(addr)
     left = segs[k] if k is not None and segs[k].end == addr else None
     right = segs.get(addr + size)
