@@ -59,8 +59,8 @@ def cmd_replay_fleet(args: argparse.Namespace) -> int:
             continue
         verified = ""
         if job["verify"]:
-            keys = ("segment_allocs", "segment_frees", "alloc_addresses", "final_segments", "final_blocks",
-                    "recorded_ooms")
+            keys = ("segment_allocs", "segment_frees", "segment_maps", "segment_unmaps", "alloc_addresses",
+                    "final_segments", "final_blocks", "recorded_ooms")
             exact = all(r[k]["matched"] == r[k]["total"] for k in keys) and not r["divergences"]
             verified = "exact" if exact else f"{len(r['divergences'])} divergences"
         table.append((_shown(job["path"], 60), str(job["device"]), _shown(r["conf"] or "default config", 60),

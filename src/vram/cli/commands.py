@@ -151,10 +151,14 @@ def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[di
             lines += ["", "verification against the recording:"]
             for key, name in (("segment_allocs", "segment_alloc (size, order, address)"),
                               ("segment_frees", "segment_free (address, size, order)"),
+                              ("segment_maps", "segment_map (address, size, order)"),
+                              ("segment_unmaps", "segment_unmap (address, size, order)"),
                               ("alloc_addresses", "alloc addresses"),
                               ("recorded_ooms", "OOMs (same event, recorded free memory)"),
                               ("final_segments", "final segments"), ("final_blocks", "final blocks")):
                 m, t = r.verification[key]["matched"], r.verification[key]["total"]
+                if key in ("segment_maps", "segment_unmaps") and not t:
+                    continue  # no expandable segments: nothing to say
                 pct = 100.0 * m / t if t else 100.0
                 lines.append(f"  {name:<40} {m:>8,} / {t:<8,} {pct:6.2f}%")
             unknown = r.verification.get("unknown_actions") or {}

@@ -6,6 +6,11 @@ for the same size. So a replay under the recorded config makes the same lowest-a
 tie-breaks as the real run and reproduces it exactly; when the replay asks for a different
 segment (another config, a smaller GPU), it gets a synthetic address far from every recorded one
 and the mismatch is logged as a divergence.
+
+Expandable segments (spec §14) reserve a virtual range and map pages into it. A new range gets
+the address of the next recorded ``segment_map`` (a fresh segment's first map is at its base:
+``find_expandable_block`` then ``map_block`` in CUDACachingAllocator.cpp); every map and unmap is
+kept for verification.
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ class TraceDevice(SimulatedDevice):
     """A simulated GPU that replays recorded ``cudaMalloc`` addresses (see module docstring)."""
 
     def __init__(self, recorded: Sequence[tuple[int, int]], total_memory: int | str = 1 << 40,
-                 context: int | str = 0, index: int = 0, **kwargs: Any) -> None:
+                 context: int | str = 0, index: int = 0, *,
+                 recorded_maps: Sequence[tuple[int, int]] = (), **kwargs: Any) -> None:
         super().__init__(total_memory, context, index, event_completion="on_sync", **kwargs)
         self._va = VirtualAddressSpace(SYNTHETIC_BOTTOM, SYNTHETIC_TOP)
         self.recorded = list(recorded)  # (address, size) of each recorded segment_alloc, in order
@@ -34,6 +40,11 @@ class TraceDevice(SimulatedDevice):
         #: (our malloc number, size asked, recorded size or None) for each mismatch
         self.divergences: list[tuple[int, int, int | None]] = []
         self.fail_mallocs = False  # set while replaying a recorded OOM in verification mode
+        self.recorded_maps = list(recorded_maps)  # (address, size) of each recorded segment_map
+        self.map_cursor = 0
+        #: every successful map / unmap of expandable-segment pages: (address, size)
+        self.maps: list[tuple[int, int]] = []
+        self.unmaps: list[tuple[int, int]] = []
 
     def malloc(self, size: int) -> int | None:
         if self.fail_mallocs or size <= 0 or not self._fits(size):
@@ -64,3 +75,54 @@ class TraceDevice(SimulatedDevice):
     def complete_events(self, stream: int) -> None:
         """Complete the events recorded on `stream` (the recording says the free completed)."""
         self.synchronize(stream)
+
+    # -- expandable segments ----------------------------------------------------------------
+    def reserve(self, size: int) -> int:
+        """cuMemAddressReserve: the base of the recorded segment whose first ``segment_map`` comes
+        next (outside every range reserved now), else a synthetic range."""
+        rec = self.recorded_maps[self.map_cursor] if self.map_cursor < len(self.recorded_maps) else None
+        if rec is not None and self._reservation_at(rec[0]) is None and rec[0] not in self._allocations:
+            self._va.take(rec[0], size)  # recorded ranges lie above the synthetic window
+            self._reservations[rec[0]] = size
+            self._mapped[rec[0]] = 0
+            return rec[0]
+        return super().reserve(size)
+
+    def adopt_reservation(self, base: int, size: int, mapped: int) -> bool:
+        """Take over a recorded expandable segment's range with `mapped` bytes already mapped
+        (a recording's starting state); False when they do not fit or the range is in use."""
+        if mapped < 0 or not self._fits(mapped) or base in self._reservations or base in self._allocations:
+            return False
+        self._va.take(base, size)
+        self._reservations[base] = size
+        self._mapped[base] = mapped
+        self.used += mapped
+        return True
+
+    def _reservation_at(self, ptr: int) -> int | None:
+        """The reserved range holding `ptr`: the highest base at or below it (recorded ranges
+        from a smaller real GPU may be closer together than this device's reserve size)."""
+        best = None
+        for base, rsize in self._reservations.items():
+            if base <= ptr < base + rsize and (best is None or base > best):
+                best = base
+        return best
+
+    def _reservation_of(self, ptr: int, size: int) -> int:
+        base = self._reservation_at(ptr)
+        if base is None:
+            raise ValueError(f"range {ptr:#x}+{size} is not inside a reserved range")
+        return base
+
+    def map(self, ptr: int, size: int) -> bool:
+        if self.fail_mallocs or not super().map(ptr, size):
+            return False
+        rec = self.recorded_maps[self.map_cursor] if self.map_cursor < len(self.recorded_maps) else None
+        if rec == (ptr, size):
+            self.map_cursor += 1
+        self.maps.append((ptr, size))
+        return True
+
+    def unmap(self, ptr: int, size: int) -> None:
+        super().unmap(ptr, size)
+        self.unmaps.append((ptr, size))

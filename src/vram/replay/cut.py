@@ -82,10 +82,10 @@ def cut(snap: Mapping[str, Any], start: int, end: int, device: int = 0) -> dict[
         start -= 1
     result = replay(snap, device=device, stop_at=end, verify=True)
     v = result.verification or {}
-    seg_events = sum(1 for e in trace[:end] if e["action"] == "segment_alloc")
     early = [d for d in v.get("divergences", ()) if d["event_index"] < end and not d["kind"].startswith("final")]
+    driver = (("segment_allocs", "segment_alloc"), ("segment_maps", "segment_map"), ("segment_unmaps", "segment_unmap"))
     if (early or v["alloc_addresses"]["matched"] != v["alloc_addresses"]["total"]
-            or v["segment_allocs"]["matched"] != seg_events):
+            or any(v[k]["matched"] != sum(1 for e in trace[:end] if e["action"] == a) for k, a in driver)):
         first = early[0] if early else {"kind": "segment_alloc", "event_index": "?"}
         raise SnapshotError(f"the replay up to event {end} does not reproduce the recording exactly "
                             f"({first['kind']} at event {first['event_index']}): its state there would "

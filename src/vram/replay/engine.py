@@ -98,15 +98,17 @@ def _recorded_conf(snapshot: Mapping[str, Any]) -> str:
     return conf if isinstance(conf, str) else ""
 
 
-def _recorded_divisions(recorded_conf: str, what_if: bool) -> list[int]:
-    """The recording's ``roundup_power2_divisions`` (rewind infers block sizes with them). A
-    recorded string vram cannot parse is the file's problem: a `SnapshotError` naming the field
-    when replaying under it, else (another config was asked for) the default table."""
+def _recorded_rules(recorded_conf: str, what_if: bool) -> tuple[list[int], bool]:
+    """The recording's ``roundup_power2_divisions`` and ``expandable_segments`` (rewind infers
+    block sizes with them). A recorded string vram cannot parse is the file's problem: a
+    `SnapshotError` naming the field when replaying under it, else (another config was asked
+    for) the defaults."""
     try:
-        return parse_alloc_conf(recorded_conf).roundup_power2_divisions
+        cfg = parse_alloc_conf(recorded_conf)
+        return cfg.roundup_power2_divisions, cfg.expandable_segments
     except ConfigError as exc:
         if what_if:
-            return [0] * 16
+            return [0] * 16, False
         raise SnapshotError(f"allocator_settings.PYTORCH_CUDA_ALLOC_CONF "
                             f"{printable(recorded_conf, 60)!r} cannot be replayed: "
                             f"{printable(str(exc), 200)} (pass a config to replay under instead)") from None
@@ -176,17 +178,19 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     trace: Sequence[Mapping[str, Any]] = traces[device] if device < len(traces) else []
     final = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
     if final or not trace:
-        initial = rewind(final, trace, _recorded_divisions(recorded_conf, conf is not None), device)
+        divisions, expandable = _recorded_rules(recorded_conf, conf is not None)
+        initial = rewind(final, trace, divisions, device, expandable)
     else:  # no segment layout (an RMM log): the trace is taken to start from an empty allocator
         initial = []
     recorded = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
+    recorded_maps = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_map"]
     if stop_at is not None:
         if not 0 <= stop_at <= len(trace):
             raise ValueError(f"event index {stop_at} is outside the trace (0..{len(trace)})")
         trace = trace[:stop_at]
 
     def start() -> tuple[_ReplayDevice, CachingAllocator, set[int]]:
-        dev = _ReplayDevice(recorded, total, ctx, device)
+        dev = _ReplayDevice(recorded, total, ctx, device, recorded_maps=recorded_maps)
         dev.reproduce_ooms = verify or (conf is None and gpu is None)
         dev.capacity_known = gpu is not None
         dev.empty_cache_at = frozenset(empty_cache_at)
@@ -256,7 +260,10 @@ def _largest_free_block(alloc: CachingAllocator) -> int:
     return _largest_free(alloc)[0]
 
 
-_CODES = {"alloc": 0, "free_requested": 1, "free_completed": 2, "segment_free": 3, "oom": 4}
+#: a run of ``segment_free`` / ``segment_unmap`` is one ``empty_cache()`` (both are its release
+#: steps, spec §11.1 and §14), so both share code 3
+_CODES = {"alloc": 0, "free_requested": 1, "free_completed": 2, "segment_free": 3, "segment_unmap": 3,
+          "oom": 4}
 
 
 def compact_events(trace: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, int, int]]:
@@ -392,9 +399,12 @@ def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[st
                 alloc.process_events()
             elif addr in live_at_start:  # free requested before the trace began, completing now
                 live_at_start.discard(addr)
-                if addr in alloc.active and alloc.active[addr].allocated:
+                block = active.get(addr)
+                if block is not None and block.allocated:
                     free(addr)
-        elif code == 3:  # segment_free: a run of them is one empty_cache() call
+                elif block is not None:  # pending at the start (vram.replay.state): its event is done
+                    _complete_pending(alloc, dev, block)
+        elif code == 3:  # segment_free / segment_unmap: a run of them is one empty_cache() call
             if not in_empty_cache:
                 alloc.empty_cache()
                 in_empty_cache = True
@@ -425,6 +435,15 @@ def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[st
     result.skipped_events = skipper.skipped_events if skipper is not None else 0
     if progress is not None:
         progress(n, n)
+
+
+def _complete_pending(alloc: CachingAllocator, dev: _ReplayDevice, block: Any) -> None:
+    """Complete the events of a block that was pending when the trace began, then free it."""
+    for queue in alloc.cuda_events.values():
+        for event, b in queue:
+            if b is block:
+                dev.synchronize_event(event)
+    alloc.process_events()
 
 
 def _pseudo_stream(busy: dict[int, int]) -> int | None:
@@ -503,6 +522,8 @@ class _Checks:
         seg_matched = sum(1 for x, y in zip(ours, recorded) if x == y)
         rec_frees = [(e["addr"], e["size"]) for e in self.trace if e["action"] == "segment_free"]
         free_matched = sum(1 for x, y in zip(dev.frees, rec_frees) if x == y)
+        maps = _matched(self.trace, "segment_map", dev.maps)
+        unmaps = _matched(self.trace, "segment_unmap", dev.unmaps)
         mine = snapshot_segments(alloc)
         want_segs = {(s["address"], s["total_size"]) for s in final}
         have_segs = {(s["address"], s["total_size"]) for s in mine}
@@ -517,6 +538,8 @@ class _Checks:
         return {
             "segment_allocs": {"matched": seg_matched, "total": max(len(recorded), len(ours))},
             "segment_frees": {"matched": free_matched, "total": max(len(rec_frees), len(dev.frees))},
+            "segment_maps": maps,
+            "segment_unmaps": unmaps,
             "alloc_addresses": {"matched": self.allocs_matched, "total": self.allocs_total},
             "recorded_ooms": {"matched": self.ooms_matched, "total": self.ooms_total},
             "final_segments": {"matched": len(want_segs & have_segs),
@@ -527,6 +550,12 @@ class _Checks:
             "notes": self.notes,
             "divergences": self.divergences,
         }
+
+
+def _matched(trace: Sequence[Mapping[str, Any]], action: str, ours: Sequence[tuple[int, int]]) -> dict[str, int]:
+    """Recorded `action` events (address, size) equal to ours, in order."""
+    rec = [(e["addr"], e["size"]) for e in trace if e["action"] == action]
+    return {"matched": sum(1 for x, y in zip(ours, rec) if x == y), "total": max(len(rec), len(ours))}
 
 
 def _with_addresses(seg: Mapping[str, Any]) -> list[Mapping[str, Any]]:

@@ -10,11 +10,22 @@ one free block).
 A block allocated before the trace and freed in it has an unknown block size (traces hold only
 requested bytes): it is inferred as ``round_size(n)``, extended over a following gap too small to
 be a free block of its pool (≤ 1 MiB in the large pool, < 512 B in the small pool) — the split
-rules of spec §8.
+rules of spec §8. The gap ends at the nearest evidence of the block's end: the next block live
+at the start, the segment's end, and every in-trace allocation at a higher address of the same
+segment made while the block was still live. With ``expandable_segments:True`` a block is split
+at any remainder ≥ 512 B (``should_split``, spec §14), so it is exactly ``round_size(n)``. A block
+whose ``free_completed`` comes with no ``free_requested`` before it in the trace had its free
+requested before the trace began: it starts ``active_pending_free`` (freed, waiting for events).
+
+Expandable segments (spec §14) appear as one entry per contiguous mapped run. Backwards, a
+``segment_map`` turns its range back into unmapped space (the run is cut), a ``segment_unmap``
+maps it again as free memory (joined to the runs it touches). Each run records the lowest address
+its expandable segment is seen to have mapped (``expandable_base``, for `vram.replay.state`).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from bisect import bisect_left, insort
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from vram.allocator.block import SortedKeys
@@ -27,48 +38,66 @@ class TraceError(SnapshotError):
     """The trace and the final state contradict each other (a file that cannot be replayed)."""
 
 
-class _Segment:
-    __slots__ = ("address", "total_size", "stream", "segment_type", "frames", "live")
+ALLOCATED, PENDING = "active_allocated", "active_pending_free"
+LARGE_PAGE = 20 * 1024 * 1024  # an expandable segment's large-pool page (kLargeBuffer, spec §14)
 
-    def __init__(self, address: int, total_size: int, stream: int, segment_type: str,
-                 frames: list[Any]) -> None:
+
+class _Segment:
+    __slots__ = ("address", "total_size", "stream", "segment_type", "frames", "live", "expandable", "bound",
+                 "unknown")
+
+    def __init__(self, address: int, total_size: int, stream: int, segment_type: str | None,
+                 frames: list[Any], expandable: bool = False) -> None:
         self.address = address
         self.total_size = total_size
         self.stream = stream
-        self.segment_type = segment_type
+        self.segment_type = segment_type  # None: an expandable run of a pool not yet known
         self.frames = frames
-        self.live: dict[int, tuple[int, int, list[Any]]] = {}  # addr -> (size, requested, frames)
+        self.expandable = expandable
+        #: addr -> (size, requested, frames, state); size -1: allocated before the trace, unknown
+        self.live: dict[int, tuple[int, int, list[Any], str]] = {}
+        #: addr of a block of unknown size -> the lowest address allocated above it while it lived
+        self.bound: dict[int, int] = {}
+        self.unknown: list[int] = []  # sorted addresses of the live blocks of size -1
+
+    @property
+    def end(self) -> int:
+        return self.address + self.total_size
+
+
+_Edit = Callable[[_Segment], None]  # add a segment to, or drop it from, the rewound state
 
 
 def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
-           divisions: list[int] | None = None, device: int = 0) -> list[dict[str, Any]]:
+           divisions: list[int] | None = None, device: int = 0,
+           expandable_conf: bool = False) -> list[dict[str, Any]]:
     """The segments (with blocks) as they were before the first event of `trace`.
 
     `segments` is the snapshot's final state of one device, `trace` that device's events (its
     index `device` names them in errors), `divisions` the recording's
-    ``roundup_power2_divisions`` table (for inferring sizes). Linear in the trace (a sorted
-    index of segment starts), so 100k segments rewind in well under a second. Raises
-    `TraceError` where the trace contradicts the final state.
+    ``roundup_power2_divisions`` table and `expandable_conf` its ``expandable_segments`` (for
+    inferring sizes). Linear in the trace (a sorted index of segment starts), so 100k segments
+    rewind in well under a second. Raises `TraceError` where the trace contradicts the final state.
     """
     divisions = divisions or [0] * 16
     segs: dict[int, _Segment] = {}
     starts = SortedKeys()  # segment addresses, for "which segment holds this address"
     final_free: dict[tuple[int, int], int] = {}
+    groups = _Groups()
     for s in segments:
-        if s.get("is_expandable"):
-            raise TraceError("rewinding expandable segments is not supported yet")
         seg = _Segment(s["address"], s["total_size"], s.get("stream", 0),
-                       s.get("segment_type", "large"), s.get("frames") or [])
+                       s.get("segment_type", "large"), s.get("frames") or [], bool(s.get("is_expandable")))
         addr = s["address"]
         for b in s["blocks"]:
             if b["state"] != "inactive":
-                seg.live[addr] = (b["size"], b.get("requested_size", 0), b.get("frames") or [])
+                seg.live[addr] = (b["size"], b.get("requested_size", 0), b.get("frames") or [], b["state"])
             else:
                 final_free[(addr, b["size"])] = b.get("requested_size", 0)
                 final_free[(-1, addr + b["size"])] = b.get("requested_size", 0)
             addr += b["size"]
         segs[seg.address] = seg
         starts.add(seg.address)
+        groups.add(seg)
 
     def at(i: int) -> str:
         return f"device_traces[{device}][{i}] ({trace[i]['action']} at {trace[i]['addr']:#x})"
@@ -77,68 +106,191 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
         k = starts.floor_below(addr + 1)
         if k is not None:
             seg = segs[k]
-            if addr < seg.address + seg.total_size:
+            if addr < seg.end:
                 return seg
         raise TraceError(f"{at(i)}: the address is in no segment at that point of the trace")
+
+    def add(seg: _Segment) -> None:
+        segs[seg.address] = seg
+        starts.add(seg.address)
+        groups.add(seg)
+
+    def drop(seg: _Segment) -> None:
+        del segs[seg.address]
+        starts.remove(seg.address)
+        groups.drop(seg)
 
     for i in range(len(trace) - 1, -1, -1):
         e = trace[i]
         action = e["action"]
         if action == "alloc":
-            seg = find(e["addr"], i)
-            if seg.live.pop(e["addr"], None) is None:
+            addr = e["addr"]
+            seg = find(addr, i)
+            got = seg.live.pop(addr, None)
+            if got is None:
                 raise TraceError(f"{at(i)}: no block is live at that address later")
+            if got[0] < 0:  # allocated in the trace: what bounded it says nothing of an older block
+                del seg.unknown[bisect_left(seg.unknown, addr)]
+                seg.bound.pop(addr, None)
+            if seg.segment_type is None:  # an expandable run of unknown pool: the request tells
+                groups.drop(seg)
+                seg.segment_type = "small" if round_size(e["size"], divisions) <= K_SMALL_SIZE else "large"
+                groups.add(seg)
+            _bound_below(seg, addr)
         elif action == "free_completed":
             addr = e["addr"]
             seg = find(addr, i)
             if addr in seg.live:
                 raise TraceError(f"{at(i)}: a block is live at that address later")
-            # Size unknown (-1) until the end: only blocks still live at the start need it.
-            seg.live[addr] = (-1, e["size"], e.get("frames") or [])
+            # Size unknown (-1) until the end: only blocks still live at the start need it. Pending
+            # until its free_requested shows up earlier in the trace.
+            seg.live[addr] = (-1, e["size"], e.get("frames") or [], PENDING)
+            insort(seg.unknown, addr)
+        elif action == "free_requested":
+            addr = e["addr"]
+            k = starts.floor_below(addr + 1)
+            owner = segs[k] if k is not None else None
+            got = owner.live.get(addr) if owner is not None and addr < owner.end else None
+            if owner is not None and got is not None and got[3] == PENDING:
+                owner.live[addr] = (*got[:3], ALLOCATED)
         elif action == "segment_alloc":
-            created = segs.pop(e["addr"], None)
-            if created is None:
+            created = segs.get(e["addr"])
+            if created is None or created.expandable:
                 raise TraceError(f"{at(i)}: no segment starts at that address later")
             if created.live:
                 raise TraceError(f"{at(i)}: the segment still has live blocks before its segment_alloc")
-            starts.remove(created.address)
+            drop(created)
         elif action == "segment_free":
             addr, size = e["addr"], e["size"]
-            if addr in segs:
-                raise TraceError(f"{at(i)}: a segment starts at that address later")
-            below, above = starts.floor_below(addr), starts.higher(addr)
-            if (below is not None and segs[below].address + segs[below].total_size > addr
-                    or above is not None and addr + size > above):
-                raise TraceError(f"{at(i)}: the freed segment ({size} bytes) overlaps another one")
+            _check_unused(segs, starts, addr, size, at(i), "freed segment")
             if size <= 0 or size % K_MIN_BLOCK_SIZE:
                 raise TraceError(f"{at(i)}: a segment of {size} bytes cannot exist (spec §6)")
-            segs[addr] = _Segment(addr, size, e.get("stream", 0),
-                                  "small" if size == 2 * 1024 * 1024 else "large", [])
-            starts.add(addr)
-        elif action in ("segment_map", "segment_unmap"):
-            raise TraceError(f"{at(i)}: rewinding expandable segments is not supported yet")
+            add(_Segment(addr, size, e.get("stream", 0), "small" if size == 2 * 1024 * 1024 else "large", []))
+        elif action == "segment_map":
+            _unmap_back(e, find(e["addr"], i), at(i), add, drop, groups)
+        elif action == "segment_unmap":
+            _map_back(e, at(i), add, drop, segs, starts)
     for a in starts:
-        _infer_sizes(segs[a], divisions)
-    return [_as_snapshot_segment(segs[a], final_free) for a in starts]
+        seg = segs[a]
+        if seg.segment_type is None:  # never used in the trace: only its size can tell
+            groups.drop(seg)
+            seg.segment_type = "large" if seg.total_size % LARGE_PAGE == 0 else "small"
+            groups.add(seg)
+        _infer_sizes(seg, divisions, expandable_conf or seg.expandable)
+    return [_as_snapshot_segment(segs[a], final_free, groups.lowest) for a in starts]
 
 
-def _infer_sizes(seg: _Segment, divisions: list[int]) -> None:
+class _Groups:
+    """Expandable runs per (stream, pool): how many exist, and the lowest address their current
+    expandable segment has been seen to map (its base is at or below it)."""
+
+    def __init__(self) -> None:
+        self.count: dict[tuple[int, str | None], int] = {}
+        self.lowest: dict[tuple[int, str | None], int] = {}
+
+    def add(self, seg: _Segment) -> None:
+        if seg.expandable:
+            key = (seg.stream, seg.segment_type)
+            self.count[key] = self.count.get(key, 0) + 1
+            if seg.address < self.lowest.get(key, seg.address + 1):
+                self.lowest[key] = seg.address
+
+    def drop(self, seg: _Segment) -> None:
+        if seg.expandable:
+            key = (seg.stream, seg.segment_type)
+            self.count[key] -= 1
+
+    def created(self, seg: _Segment) -> None:
+        """Backwards past a map that left its pool no run: that map created the expandable
+        segment; runs seen earlier belong to another one."""
+        key = (seg.stream, seg.segment_type)
+        if not self.count.get(key):
+            self.lowest.pop(key, None)
+
+
+def _bound_below(seg: _Segment, addr: int) -> None:
+    """An allocation at `addr` bounds the end of the nearest block below it whose size is unknown
+    (it was live then: blocks allocated before the trace are live from its start until freed)."""
+    k = bisect_left(seg.unknown, addr)
+    if k:
+        u = seg.unknown[k - 1]
+        seg.bound[u] = min(seg.bound.get(u, addr), addr)
+
+
+def _check_unused(segs: Mapping[int, _Segment], starts: SortedKeys, addr: int, size: int, where: str,
+                  what: str) -> None:
+    if addr in segs:
+        raise TraceError(f"{where}: a segment starts at that address later")
+    k = starts.floor_below(addr + size)
+    if k is not None and segs[k].end > addr:
+        raise TraceError(f"{where}: the {what} ({size} bytes) overlaps another one")
+
+
+def _unmap_back(e: Mapping[str, Any], seg: _Segment, where: str, add: _Edit, drop: _Edit, groups: _Groups) -> None:
+    """Before a ``segment_map`` its range was unmapped: cut it out of the run that holds it."""
+    addr, size = e["addr"], e["size"]
+    end = addr + size
+    if not seg.expandable or end > seg.end or size <= 0:
+        raise TraceError(f"{where}: the mapped range ({size} bytes) is not inside one expandable "
+                         "segment later")
+    if any(addr <= a < end or a < addr < a + v[0] for a, v in seg.live.items()):
+        raise TraceError(f"{where}: a block is live in the range before it was mapped")
+    drop(seg)
+    for lo, hi in ((seg.address, addr), (end, seg.end)):
+        if hi > lo:
+            part = _Segment(lo, hi - lo, seg.stream, seg.segment_type, seg.frames if lo == seg.address else [], True)
+            part.live = {a: v for a, v in seg.live.items() if lo <= a < hi}
+            part.bound = {a: b for a, b in seg.bound.items() if lo <= a < hi}
+            part.unknown = [a for a in seg.unknown if lo <= a < hi]
+            add(part)
+    groups.created(seg)
+
+
+def _map_back(e: Mapping[str, Any], where: str, add: _Edit, drop: _Edit, segs: Mapping[int, _Segment],
+              starts: SortedKeys) -> None:
+    """Before a ``segment_unmap`` its range was mapped and free: a run, joined to the runs it touches."""
+    addr, size, stream = e["addr"], e["size"], e.get("stream", 0)
+    if size <= 0 or size % (2 * 1024 * 1024):
+        raise TraceError(f"{where}: {size} bytes cannot be unmapped (whole 2 MiB or 20 MiB pages, spec §14)")
+    _check_unused(segs, starts, addr, size, where, "unmapped range")
+    k = starts.floor_below(addr)
+    left = segs[k] if k is not None and segs[k].end == addr else None
+    right = segs.get(addr + size)
+    parts = [p for p in (left, right) if p is not None and p.expandable and p.stream == stream]
+    types = {p.segment_type for p in parts} - {None}
+    if len(types) > 1:
+        raise TraceError(f"{where}: the unmapped range joins runs of both pools")
+    run = _Segment(addr, size, stream, types.pop() if types else None, [], True)
+    for p in parts:
+        drop(p)
+        run.live.update(p.live)
+        run.bound.update(p.bound)
+        run.unknown = sorted(run.unknown + p.unknown)
+        run.address = min(run.address, p.address)
+        run.total_size += p.total_size
+        if p is left:
+            run.frames = p.frames
+    add(run)
+
+
+def _infer_sizes(seg: _Segment, divisions: list[int], exact: bool) -> None:
     """Sizes of blocks allocated before the trace and freed in it: ``round_size(n)``, extended
     over a following gap that cannot be a free block of the pool (spec §8: a large-pool block is
-    always > 1 MiB, a small-pool one ≥ 512 B), clamped at the next live block."""
+    always > 1 MiB, a small-pool one ≥ 512 B). The gap ends at the nearest evidence: the next
+    live block, the segment's end, an allocation above it while it lived (`_bound_below`).
+    `exact`: the recording split at any remainder ≥ 512 B (expandable segments, spec §14)."""
     addrs = sorted(seg.live)
-    end_of_seg = seg.address + seg.total_size
     small = seg.segment_type == "small"
     for k, addr in enumerate(addrs):
-        size, n, frames = seg.live[addr]
+        size, n, frames, state = seg.live[addr]
         if size >= 0:
             continue
-        end = addrs[k + 1] if k + 1 < len(addrs) else end_of_seg
+        end = min(addrs[k + 1] if k + 1 < len(addrs) else seg.end, seg.bound.get(addr, seg.end))
         size = round_size(n, divisions)
         gap = end - addr - size
-        if gap < 0 or (small and gap < K_MIN_BLOCK_SIZE) or (not small and gap <= K_SMALL_SIZE):
+        if gap < 0 or (small or exact) and gap < K_MIN_BLOCK_SIZE or not (small or exact) and gap <= K_SMALL_SIZE:
             size = end - addr
-        seg.live[addr] = (size, n, frames)
+        seg.live[addr] = (size, n, frames, state)
 
 
 def _stale_requested(final_free: Mapping[tuple[int, int], int], addr: int, end: int) -> int:
@@ -155,10 +307,11 @@ def _stale_requested(final_free: Mapping[tuple[int, int], int], addr: int, end: 
     return got
 
 
-def _as_snapshot_segment(seg: _Segment, final_free: Mapping[tuple[int, int], int]) -> dict[str, Any]:
+def _as_snapshot_segment(seg: _Segment, final_free: Mapping[tuple[int, int], int],
+                         lowest: Mapping[tuple[int, str | None], int]) -> dict[str, Any]:
     blocks = []
     addr = seg.address
-    end = seg.address + seg.total_size
+    end = seg.end
     for a in sorted(seg.live):
         if a < addr:
             raise TraceError(f"the trace restores a block at {a:#x}, inside the live block before it "
@@ -166,13 +319,16 @@ def _as_snapshot_segment(seg: _Segment, final_free: Mapping[tuple[int, int], int
         if a > addr:
             blocks.append({"address": addr, "size": a - addr, "state": "inactive", "frames": [],
                            "requested_size": _stale_requested(final_free, addr, a)})
-        size, requested, frames = seg.live[a]
+        size, requested, frames, state = seg.live[a]
         blocks.append({"address": a, "size": size, "requested_size": requested,
-                       "state": "active_allocated", "frames": frames})
+                       "state": state, "frames": frames})
         addr = a + size
     if addr < end:
         blocks.append({"address": addr, "size": end - addr, "state": "inactive", "frames": [],
                        "requested_size": _stale_requested(final_free, addr, end)})
-    return {"address": seg.address, "total_size": seg.total_size, "stream": seg.stream,
-            "segment_type": seg.segment_type, "is_expandable": False, "frames": seg.frames,
-            "blocks": blocks}
+    out = {"address": seg.address, "total_size": seg.total_size, "stream": seg.stream,
+           "segment_type": seg.segment_type, "is_expandable": seg.expandable, "frames": seg.frames,
+           "blocks": blocks}
+    if seg.expandable:
+        out["expandable_base"] = lowest.get((seg.stream, seg.segment_type), seg.address)
+    return out
