@@ -143,3 +143,20 @@ def test_a_simulated_sum_peaks_with_its_staging_buffer() -> None:
         x.sum()
         assert torch.cuda.max_memory_allocated() - base == 512 + 2560 + 512
         assert torch.cuda.memory_allocated() == base
+
+
+@pytest.mark.parametrize(("base", "scratch"), [(2, 8), (0.5, 8), (2j, 16), (1, 0), (1.0, 0)])
+def test_pow_of_a_scalar_base_makes_a_cuda_tensor_of_it(base, scratch) -> None:
+    # pow_Scalar_out (native/Pow.cpp): base 1 -> out.fill_(1); else pow_out(out,
+    # wrapped_scalar_tensor(base, exp.device()), exp): a 0-dim CUDA double / int64 / complex
+    # double (scalar_to_tensor, ScalarOps.h) after the output, freed on return
+    with simulated_cuda(gpu="A100-80GB"):
+        x = torch.randn(1024, device="cuda", dtype=torch.complex64 if isinstance(base, complex) else torch.float32)
+        torch.cuda.memory._record_memory_history()
+        y = base ** x
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        assert y.shape == x.shape
+    mine = [(e["action"], e["size"]) for e in trace if e["action"] in ("alloc", "free_requested")]
+    out = [("alloc", x.numel() * x.element_size())]
+    assert mine == out + ([("alloc", scratch), ("free_requested", scratch)] if scratch else [])

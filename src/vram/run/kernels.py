@@ -21,6 +21,7 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
 * **Reductions** (``native/cuda/Reduce.cuh``): the global staging buffer and semaphores of
   multi-block launches, 32-bit splits, accumulation buffers and input dtype conversions live in
   `vram.run.reductions`; `op_plan` asks it after SDPA.
+* **pow(scalar, tensor)** materialises its base as a 0-dim CUDA tensor (`scalar_base_bytes`).
 * **scaled_dot_product_attention**: backend choice (flash / memory-efficient / cuDNN / math, by the
   simulated compute capability) and what each kernel allocates, forward and backward, live in
   `vram.run.sdpa` (re-exported here); `op_plan` asks it first.
@@ -110,7 +111,30 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     plan = _sdpa.op_plan(name, args, outs, sms)
     if plan is None:
         plan = _reductions.reduction_plan(name, args, outs, sms, max_threads_sm)
-    return plan if plan is not None else [("out", i) for i in range(len(outs))]
+    if plan is None:
+        plan = [("out", i) for i in range(len(outs))]
+        base = scalar_base_bytes(name, args)
+        if base:
+            plan += [("tmp", base), ("free", 0)]
+    return plan
+
+
+def scalar_base_bytes(name: str, args: tuple[Any, ...]) -> int:
+    """Bytes of the CUDA tensor ``pow(scalar, tensor)`` makes of its base, 0 if none.
+
+    ``pow_Scalar_out`` (``native/Pow.cpp``) fills the output when the base is 1, else calls
+    ``pow_out(out, wrapped_scalar_tensor(base, exp.device()), exp)``; ``scalar_to_tensor``
+    (``ScalarOps.h``) makes a 0-dim tensor on that device in the Scalar's own type (double, int64,
+    complex double or bool), freed when the op returns (after the output was allocated).
+    """
+    if name != "pow" or len(args) < 2 or isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor):
+        return 0
+    base = args[0]
+    if isinstance(base, bool):
+        return 0 if base else 1  # True == 1: filled
+    if not isinstance(base, (int, float, complex)) or base == 1:
+        return 0
+    return 16 if isinstance(base, complex) else 8
 
 
 # -- autocast ("cuda") ------------------------------------------------------------------------------
