@@ -18,7 +18,7 @@ must see the real one. The parent process only asks ``torch.cuda.is_available()`
 prints "no CUDA GPU available: ground-truth comparison skipped" and exits 0.
 
 Known sources of difference (docs/estimate-accuracy.md): cuDNN workspaces of convolutions,
-kernel-internal scratch (reduction staging buffers, cuBLAS copies of oddly strided operands,
+kernel-internal scratch (cuBLAS copies of oddly strided operands,
 memory-efficient attention's backward workspace), cuDNN attention on builds that prefer it,
 and library versions whose rules differ from those vram models (torch 2.13).
 """

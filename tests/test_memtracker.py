@@ -213,6 +213,7 @@ class VramProbe(TorchDispatchMode):
         super().__init__()
         self.log: list[tuple[str, int, int]] = []  # (op, memory_allocated, tails)
         self.peak_seen = 0
+        self.scratch: list[int] = []  # bytes a reduction's launch holds on top, freed before it returns
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -228,7 +229,21 @@ class VramProbe(TorchDispatchMode):
         allocated = torch.cuda.memory_allocated()
         self.peak_seen = max(self.peak_seen, allocated)
         self.log.append((str(func), allocated, tails))
+        self.scratch.append(_bias_grad_staging(func, args))
         return out
+
+
+def _bias_grad_staging(func: Any, args: Any) -> int:
+    """The staging buffer + semaphores of a Linear bias gradient, ``sum(0)`` of an fp32 [1024, F]
+    (F a multiple of 128), on 132 SMs of 2,048 threads (``Reduce.cuh`` setReduceConfig): outputs
+    F, output vec 4 -> block 32x4 (128 threads), grid F/128, values/thread 1024/4 = 256 -> ctas =
+    max(min(2112/grid, 256/16 = 16), 1) = 16; buffer 4 * F * 16 * block.x 32 * vec 4 = 8,192 * F,
+    semaphores 4 * F/128 (one 512-byte block)."""
+    x = args[0] if args else None
+    if str(func) != "aten.sum.dim_IntList" or not isinstance(x, torch.Tensor) or x.dim() != 2 \
+            or x.shape[0] != 1024 or list(args[1]) != [0] or x.shape[1] % 128:
+        return 0
+    return r512(8192 * x.shape[1]) + 512
 
 
 def _trace_cpu(setup: Callable[..., Any], step: Callable[..., Any], cublas: int) -> tuple[list[Any], int]:
@@ -244,14 +259,14 @@ def _trace_cpu(setup: Callable[..., Any], step: Callable[..., Any], cublas: int)
 
 
 def _trace_vram(setup: Callable[..., Any], step: Callable[..., Any],
-                arch: tuple[int, int]) -> tuple[list[Any], int, int]:
+                arch: tuple[int, int]) -> tuple[list[Any], int, int, list[int]]:
     with simulated_cuda(gpu="80GiB", major=arch[0], minor=arch[1]):
         model, opt, a, b = setup("cuda", None)  # default: Adam picks foreach for CUDA parameters
         torch.cuda.reset_peak_memory_stats()
         probe = VramProbe()
         with probe:
             step(model, opt, a, b)
-        return probe.log, torch.cuda.max_memory_allocated(), probe.peak_seen
+        return probe.log, torch.cuda.max_memory_allocated(), probe.peak_seen, probe.scratch
 
 
 CASES = {"transformer": (gpt_setup, gpt_step), "cnn": (cnn_setup, cnn_step)}
@@ -262,15 +277,16 @@ CASES = {"transformer": (gpt_setup, gpt_step), "cnn": (cnn_setup, cnn_step)}
 def test_vram_equals_memtracker_plus_allocator_terms(case: str, arch: tuple[int, int]) -> None:
     setup, step = CASES[case]
     cpu, mt_peak = _trace_cpu(setup, step, CUBLAS[arch])
-    gpu, vram_peak, vram_peak_at_op_end = _trace_vram(setup, step, arch)
+    gpu, vram_peak, vram_peak_at_op_end, scratch = _trace_vram(setup, step, arch)
 
     # the same ops, in the same order (SDPA: CPU flash kernel <-> CUDA memory-efficient kernel)
     assert [SDPA_CPU_TO_CUDA.get(op, op) for op, _, _ in cpu] == [op for op, _, _ in gpu]
     # op by op: vram = MemTracker - host tensors + workspaces + block tails, exactly
     expected = [mt + ws + tails for (_, mt, ws), (_, _, tails) in zip(cpu, gpu)]
     assert [alloc for _, alloc, _ in gpu] == expected
-    # and so the peak, which the allocator reaches at the end of an op (no kernel scratch here)
-    assert vram_peak == vram_peak_at_op_end == max(expected)
+    # and so the peak at the end of an op; within an op, the bias gradients' reduction scratch
+    assert vram_peak_at_op_end == max(expected)
+    assert vram_peak == max([*expected, *(alloc + s for (_, alloc, _), s in zip(gpu, scratch))])
     # MemTracker's own peak (host tensors included) is the largest tensor total of the step
     assert mt_peak >= max(mt for _, mt, _ in cpu)
 
@@ -278,12 +294,16 @@ def test_vram_equals_memtracker_plus_allocator_terms(case: str, arch: tuple[int,
 def test_transformer_figures_sm80() -> None:
     """The figures quoted in docs/estimate-accuracy.md (sm80, TinyGPT, one Adam step)."""
     cpu, mt_peak = _trace_cpu(gpt_setup, gpt_step, CUBLAS[(8, 0)])
-    gpu, vram_peak, _ = _trace_vram(gpt_setup, gpt_step, (8, 0))
+    gpu, vram_peak, at_op_end, _ = _trace_vram(gpt_setup, gpt_step, (8, 0))
     k = max(range(len(gpu)), key=lambda i: gpu[i][1])  # the op where vram peaks
     op, mt, ws = cpu[k]
-    assert (mt_peak, vram_peak) == (56_875_008, 70_506_496)
-    # vram's peak: the first backward matmul (the LM head's grad), where the autograd thread's
-    # cuBLAS workspace joins the forward thread's and its cuBLASLt workspace
+    assert (mt_peak, at_op_end, vram_peak) == (56_875_008, 70_506_496, 71_554_560)
+    # vram's peak at the end of an op: the first backward matmul (the LM head's grad), where the
+    # autograd thread's cuBLAS workspace joins the forward thread's and its cuBLASLt workspace
     assert op == "aten.mm.default" and mt == 50_583_552
     assert ws == 2 * CUBLAS[(8, 0)] + CUBLASLT == 18_087_936
-    assert gpu[k][2] == 1_835_008 == vram_peak - mt - ws
+    assert gpu[k][2] == 1_835_008 == at_op_end - mt - ws
+    # its peak within an op: the first 1024-wide bias gradient, sum(0) of [1024, 1024], whose
+    # launch stages 8 MiB + 512 B on top of what is allocated when it returns
+    j = next(i for i, (o, a, _) in enumerate(gpu) if a + 8 * MiB + 512 == vram_peak)
+    assert gpu[j][0] == "aten.sum.dim_IntList"

@@ -54,7 +54,7 @@ def test_s_bf16_forward_reproduces_its_recording(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.xfail(strict=True, reason="issue 12: backward under a dispatch mode takes PyTorch's subclass-safe "
-                                       "formulas (4 requests differ in order and size, peaks are equal)")
+                                       "formulas (2 recorded requests and 3 of vram's differ, peaks are equal)")
 def test_s_mem_forward_backward_reproduces_its_recording(tmp_path, monkeypatch) -> None:
     """Attention forward + output.sum().backward(), Q/K/V 8 x 4096 x 16 fp32, from an empty allocator."""
     r = _reproduce(tmp_path, monkeypatch, "s_mem", ["trace_peak_memory.py"], {}, "A100-80GB",

@@ -15,6 +15,8 @@ import torch
 
 from vram.frontend import memory as _memory
 
+from .reductions import max_threads_per_sm
+
 MiB = 1024 * 1024
 
 
@@ -30,7 +32,7 @@ class DeviceProperties:
         self.multi_processor_count = multi_processor_count
         self.is_integrated = 0
         self.is_multi_gpu_board = 0
-        self.max_threads_per_multi_processor = 2048
+        self.max_threads_per_multi_processor = max_threads_per_sm(major, minor)
         self.warp_size = 32
         self.regs_per_multiprocessor = 65536
         self.shared_memory_per_block = 49152

@@ -18,6 +18,10 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   (``CUBLASLT_WORKSPACE_SIZE`` KiB, default 1024, capped at the cuBLAS workspace) unless
   ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` makes it share the cuBLAS one. Allocation order within
   the op: outputs, cuBLAS workspace, cuBLASLt workspace (``preallocate_cublas_workspaces``'s order).
+* **Reductions** (``native/cuda/Reduce.cuh``): the global staging buffer and semaphores of
+  multi-block launches, 32-bit splits, accumulation buffers and input dtype conversions live in
+  `vram.run.reductions`; `op_plan` asks it after SDPA.
+* **pow(scalar, tensor)** materialises its base as a 0-dim CUDA tensor (`scalar_base_bytes`).
 * **scaled_dot_product_attention**: backend choice (flash / memory-efficient / cuDNN / math, by the
   simulated compute capability) and what each kernel allocates, forward and backward, live in
   `vram.run.sdpa` (re-exported here); `op_plan` asks it first.
@@ -26,10 +30,9 @@ The rules follow the newest PyTorch sources read (2026); older releases differ i
 the shared cuBLASLt workspace, each Lt matmul allocated and freed its own 1 MiB).
 
 Not modelled (documented limitations) — mostly transient scratch that raises a peak without
-changing steady state: cuDNN convolution workspaces; the small staging buffers of multi-block
-reductions; the contiguous copies cuBLAS calls make of operands with unsupported strides (e.g. the
-expanded gradient of ``sum()``); sort buffers of embedding backward; ``_foreach_norm``
-intermediates; NCCL buffers; CUDA graphs.
+changing steady state: cuDNN convolution workspaces; the contiguous copies cuBLAS calls make of
+operands with unsupported strides (e.g. the expanded gradient of ``sum()``); sort buffers of
+embedding backward; ``_foreach_norm`` intermediates; NCCL buffers; CUDA graphs.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
+from . import reductions as _reductions
 from . import sdpa as _sdpa
 from .sdpa import convert_boolean_attn_mask as convert_boolean_attn_mask
 from .sdpa import sdpa_args as sdpa_args
@@ -95,14 +99,42 @@ def uses_cublaslt(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out:
             and min(mat1.size(0), mat1.size(1), mat2.size(0), mat2.size(1)) > 1)
 
 
-def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int) -> list[tuple[str, Any]]:
+def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
+            max_threads_sm: int = 2048) -> list[tuple[str, Any]]:
     """The order in which a CUDA kernel allocates: ("out", i), ("tmp", nbytes) or ("free", j).
 
-    ``("free", j)`` frees the j-th "tmp" of the plan. SDPA kernels follow `vram.run.sdpa.op_plan`;
-    ops without special knowledge allocate their outputs in output order.
+    ``("free", j)`` frees the j-th "tmp" of the plan. SDPA kernels follow `vram.run.sdpa.op_plan`,
+    reductions `vram.run.reductions.reduction_plan` (staging buffers of multi-block launches, on a
+    device of `sms` SMs of `max_threads_sm` threads); ops without special knowledge allocate their
+    outputs in output order.
     """
     plan = _sdpa.op_plan(name, args, outs, sms)
-    return plan if plan is not None else [("out", i) for i in range(len(outs))]
+    if plan is None:
+        plan = _reductions.reduction_plan(name, args, outs, sms, max_threads_sm)
+    if plan is None:
+        plan = [("out", i) for i in range(len(outs))]
+        base = scalar_base_bytes(name, args)
+        if base:
+            plan += [("tmp", base), ("free", 0)]
+    return plan
+
+
+def scalar_base_bytes(name: str, args: tuple[Any, ...]) -> int:
+    """Bytes of the CUDA tensor ``pow(scalar, tensor)`` makes of its base, 0 if none.
+
+    ``pow_Scalar_out`` (``native/Pow.cpp``) fills the output when the base is 1, else calls
+    ``pow_out(out, wrapped_scalar_tensor(base, exp.device()), exp)``; ``scalar_to_tensor``
+    (``ScalarOps.h``) makes a 0-dim tensor on that device in the Scalar's own type (double, int64,
+    complex double or bool), freed when the op returns (after the output was allocated).
+    """
+    if name != "pow" or len(args) < 2 or isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor):
+        return 0
+    base = args[0]
+    if isinstance(base, bool):
+        return 0 if base else 1  # True == 1: filled
+    if not isinstance(base, (int, float, complex)) or base == 1:
+        return 0
+    return 16 if isinstance(base, complex) else 8
 
 
 # -- autocast ("cuda") ------------------------------------------------------------------------------

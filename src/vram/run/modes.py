@@ -148,7 +148,8 @@ class DispatchMode(TorchDispatchMode):
         sim = self.sim
         outs = out if isinstance(out, (tuple, list)) else [out]
         name = func.overloadpacket.__name__
-        plan = _k.op_plan(name, args, outs, sim.props[idx].multi_processor_count)
+        props = sim.props[idx]
+        plan = _k.op_plan(name, args, outs, props.multi_processor_count, props.max_threads_per_multi_processor)
         tmps: list[int] = []
         done: list[Any] = []
         seen: set[int] = set()
