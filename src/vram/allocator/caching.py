@@ -116,7 +116,7 @@ def _report_unraisable(exc: BaseException, message: str) -> None:
                                              exc_traceback=exc.__traceback__, err_msg=message, object=None))
 
 
-class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
+class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
     """PyTorch's caching allocator for one device (spec §1–§16).
 
     `alloc_conf` is a ``PYTORCH_CUDA_ALLOC_CONF``-style string; when None the environment is read
@@ -470,10 +470,11 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
         net_blocks = 0
         net_bytes = 0
         for neighbour in (block.prev, block.next):
-            absorbed = try_merge_blocks(block, neighbour, pool)
-            if absorbed:
-                net_blocks -= 1
-                net_bytes -= absorbed
+            if neighbour is not None and not neighbour.allocated:  # (try_merge_blocks checks all)
+                absorbed = try_merge_blocks(block, neighbour, pool)
+                if absorbed:
+                    net_blocks -= 1
+                    net_bytes -= absorbed
         pool.insert(block)
         if block.prev is not None or block.next is not None:
             net_blocks += 1
