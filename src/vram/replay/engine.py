@@ -34,6 +34,7 @@ from vram.views.snapshot import segments as snapshot_segments
 from .cycles import CycleSkipper
 from .messages import SnapshotError, printable
 from .rewind import rewind
+from .safe_pickle import gc_paused
 from .state import import_segments
 from .validate import KNOWN_ACTIONS, RESERVED_STREAMS
 
@@ -168,7 +169,8 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     checks = _Checks(trace) if verify else None
     if timeline:
         result.timeline = (array("q"), array("q"))
-    _run(alloc, dev, trace, result, checks, verify, progress, skip_cycles, live)
+    with gc_paused():  # the replay makes no garbage cycles: see `gc_paused`
+        _run(alloc, dev, trace, result, checks, verify, progress, skip_cycles, live)
     if result.largest_free_block_at_reserved_peak < 0:  # too many streams to track it on the go:
         dev2, alloc2, live2 = start()  # replay again up to the peak (the replay is deterministic)
         _run(alloc2, dev2, trace[:result.reserved_peak_event + 1], ReplayResult(conf_text, total, ctx),
