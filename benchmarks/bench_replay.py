@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from vram.allocator.native import DEFAULT_DIR, _unusable  # noqa: E402
 from vram.replay.engine import UNLIMITED, replay  # noqa: E402
 from vram.replay.loader import load_snapshot  # noqa: E402
+from vram.replay.safe_pickle import gc_paused  # noqa: E402
 
 TRACES = Path(os.environ.get("VRAM_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
 PERIODIC = TRACES / "cs336-s-forward-bf16-128.pickle"
@@ -155,6 +156,12 @@ def peer_ops(trace: list[dict[str, Any]]) -> tuple[list[tuple[str, int, Any]], i
 
 def child(kind: str, path: str) -> dict[str, Any]:
     """One measurement, in this (fresh) process."""
+    if kind == "pickle":  # the yardstick for load_snapshot: a plain pickle.load, collector on
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            data = pickle.load(f)
+        return {"events": len(data["device_traces"][0]), "seconds": time.perf_counter() - t0,
+                "rss_load": _rss_mib(), "rss_peak": _rss_mib()}
     t0 = time.perf_counter()
     snap = load_snapshot(path)
     load_s = time.perf_counter() - t0
@@ -172,11 +179,12 @@ def child(kind: str, path: str) -> dict[str, Any]:
         malloc, free = sim.malloc, sim.free
         blocks: list[Any] = [None] * len(ops)
         t0 = time.perf_counter()
-        for k, (op, a, b) in enumerate(ops):
-            if op == "malloc":
-                blocks[k] = malloc(a, b)
-            else:
-                free(blocks[a])
+        with gc_paused():  # as vram's replay runs (see `vram.replay.safe_pickle.gc_paused`)
+            for k, (op, a, b) in enumerate(ops):
+                if op == "malloc":
+                    blocks[k] = malloc(a, b)
+                else:
+                    free(blocks[a])
         out["seconds"] = time.perf_counter() - t0
         out["events"] = sum(1 for e in trace if e["action"] in ALLOC_FREE)
         out["peak_reserved"] = sim.peak_backend_allocated_bytes
@@ -269,7 +277,8 @@ def main() -> None:
         b = measure("build", big, *sys.argv[1:])
         print(f"Big trace: {PERIODIC.name} x {b['passes']} passes = {b['events']:,} events, "
               f"pickle {b['bytes'] / 2**20:,.1f} MiB (built and written in {b['seconds']:.1f} s)\n")
-        runs: list[tuple[str, str, Path, bool]] = [("load_snapshot (big)", "load", big, False)]
+        runs: list[tuple[str, str, Path, bool]] = [("plain pickle.load (big)", "pickle", big, False),
+                                                   ("load_snapshot (big)", "load", big, False)]
         for native in (False, True) if compiled else (False,):
             tag = " [compiled]" if native else ""
             for name, kind in (("default config", "default"), ("verify=True", "verify"),
@@ -289,11 +298,17 @@ def main() -> None:
               "peak RSS (MiB) | peak reserved (GiB) | notes |")
         print("|---|---:|---:|---:|---:|---:|---:|---|")
         rates: dict[str, float] = {}
+        loads: dict[str, dict[str, Any]] = {}
         for name, kind, path, native in runs:
             m = measure(kind, path, native=native)
             rates[name] = m["events"] / m["seconds"]
-            print(row(name, m, rate=kind != "load"), flush=True)
+            if kind in ("load", "pickle"):
+                loads[kind] = m
+            print(row(name, m, rate=kind not in ("load", "pickle")), flush=True)
         print()
+        load, plain = loads["load"], loads["pickle"]
+        print(f"load_snapshot / plain pickle.load: {load['seconds'] / plain['seconds']:.2f}x time, "
+              f"{load['rss_peak'] / plain['rss_peak']:.2f}x peak RSS")
         pairs = [("replay{}, default config, skip_cycles=False", "{}", big.name),
                  (f"replay{{}}, {SMALL.name}", f"{{}}, {SMALL.name}", SMALL.name)]
         for ours, peer, trace_name in pairs:
