@@ -3,7 +3,8 @@
 without ``VRAM_NATIVE``); prints whether the compiled modules are active, then one line per
 workload: its name and the SHA-256 of everything it produced.
 
-Random workloads: seeded malloc / free / record_stream / empty_cache / peak resets on two
+Bad input: arguments the allocator checks itself, and per-instance attributes. Random
+workloads: seeded malloc / free / record_stream / empty_cache / peak resets on two
 streams, under configs that reach every allocator path (splitting, oversize blocks, power-of-two
 rounding, expandable segments, the GC, a memory fraction, OOMs on a small GPU), with the history
 recording stacks. Outputs: every ``memory_stats()`` key, the segments with their blocks and
@@ -79,6 +80,69 @@ def random_workload(conf: str, fraction: float | None, seed: int, steps: int = 1
     return out, stats, segments(a), memory_summary_from_stats(stats), trace
 
 
+class _Index:
+    """An integer type that is not int (as numpy's): accepted through ``__index__``."""
+
+    def __index__(self) -> int:
+        return 4096
+
+    def __repr__(self) -> str:
+        return "_Index()"
+
+
+class _StreamLike:
+    cuda_stream = 5
+
+    def __repr__(self) -> str:
+        return "_StreamLike()"
+
+
+def bad_input() -> Any:
+    """Arguments the allocator must check itself, with its own messages, and the instance
+    attributes a front end may set (`vram.estimate` shadows malloc/free on one allocator)."""
+    dev = SimulatedDevice("1GiB")
+    out: list[Any] = []
+
+    def attempt(label: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            got = fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - every outcome is compared
+            out.append((label, type(exc).__name__, str(exc)))
+            return None
+        out.append((label, "ok", got if isinstance(got, (int, str, float, type(None))) else type(got).__name__))
+        return got
+
+    for conf in (5, 1.5, b"expandable_segments:True", ["x"]):
+        attempt(f"conf {conf!r}", CachingAllocator, dev, conf)
+    attempt("oom_format", CachingAllocator, dev, "", oom_format="x")
+    a = CachingAllocator(dev, "")
+    p = a.malloc(MiB)
+    for size in (1.5, -1, True, "8", _Index(), 2**70, None):
+        attempt(f"malloc {size!r}", a.malloc, size)
+    for stream in ("x", -1, 2**63, True, _StreamLike(), None):
+        attempt(f"malloc stream {stream!r}", a.malloc, 512, stream)
+    for ptr in ("x", 12345, True, None, 2**80):
+        attempt(f"free {ptr!r}", a.free, ptr)
+    for ptr, stream in ((p, _StreamLike()), ("x", 3), (p, -1), (p, "s"), (12345, 3)):
+        attempt(f"record_stream {ptr!r} {stream!r}", a.record_stream, ptr, stream)
+    for fraction in (1, True, 1.5, -0.1, "0.5", 0.5):
+        attempt(f"fraction {fraction!r}", a.set_memory_fraction, fraction)
+    for text in (5, "bogus:1", "max_split_size_mb:64"):
+        attempt(f"settings {text!r}", a.set_allocator_settings, text)
+    calls: list[int] = []
+    real = a.malloc
+
+    def counted(size: int, stream: int = 0) -> int:
+        calls.append(size)
+        return real(size, stream)
+
+    a.malloc = counted  # type: ignore[method-assign]
+    attempt("shadowed malloc", a.malloc, 3 * MiB)
+    del a.malloc
+    attempt("unshadowed malloc", a.malloc, 3 * MiB)
+    return out, calls, a.memory_stats(), segments(a)
+
+
 def recording(path: Path, conf: str | None) -> Any:
     snap = load_snapshot(path)
     r = replay(snap, conf=conf, verify=conf is None, timeline=True)
@@ -99,6 +163,7 @@ def main() -> None:
         for seed in range(3):
             print(f"random conf={conf!r} seed={seed} {digest(random_workload(conf, fraction, 10 * k + seed))}",
                   flush=True)
+    print(f"bad input {digest(bad_input())}", flush=True)
     for path in sorted(traces.glob("*.pickle")) if traces.is_dir() else []:
         for conf in (None, "expandable_segments:True"):
             print(f"recording {path.name} conf={conf!r} {digest(recording(path, conf))}", flush=True)

@@ -6,7 +6,7 @@ workloads under every allocator path and every recording must give byte-identica
 build that cannot be used — missing, for another interpreter, older than the sources, or one that
 does not load — must say why once and leave the pure-Python allocator running.
 
-Skipped only where no build can exist: mypyc or a C compiler missing. A build that fails
+Skipped only where no build can exist: mypyc, a C compiler or Python's headers missing. A build that fails
 otherwise (mypyc rejecting a change to the allocator) fails here.
 """
 from __future__ import annotations
@@ -38,6 +38,8 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(cc) is None:
         pytest.skip(f"no C compiler ({cc}) to build the compiled allocator")
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        pytest.skip("no Python headers (Python.h) to build the compiled allocator")
     return native_build.build(tmp_path_factory.mktemp("native") / "build")
 
 
@@ -104,3 +106,20 @@ def test_unusable_build_falls_back_to_pure_python(build: Path, tmp_path: Path, d
     assert digest == expected
     assert err.count("RuntimeWarning") == 1 and why in err, err
     assert f"{native.ENV}={folder}: running the pure-Python allocator" in err
+
+
+def test_record_stream_names_a_bad_pointer() -> None:
+    """Found by the bad-input workload above: a pointer that is not an int got Python's format
+    error ("Unknown format code 'x' ..."); it gets free()'s message, state untouched."""
+    from vram import CachingAllocator, SimulatedDevice
+
+    a = CachingAllocator(SimulatedDevice("1GiB"), "")
+    p = a.malloc(1 << 20)
+    before = a.memory_stats()
+    for bad in ("x", 1.5, None, True):
+        with pytest.raises(TypeError, match=f"^pointer must be an int, got {type(bad).__name__}$"):
+            a.record_stream(bad, 3)
+    assert a.memory_stats() == before
+    a.record_stream(p, 3)
+    a.free(p)
+    assert a.memory_stats()["active.all.current"] == 1  # waits for stream 3's event

@@ -15,7 +15,7 @@ from vram.devices.base import Device
 from .block import STREAM_SHIFT, Block, BlockPool, try_merge_blocks
 from .config import AllocatorConfig
 from .history import History
-from .native import trait
+from .native import mypyc_attr, trait
 from .stats import DeviceStats
 
 K_SMALL_BUFFER = 2097152
@@ -85,6 +85,7 @@ def _has_space(b: Block | None, size: int) -> bool:
 
 
 @trait
+@mypyc_attr(allow_interpreted_subclasses=True)  # as CachingAllocator (vram.allocator.native)
 class ExpandableSegmentsMixin:
     """`CachingAllocator`'s expandable-segment paths (spec §14): find, map and unmap pages."""
 

@@ -22,19 +22,25 @@ import os
 import sys
 import sysconfig
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, TypeVar
 
-__all__ = ["ACTIVE", "COMPILED", "ENV", "select", "trait"]
+__all__ = ["ACTIVE", "COMPILED", "ENV", "mypyc_attr", "select", "trait"]
 
 _T = TypeVar("_T")
 
 if TYPE_CHECKING:
-    from mypy_extensions import trait
+    from mypy_extensions import mypyc_attr, trait
 else:
     def trait(cls: _T) -> _T:
         """``mypy_extensions.trait``: marks the allocator's mixins as mypyc traits; nothing at run time."""
         return cls
+
+    def mypyc_attr(**_: object) -> Callable[[_T], _T]:
+        """``mypy_extensions.mypyc_attr``: options for mypyc; nothing at run time."""
+        return lambda cls: cls
 
 #: the modules the compiled build replaces, in import order
 COMPILED = ("stats", "block", "history", "expandable", "release", "caching")
@@ -69,6 +75,15 @@ def _unusable(folder: Path) -> str | None:
     return None
 
 
+def _open_instances(caching: ModuleType) -> None:
+    """Give the compiled `CachingAllocator` an interpreted subclass under its name, so that its
+    instances take attributes as pure-Python ones do (`vram.estimate` shadows ``malloc`` and
+    ``free`` on one allocator); the methods are the compiled ones."""
+    compiled = getattr(caching, "CachingAllocator")  # noqa: B009 - a module known only at run time
+    setattr(caching, "CachingAllocator", type(compiled.__name__, (compiled,), {  # noqa: B010 - as above
+        "__module__": compiled.__module__, "__qualname__": compiled.__qualname__, "__doc__": compiled.__doc__}))
+
+
 def select(path: list[str]) -> None:
     """Put the compiled build first on the package's `path` (``vram.allocator.__path__``) when
     ``VRAM_NATIVE`` asks for it and it can be used; else leave the pure-Python modules."""
@@ -91,6 +106,7 @@ def select(path: list[str]) -> None:
             for name in (*COMPILED, "core_native__mypyc"):
                 sys.modules.pop(f"{__package__}.{name}", None)
         else:
+            _open_instances(sys.modules[f"{__package__}.caching"])
             ACTIVE = True
             return
     warnings.warn(f"{ENV}={setting}: running the pure-Python allocator: {why}", RuntimeWarning, stacklevel=3)

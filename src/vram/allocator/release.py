@@ -11,11 +11,12 @@ from vram.devices.base import Device
 from .block import SIZE_SHIFT, STREAM_SHIFT, Block, BlockPool
 from .config import SIZE_MAX, AllocatorConfig
 from .history import History
-from .native import trait
+from .native import mypyc_attr, trait
 from .stats import DeviceStats
 
 
 @trait
+@mypyc_attr(allow_interpreted_subclasses=True)  # as CachingAllocator (vram.allocator.native)
 class ReleaseMixin:
     """`CachingAllocator`'s release paths; every method runs with the allocator's lock held."""
 
