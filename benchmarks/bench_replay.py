@@ -1,4 +1,4 @@
-"""Replay speed on a large real trace: load time, events/s and peak RSS, vs dynapipe's simulator.
+"""Replay speed on a large real trace: load time, events/s and peak RSS, vs two peer simulators.
 
 Run: ``python3 benchmarks/bench_replay.py`` (``--quick`` for ~100k events, ``--passes N``).
 
@@ -13,6 +13,19 @@ Comparison peer: awslabs/optimizing-multitask-training-through-dynamic-pipelines
 a directory holding that repository's ``dynapipe/`` (only that one module is loaded, by path) to
 replay the same alloc/free sequence through it: same sizes, same order, frees matched by recorded
 address; events counted as alloc + free_requested + free_completed.
+
+Second peer: allocatorSim's C++ core (github.com/Lin-Mao/allocatorSim, ``src/allocator_simulator.cpp``).
+Set ALLOCATORSIM_SRC to a checkout: its sources are copied to a temporary folder, the debug copies
+removed (every ``auto *_info = std::make_tuple(...)`` and ``DumpDebugging::dumpDebuggingInfo(...)``
+statement: they copy both block pools and the segment map on every malloc/free), and
+``allocatorsim_harness.cpp`` is compiled against them (``g++ -O2``). It gets the same op stream as
+dynapipe's simulator; its time is the replay loop only, and the events counted the same way.
+
+vram's rows: ``seconds`` is what ``replay()`` reports: everything the caller waits for after the
+load (rewind to the first event, state import, every event, verification). When the compiled
+allocator is built (``python3 -m vram.allocator.native_build``), every replay row is measured
+again with ``VRAM_NATIVE=1``. Ratios at the end compare events/s of the every-event replay with
+the peers', from this one run.
 """
 from __future__ import annotations
 
@@ -23,8 +36,11 @@ import json
 import os
 import pickle
 import platform
+import re
 import resource
 import shlex
+import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -34,13 +50,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from vram.allocator.native import DEFAULT_DIR, _unusable  # noqa: E402
 from vram.replay.engine import UNLIMITED, replay  # noqa: E402
 from vram.replay.loader import load_snapshot  # noqa: E402
+from vram.replay.safe_pickle import gc_paused  # noqa: E402
 
 TRACES = Path(os.environ.get("VRAM_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
 PERIODIC = TRACES / "cs336-s-forward-bf16-128.pickle"
 SMALL = TRACES / "ftcourse-memory-snapshot.pickle"
 DYNAPIPE_MODULE = Path("dynapipe") / "memory_opt" / "allocation_simulator.py"
+ALLOCATORSIM_FILES = ("src/allocator_simulator.cpp", "src/allocator_config.cpp", "src/allocator_profiler.cpp",
+                      "src/allocator_utils.cpp")
+HARNESS = Path(__file__).resolve().with_name("allocatorsim_harness.cpp")
 ALLOC_FREE = ("alloc", "free_requested", "free_completed")
 
 
@@ -76,6 +97,10 @@ def build_big_trace(passes: int, target: int, out: Path) -> dict[str, Any]:
             "seconds": time.perf_counter() - t0}
 
 
+def _native_unusable() -> str | None:
+    return _unusable(DEFAULT_DIR)
+
+
 def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
@@ -91,8 +116,52 @@ def _load_dynapipe() -> Any:
     return mod
 
 
+def build_allocatorsim(src: Path, out: Path) -> Path:
+    """allocatorSim's core without its debug copies, with our harness, compiled into `out`."""
+    shutil.copytree(src / "include", out / "include")
+    sources = []
+    for name in ALLOCATORSIM_FILES:
+        text = (src / name).read_text()
+        if name.endswith("allocator_simulator.cpp"):
+            text = re.sub(r"\n\s*auto \w+_info = std::make_tuple\([^;]*\);", "\n", text)
+            text = re.sub(r"\n\s*DumpDebugging::dumpDebuggingInfo\([^;]*?\);", "\n", text)
+            assert "DumpDebugging" not in text, "allocatorSim changed: its debug calls were not all removed"
+        (out / Path(name).name).write_text(text)
+        sources.append(str(out / Path(name).name))
+    exe = out / "allocatorsim"
+    subprocess.run(["g++", "-O2", "-std=c++17", "-I", str(out / "include"), str(HARNESS), *sources, "-o", str(exe)],
+                   check=True, capture_output=True)
+    return exe
+
+
+def peer_ops(trace: list[dict[str, Any]]) -> tuple[list[tuple[str, int, Any]], int]:
+    """The op stream the peers replay: a malloc per alloc, a free per free_completed of a block
+    allocated in the trace (the peers start empty); and how many frees were left out."""
+    ops: list[tuple[str, int, Any]] = []
+    live: dict[int, int] = {}  # recorded address -> malloc number
+    unmatched = 0
+    for e in trace:
+        action = e["action"]
+        if action == "alloc":
+            live[e["addr"]] = len(ops)
+            ops.append(("malloc", e["size"], e["stream"]))
+        elif action == "free_completed":  # the memory returns to the cache here
+            k = live.pop(e["addr"], None)
+            if k is None:
+                unmatched += 1  # allocated before the recording began
+            else:
+                ops.append(("free", k, None))
+    return ops, unmatched
+
+
 def child(kind: str, path: str) -> dict[str, Any]:
     """One measurement, in this (fresh) process."""
+    if kind == "pickle":  # the yardstick for load_snapshot: a plain pickle.load, collector on
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            data = pickle.load(f)
+        return {"events": len(data["device_traces"][0]), "seconds": time.perf_counter() - t0,
+                "rss_load": _rss_mib(), "rss_peak": _rss_mib()}
     t0 = time.perf_counter()
     snap = load_snapshot(path)
     load_s = time.perf_counter() - t0
@@ -106,24 +175,34 @@ def child(kind: str, path: str) -> dict[str, Any]:
             cfg.kSmallSize = 1 << 20  # PyTorch's small pool; its default (0) puts all in large
         sim = mod.TorchCachingAllocatorSimulator(UNLIMITED / 1e6, cfg)  # takes 10^6-byte MB
         trace = snap["device_traces"][0]
+        ops, unmatched = peer_ops(trace)
         malloc, free = sim.malloc, sim.free
-        live: dict[int, Any] = {}  # recorded address -> its block
-        unmatched = 0
+        blocks: list[Any] = [None] * len(ops)
         t0 = time.perf_counter()
-        for e in trace:
-            action = e["action"]
-            if action == "alloc":
-                live[e["addr"]] = malloc(e["size"], e["stream"])
-            elif action == "free_completed":  # the memory returns to the cache here
-                block = live.pop(e["addr"], None)
-                if block is None:
-                    unmatched += 1  # allocated before the recording began
+        with gc_paused():  # as vram's replay runs (see `vram.replay.safe_pickle.gc_paused`)
+            for k, (op, a, b) in enumerate(ops):
+                if op == "malloc":
+                    blocks[k] = malloc(a, b)
                 else:
-                    free(block)
+                    free(blocks[a])
         out["seconds"] = time.perf_counter() - t0
         out["events"] = sum(1 for e in trace if e["action"] in ALLOC_FREE)
         out["peak_reserved"] = sim.peak_backend_allocated_bytes
-        out["note"] = f"{unmatched} frees of pre-trace blocks skipped; starts empty"
+        out["note"] = f"{len(ops):,} malloc+free calls; {unmatched} frees of pre-trace blocks skipped; starts empty"
+    elif kind == "allocatorsim":
+        trace = snap["device_traces"][0]
+        ops, unmatched = peer_ops(trace)
+        with tempfile.TemporaryDirectory(prefix="allocatorsim_") as tmp:
+            exe = build_allocatorsim(Path(os.environ["ALLOCATORSIM_SRC"]), Path(tmp))
+            stream = Path(tmp) / "ops.bin"
+            stream.write_bytes(b"".join(struct.pack("<4q", 0, k, a, b) if op == "malloc" else
+                                        struct.pack("<4q", 1, a, 0, 0) for k, (op, a, b) in enumerate(ops)))
+            got = json.loads(subprocess.run([str(exe), str(stream)], check=True, capture_output=True,
+                                            text=True).stdout)
+        out["seconds"] = got["seconds"]
+        out["events"] = sum(1 for e in trace if e["action"] in ALLOC_FREE)
+        out["peak_reserved"] = got["peak_reserved"]
+        out["note"] = f"{got['ops']:,} malloc+free calls (C++, -O2, debug copies removed); starts empty"
     else:
         base, noskip = kind.removesuffix("-noskip"), kind.endswith("-noskip")
         conf = "expandable_segments:True" if base == "expandable" else None
@@ -143,11 +222,17 @@ def child(kind: str, path: str) -> dict[str, Any]:
     return out
 
 
-def measure(kind: str, path: Path, *extra: str) -> dict[str, Any]:
+def measure(kind: str, path: Path, *extra: str, native: bool = False) -> dict[str, Any]:
     """Run `child` in a fresh process. The parent stays small: on Linux a child's ru_maxrss
-    includes its parent's RSS at the fork, so even the big trace is built in a child."""
+    includes its parent's RSS at the fork, so even the big trace is built in a child. `native`:
+    with the compiled allocator (VRAM_NATIVE=1), which the child must then be running."""
+    env = {k: v for k, v in os.environ.items() if k != "VRAM_NATIVE"}
+    if native:
+        env["VRAM_NATIVE"] = "1"
     proc = subprocess.run([sys.executable, __file__, *extra, "--child", kind, str(path)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
+    if native and "pure-Python allocator" in proc.stderr:
+        raise SystemExit(f"VRAM_NATIVE=1 did not take effect:\n{proc.stderr}")
     if proc.returncode != 0:
         raise SystemExit(f"child {kind} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -175,11 +260,16 @@ def main() -> None:
             print(json.dumps(child(kind, path)))
         return
     dyn = os.environ.get("DYNAPIPE_SRC")
+    asim = os.environ.get("ALLOCATORSIM_SRC")
     can_skip = "skip_cycles" in inspect.signature(replay).parameters
     if dyn and not (Path(dyn) / DYNAPIPE_MODULE).is_file():
         raise SystemExit(f"DYNAPIPE_SRC={dyn} has no {DYNAPIPE_MODULE}")
+    if asim and not all((Path(asim) / name).is_file() for name in ALLOCATORSIM_FILES):
+        raise SystemExit(f"ALLOCATORSIM_SRC={asim} lacks {', '.join(ALLOCATORSIM_FILES)}")
+    compiled = _native_unusable() is None
     cmd = shlex.join([Path(sys.executable).name, *sys.argv])
-    print(f"Command: `{f'DYNAPIPE_SRC={dyn} ' if dyn else ''}{cmd}`")
+    envs = "".join(f"{k}={v} " for k, v in (("DYNAPIPE_SRC", dyn), ("ALLOCATORSIM_SRC", asim)) if v)
+    print(f"Command: `{envs}{cmd}`")
     print(f"Python {platform.python_version()} on {platform.machine()} "
           f"({os.cpu_count()} CPUs), {platform.platform(terse=True)}\n")
     with tempfile.TemporaryDirectory(prefix="bench_replay_") as tmp:
@@ -187,26 +277,56 @@ def main() -> None:
         b = measure("build", big, *sys.argv[1:])
         print(f"Big trace: {PERIODIC.name} x {b['passes']} passes = {b['events']:,} events, "
               f"pickle {b['bytes'] / 2**20:,.1f} MiB (built and written in {b['seconds']:.1f} s)\n")
-        runs: list[tuple[str, str, Path]] = [("load_snapshot (big)", "load", big)]
-        for name, kind in (("default config", "default"), ("verify=True", "verify"),
-                           ("expandable_segments:True", "expandable")):
-            runs.append((f"replay, {name}", kind, big))
-            if can_skip:  # every event replayed: the like-for-like figure for the peer
-                runs.append((f"replay, {name}, skip_cycles=False", f"{kind}-noskip", big))
-        runs.append((f"replay, {SMALL.name}", "default", SMALL))
+        runs: list[tuple[str, str, Path, bool]] = [("plain pickle.load (big)", "pickle", big, False),
+                                                   ("load_snapshot (big)", "load", big, False)]
+        for native in (False, True) if compiled else (False,):
+            tag = " [compiled]" if native else ""
+            for name, kind in (("default config", "default"), ("verify=True", "verify"),
+                               ("expandable_segments:True", "expandable")):
+                runs.append((f"replay{tag}, {name}", kind, big, native))
+                if can_skip:  # every event replayed: the like-for-like figure for the peers
+                    runs.append((f"replay{tag}, {name}, skip_cycles=False", f"{kind}-noskip", big, native))
+            runs.append((f"replay{tag}, {SMALL.name}", "default-noskip", SMALL, native))
         if dyn:
-            runs += [("dynapipe simulator (its defaults)", "dynapipe", big),
-                     ("dynapipe simulator, kSmallSize=1 MiB", "dynapipe-small", big),
-                     (f"dynapipe simulator, {SMALL.name}", "dynapipe-small", SMALL)]
+            runs += [("dynapipe simulator (its defaults)", "dynapipe", big, False),
+                     ("dynapipe simulator, kSmallSize=1 MiB", "dynapipe-small", big, False),
+                     (f"dynapipe simulator, {SMALL.name}", "dynapipe-small", SMALL, False)]
+        if asim:
+            runs += [("allocatorSim C++ core", "allocatorsim", big, False),
+                     (f"allocatorSim C++ core, {SMALL.name}", "allocatorsim", SMALL, False)]
         print("| measurement | events | seconds | events/s | RSS after load (MiB) | "
               "peak RSS (MiB) | peak reserved (GiB) | notes |")
         print("|---|---:|---:|---:|---:|---:|---:|---|")
-        for name, kind, path in runs:
-            print(row(name, measure(kind, path), rate=kind != "load"), flush=True)
+        rates: dict[str, float] = {}
+        loads: dict[str, dict[str, Any]] = {}
+        for name, kind, path, native in runs:
+            m = measure(kind, path, native=native)
+            rates[name] = m["events"] / m["seconds"]
+            if kind in ("load", "pickle"):
+                loads[kind] = m
+            print(row(name, m, rate=kind not in ("load", "pickle")), flush=True)
+        print()
+        load, plain = loads["load"], loads["pickle"]
+        print(f"load_snapshot / plain pickle.load: {load['seconds'] / plain['seconds']:.2f}x time, "
+              f"{load['rss_peak'] / plain['rss_peak']:.2f}x peak RSS")
+        pairs = [("replay{}, default config, skip_cycles=False", "{}", big.name),
+                 (f"replay{{}}, {SMALL.name}", f"{{}}, {SMALL.name}", SMALL.name)]
+        for ours, peer, trace_name in pairs:
+            for tag in ("", " [compiled]"):
+                for name in ("dynapipe simulator, kSmallSize=1 MiB" if trace_name == big.name
+                             else "dynapipe simulator", "allocatorSim C++ core"):
+                    a, b = ours.format(tag), peer.format(name)
+                    if a in rates and b in rates:
+                        print(f"{trace_name}: `{a}` / `{b}`: {rates[a] / rates[b]:.3f}x events/s")
     if not dyn:
         print("\ndynapipe comparison skipped: set DYNAPIPE_SRC to a checkout of "
               "awslabs/optimizing-multitask-training-through-dynamic-pipelines (the directory "
               f"holding {DYNAPIPE_MODULE}; needs sortedcontainers) to enable it.")
+    if not asim:
+        print("\nallocatorSim comparison skipped: set ALLOCATORSIM_SRC to a checkout of Lin-Mao/allocatorSim "
+              "(needs g++) to enable it.")
+    if not compiled:
+        print(f"\ncompiled allocator not measured: {_native_unusable()}")
 
 
 if __name__ == "__main__":

@@ -554,3 +554,33 @@ def test_rmm_csv_log() -> None:
 def test_rmm_csv_errors(row: str, needle: str) -> None:
     reject(f"Thread,Time,Action,Pointer,Size,Stream\n{row}\n".encode(), needle)
     reject(b"Thread,Time\n1,2\n", "not an RMM log", fmt="rmm-csv")
+
+
+def test_collector_paused_while_loading_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cyclic GC is off while a file decodes and walks (README "Speed"), and afterwards
+    exactly as it was, also after a refused file."""
+    import gc
+
+    import vram.replay.loader as loader_mod
+
+    seen: list[bool] = []
+    real = loader_mod.decode_pickle
+
+    def spy(data: bytes) -> Any:
+        seen.append(gc.isenabled())
+        return real(data)
+
+    monkeypatch.setattr(loader_mod, "decode_pickle", spy)
+    good = pickle.dumps({"segments": [], "device_traces": [[]]})
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            load_snapshot(good)
+            assert gc.isenabled() is enabled
+            with pytest.raises(SnapshotError):
+                load_snapshot(pickle.dumps({"segments": 7}))
+            assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen == [False] * 4

@@ -31,6 +31,7 @@ from .config import (
 from .errors import EB_MESSAGE, OutOfMemoryError, oom_message
 from .expandable import ExpandableSegment, ExpandableSegmentsMixin, unmapped_next_size
 from .history import ALL, STATE, History
+from .native import mypyc_attr
 from .release import ReleaseMixin
 from .stats import DeviceStats
 
@@ -70,6 +71,12 @@ def allocation_size(size: int, large_segment_size: int = 20971520) -> int:
     return (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
 
 
+def _check_ptr(ptr: Any) -> int:
+    if isinstance(ptr, bool) or not isinstance(ptr, int):
+        raise TypeError(f"pointer must be an int, got {type(ptr).__name__}")
+    return int(ptr)
+
+
 def _check_size(size: Any) -> int:
     if isinstance(size, bool):
         raise TypeError("allocation size must be an int number of bytes, got bool")
@@ -83,14 +90,23 @@ def _check_size(size: Any) -> int:
     return size
 
 
+#: A parameter its method validates itself, with PyTorch's messages (a size may be any integer
+#: type, a stream a `vram.Stream`): typed Any so that the compiled build (`vram.allocator.native`)
+#: does not refuse it first with mypyc's own check of the annotation.
+Checked = Any
+
 #: A stream is a ``cudaStream_t`` handle; PyTorch's Python bindings take it as an int64.
 STREAM_MAX = 2**63 - 1
 
 
 def _check_stream(stream: Any) -> int:
     """A stream handle: an int in [0, 2**63) or an object with such a ``cuda_stream``."""
+    # bool before int, each time: compiled (vram.allocator.native), a value narrowed to int is
+    # unboxed, so True would pass as 1.
+    if isinstance(stream, bool):
+        raise TypeError("stream must be a vram.Stream or an int, got bool")
     s = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
-    if not isinstance(s, int) or isinstance(s, bool):
+    if isinstance(s, bool) or not isinstance(s, int):
         raise TypeError(f"stream must be a vram.Stream or an int, got {type(stream).__name__}")
     if not 0 <= s <= STREAM_MAX:
         shown = str(s) if -(2**64) < s < 2**64 else f"an int of {s.bit_length()} bits"
@@ -116,7 +132,8 @@ def _report_unraisable(exc: BaseException, message: str) -> None:
                                              exc_traceback=exc.__traceback__, err_msg=message, object=None))
 
 
-class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
+@mypyc_attr(allow_interpreted_subclasses=True)  # see vram.allocator.native
+class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
     """PyTorch's caching allocator for one device (spec §1–§16).
 
     `alloc_conf` is a ``PYTORCH_CUDA_ALLOC_CONF``-style string; when None the environment is read
@@ -124,8 +141,8 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
     torch ≤ 2.0 OOM text. Thread-safe: one re-entrant lock per device, as PyTorch.
     """
 
-    def __init__(self, device: Device, alloc_conf: str | None = None, *,
-                 environ: Mapping[str, str] | None = None, oom_format: str = "current") -> None:
+    def __init__(self, device: Device, alloc_conf: Checked = None, *,
+                 environ: Mapping[str, str] | None = None, oom_format: Checked = "current") -> None:
         if oom_format not in ("current", "legacy"):
             raise ValueError(f"oom_format must be 'current' or 'legacy', got {oom_format!r}")
         text = alloc_conf if alloc_conf is not None else alloc_conf_from_env(environ)
@@ -152,7 +169,7 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
             self._set_fraction(self.config.per_process_memory_fraction)
 
     # -- configuration ----------------------------------------------------------------------
-    def set_allocator_settings(self, text: str) -> None:
+    def set_allocator_settings(self, text: Checked) -> None:
         """``torch.cuda.memory._set_allocator_settings``: re-parse (spec §3.1); bad text changes nothing."""
         with self.lock:
             self.config = _native(parse_alloc_conf(text, self.config))
@@ -163,7 +180,7 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
         else:
             self.allowed_memory_maximum = None
 
-    def set_memory_fraction(self, fraction: float) -> None:
+    def set_memory_fraction(self, fraction: Checked) -> None:
         """Cap this allocator's driver allocations at ``floor(fraction × total)`` (spec §13)."""
         if not isinstance(fraction, float):
             raise TypeError("Invalid type for fraction argument, must be `float`")
@@ -181,7 +198,7 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
         return self.allowed_memory_maximum is not None and self.config.garbage_collection_threshold > 0.0
 
     # -- malloc -----------------------------------------------------------------------------
-    def malloc(self, size: int, stream: int = 0) -> int:
+    def malloc(self, size: Checked, stream: Checked = 0) -> int:
         """Allocate `size` bytes on `stream`; returns the block address (0 for 0 bytes) (spec §9)."""
         if type(size) is not int or size < 0:
             size = _check_size(size)
@@ -364,12 +381,10 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
         return ptr
 
     # -- free -------------------------------------------------------------------------------
-    def free(self, ptr: int) -> None:
+    def free(self, ptr: Checked) -> None:
         """The last reference to the block at `ptr` died (spec §10.1)."""
         if type(ptr) is not int:
-            if isinstance(ptr, bool) or not isinstance(ptr, int):
-                raise TypeError(f"pointer must be an int, got {type(ptr).__name__}")
-            ptr = int(ptr)
+            ptr = _check_ptr(ptr)
         if ptr == 0:
             return
         with self.lock:
@@ -470,10 +485,11 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
         net_blocks = 0
         net_bytes = 0
         for neighbour in (block.prev, block.next):
-            absorbed = try_merge_blocks(block, neighbour, pool)
-            if absorbed:
-                net_blocks -= 1
-                net_bytes -= absorbed
+            if neighbour is not None and not neighbour.allocated:  # (try_merge_blocks checks all)
+                absorbed = try_merge_blocks(block, neighbour, pool)
+                if absorbed:
+                    net_blocks -= 1
+                    net_bytes -= absorbed
         pool.insert(block)
         if block.prev is not None or block.next is not None:
             net_blocks += 1
@@ -485,9 +501,10 @@ class CachingAllocator(ReleaseMixin, ExpandableSegmentsMixin):
         stats.on_free_completed(i, original_size, requested)
 
     # -- streams and events (spec §10.1, §10.3, §10.4) -----------------------------------------
-    def record_stream(self, ptr: int, stream: int) -> None:
+    def record_stream(self, ptr: Checked, stream: Checked) -> None:
         """``Tensor.record_stream``: the block is in use on `stream` too; its free waits for it."""
         stream = _check_stream(stream)
+        ptr = _check_ptr(ptr)
         with self.operation():
             if self.caching_disabled:
                 return

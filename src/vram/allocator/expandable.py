@@ -15,6 +15,7 @@ from vram.devices.base import Device
 from .block import STREAM_SHIFT, Block, BlockPool, try_merge_blocks
 from .config import AllocatorConfig
 from .history import History
+from .native import mypyc_attr, trait
 from .stats import DeviceStats
 
 K_SMALL_BUFFER = 2097152
@@ -83,6 +84,8 @@ def _has_space(b: Block | None, size: int) -> bool:
     return total >= size
 
 
+@trait
+@mypyc_attr(allow_interpreted_subclasses=True)  # as CachingAllocator (vram.allocator.native)
 class ExpandableSegmentsMixin:
     """`CachingAllocator`'s expandable-segment paths (spec §14): find, map and unmap pages."""
 

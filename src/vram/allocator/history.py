@@ -16,8 +16,9 @@ from typing import Any
 
 NEVER, STATE, ALLOC, ALL = 0, 1, 2, 3
 
-#: The ``vram`` package's directory (this file is ``vram/allocator/history.py``).
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: The ``vram`` package's directory, from the package itself: this module may be the compiled
+#: build, which lives elsewhere (`vram.allocator.native`).
+PACKAGE_DIR = os.path.dirname(os.path.abspath(sys.modules[__name__.partition(".")[0]].__file__ or "")) + os.sep
 
 
 #: Frames from files under these prefixes are left out of recorded stacks: vram itself, and
@@ -29,7 +30,10 @@ def gather_frames(limit: int = 64) -> list[dict[str, Any]]:
     """The caller's Python stack as snapshot frames ({name, filename, line}), innermost first."""
     frames: list[dict[str, Any]] = []
     skip = tuple(SKIP_PREFIXES)
-    f: FrameType | None = sys._getframe(1)
+    # From the innermost frame: this function's own is left out with the rest of vram, and the
+    # compiled build (vram.allocator.native) has no frame of its own, so ``_getframe(1)`` would
+    # drop the caller's.
+    f: FrameType | None = sys._getframe(0)
     while f is not None and len(frames) < limit:
         code = f.f_code
         if not code.co_filename.startswith(skip):

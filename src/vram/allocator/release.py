@@ -4,16 +4,19 @@ and the garbage collector of old cached blocks (``garbage_collection_threshold``
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vram.devices.base import Device
 
 from .block import SIZE_SHIFT, STREAM_SHIFT, Block, BlockPool
 from .config import SIZE_MAX, AllocatorConfig
 from .history import History
+from .native import mypyc_attr, trait
 from .stats import DeviceStats
 
 
+@trait
+@mypyc_attr(allow_interpreted_subclasses=True)  # as CachingAllocator (vram.allocator.native)
 class ReleaseMixin:
     """`CachingAllocator`'s release paths; every method runs with the allocator's lock held."""
 
@@ -27,9 +30,13 @@ class ReleaseMixin:
     total_allocated_memory: int
     allowed_memory_maximum: int | None
 
-    if TYPE_CHECKING:
-        def synchronize_and_free_events(self, frames: Any = None) -> None: ...
-        def _unmap_block(self, block: Block, frames: Any) -> None: ...
+    # Implemented by `CachingAllocator` and `ExpandableSegmentsMixin` (before this class in the
+    # allocator's bases); declared here for the type checker and mypyc (vram.allocator.native).
+    def synchronize_and_free_events(self, frames: Any = None) -> None:
+        raise NotImplementedError
+
+    def _unmap_block(self, block: Block, frames: Any) -> None:
+        raise NotImplementedError
 
     def _release_cached_blocks(self, frames: Any) -> bool:
         self.synchronize_and_free_events(frames)

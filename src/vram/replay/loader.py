@@ -29,7 +29,7 @@ import sys
 from typing import Any
 
 from .messages import Invalid, SnapshotError, brief, int_text, printable
-from .safe_pickle import OPCODE_BYTES, decode_json, decode_pickle, memory_cap
+from .safe_pickle import OPCODE_BYTES, decode_json, decode_pickle, gc_paused, memory_cap
 from .validate import KNOWN_ACTIONS, RESERVED_STREAMS, check_requested, check_segment, check_settings, stream_error
 
 __all__ = ["DEFAULT_MAX_BYTES", "SnapshotError", "load_snapshot", "to_pytorch_snapshot"]
@@ -504,9 +504,10 @@ def load_snapshot(source: str | os.PathLike[str] | bytes, *, fmt: str | None = N
             with memory_cap(len(data)):
                 out = _decode_rmm_csv(data)
         else:
-            obj = decode_json(data) if kind == "json" else decode_pickle(data)
-            out = _Walker(len(data)).snapshot(obj)
-            del obj
+            with gc_paused():  # millions of new containers and no garbage: see `gc_paused`
+                obj = decode_json(data) if kind == "json" else decode_pickle(data)
+                out = _Walker(len(data)).snapshot(obj)
+                del obj
     except Invalid as exc:
         raise SnapshotError(f"{name}: {exc}") from None
     except RecursionError:
