@@ -32,7 +32,10 @@ def _gc_state():
     threshold = gc.get_threshold()
     was_enabled = gc.isenabled()
     vram.simulate("16GiB")
+    gc.collect()
+    gc.freeze()  # what earlier tests left in this process: not this test's, and not to be walked at every collection
     yield
+    gc.unfreeze()
     gc.set_threshold(*threshold)
     if was_enabled:
         gc.enable()
