@@ -72,6 +72,22 @@ def unmapped_next_size(block: Block) -> int:
     return nxt.size if nxt is not None and not nxt.mapped else 0
 
 
+def _link_after(block: Block, new: Block) -> None:
+    """Put `new` right after `block` in its segment's list of blocks."""
+    new.prev, new.next = block, block.next
+    if block.next is not None:
+        block.next.prev = new
+    block.next = new
+
+
+def _link_before(block: Block, new: Block) -> None:
+    """Put `new` right before `block` in its segment's list of blocks."""
+    new.prev, new.next = block.prev, block
+    if block.prev is not None:
+        block.prev.next = new
+    block.prev = new
+
+
 def _allocatable(b: Block | None) -> bool:
     return b is not None and not b.allocated and b.event_count == 0 and not b.stream_uses
 
@@ -131,10 +147,7 @@ class ExpandableSegmentsMixin:
             rest = Block(to_map.stream, to_map.size - mapped, pool, to_map.ptr + mapped)
             rest.mapped = False
             rest.expandable_segment = es
-            rest.prev, rest.next = to_map, to_map.next
-            if to_map.next is not None:
-                to_map.next.prev = rest
-            to_map.next = rest
+            _link_after(to_map, rest)
             pool.insert_unmapped(rest)
             to_map.size = mapped
         try_merge_blocks(to_map, to_map.prev, pool)
@@ -177,20 +190,14 @@ class ExpandableSegmentsMixin:
         if before > 0:
             head = Block(block.stream, before, pool, block.ptr)
             head.expandable_segment = es
-            head.prev, head.next = block.prev, block
-            if block.prev is not None:
-                block.prev.next = head
-            block.prev = head
+            _link_before(block, head)
             head.segment_frames, block.segment_frames = block.segment_frames, None
             pool.insert(head)
         after = block.size - before - size
         if after > 0:
             tail = Block(block.stream, after, pool, ptr + size)
             tail.expandable_segment = es
-            tail.prev, tail.next = block, block.next
-            if block.next is not None:
-                block.next.prev = tail
-            block.next = tail
+            _link_after(block, tail)
             pool.insert(tail)
         block.ptr = ptr
         block.size = size
