@@ -47,6 +47,8 @@ _NO_READ = frozenset({"empty_like", "zeros_like", "ones_like", "full_like", "ran
 _REPLAYABLE = frozenset({"uniform_", "normal_", "random_", "exponential_", "cauchy_", "log_normal_",
                          "geometric_", "rand_like", "randn_like", "randint_like", "rand", "randn", "randint",
                          "randperm", "normal"})
+#: random factories whose CPU kernel is ``empty`` then this in-place kernel (its draws)
+_FACTORY_KERNEL = {"randn": "normal_", "rand": "uniform_"}
 #: ops that change a storage's size or identity: lazy storages take them materialized
 _RESHAPE_STORAGE = frozenset({"resize_", "resize_as_", "set_", "_resize_output_"})
 
@@ -165,11 +167,13 @@ class LazyHost:
 
     # -- creation ---------------------------------------------------------------------------
     def factory(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        """A CPU factory the function mode sent to meta: lazy when large, else real."""
-        out = func(*args, **kwargs)
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        """A CPU factory the function mode sent to meta: lazy when large, else real. (A size
+        given as the first argument decides without running the op on meta first.)"""
         host_kwargs = dict(kwargs, device=_CPU)
-        if sum(t.numel() for t in outs) <= self.limit:
+        numel = _size_numel(args[0]) if args else None
+        out = func(*args, **kwargs) if numel is None or numel > self.limit else None
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if (numel if numel is not None else sum(t.numel() for t in outs)) <= self.limit:
             if seeded(func) and _default_generator(kwargs):
                 self.ledger.settle()
             return func(*args, **host_kwargs)
@@ -250,9 +254,7 @@ class LazyHost:
         """Where the op's draws start: a ticket in the default generator's ledger, or the state
         of the script's own generator (which is advanced now, as the op would)."""
         name = func.overloadpacket.__name__
-        words = word_count(name, target) if name in ("uniform_", "normal_") else None
-        if words is None and name in ("randn", "rand") and target.is_contiguous():
-            words = word_count("normal_" if name == "randn" else "uniform_", target)
+        words = word_count(_FACTORY_KERNEL.get(name, name), target)
         draw = Draw(words, None if words is not None else _replay(func, args, kwargs))
         gen = kwargs.get("generator")
         if gen is None or gen is torch.default_generator:
@@ -359,6 +361,16 @@ class LazyHost:
         if step.out is not None:
             r = [x for x in tree_leaves(result) if isinstance(x, torch.Tensor)][step.out]
             _view(st, step.geometry).copy_(r)  # type: ignore[arg-type]
+
+
+def _size_numel(size: Any) -> int | None:
+    """Elements of a size list (``empty/zeros/ones/full/rand/randn(size, ...)``), else None."""
+    if not isinstance(size, (list, tuple)) or not all(type(n) is int for n in size):
+        return None
+    numel = 1
+    for n in size:
+        numel *= n
+    return numel
 
 
 def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
