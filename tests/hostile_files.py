@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
+from paths import RECORDINGS
 from vram.replay.loader import SnapshotError, load_snapshot
 
 MiB = 1 << 20
 SRC = Path(__file__).resolve().parents[1] / "src"
-TRACES = Path(os.environ.get("VRAM_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
+TRACES = RECORDINGS
 BASE = 0x7F00_0000_0000
 
 

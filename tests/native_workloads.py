@@ -157,7 +157,8 @@ def digest(obj: Any) -> str:
 
 
 def main() -> None:
-    traces = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(os.environ.get("VRAM_TRACES", "/work/shared/traces"))
+    default = os.environ.get("VRAM_TRACES", Path(__file__).resolve().parents[1] / "recordings")
+    traces = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(default)
     print(f"native active: {native.ACTIVE}", flush=True)
     for k, (conf, fraction) in enumerate(CONFIGS):
         for seed in range(3):

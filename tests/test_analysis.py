@@ -21,7 +21,7 @@ from vram.replay.engine import replay
 from vram.replay.loader import load_snapshot
 
 MiB = 1 << 20
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+from paths import RECORDINGS as TRACES  # noqa: E402
 
 
 def _fragmented_oom(path: Path) -> str:
@@ -154,7 +154,6 @@ def test_tune_fleet_parallel_equals_serial(tmp_path):
     assert not serial["best"]["oom"]  # both fit in 1 GiB with no context
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="shared/traces not found")
 def test_export_piece_verifies_and_opens_in_memory_viz(tmp_path, capsys):
     src = TRACES / "ftcourse-memory-snapshot.pickle"
     out = tmp_path / "piece.pickle"

@@ -4,15 +4,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from paths import RECORDINGS as TRACES  # noqa: E402
 from vram.cli import main
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 MEM = TRACES / "cs336-s-mem.pickle"
-needs_traces = pytest.mark.skipif(not MEM.exists(), reason="needs ../shared/traces beside the checkout")
 
 
 def _help(*argv: str, capsys: pytest.CaptureFixture[str]) -> str:
@@ -38,7 +36,6 @@ def test_demo_takes_a_card_and_lists_the_cards_when_it_does_not_know_one(capsys)
     assert "A100-80GB" in err and "A100-40GB" in err and "H100" in err
 
 
-@needs_traces
 def test_replay_of_a_device_the_snapshot_does_not_have_is_an_error(capsys) -> None:
     assert main(["replay", str(MEM), "--device", "3"]) == 2
     assert "device 3 is not in the snapshot: it records 1 device(s)" in capsys.readouterr().err
@@ -53,7 +50,6 @@ def test_run_of_a_directory(tmp_path, capsys) -> None:
     assert capsys.readouterr().out.strip() == "True"
 
 
-@needs_traces
 def test_plot_reports_the_file_it_wrote(tmp_path, capsys) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "out"
@@ -61,7 +57,6 @@ def test_plot_reports_the_file_it_wrote(tmp_path, capsys) -> None:
     assert (tmp_path / "out.png").exists() and f"wrote {out}.png" in capsys.readouterr().out
 
 
-@needs_traces
 def test_output_into_a_closed_pipe_stops_quietly() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "vram", "export", str(MEM), "-o", "/dev/stdout"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -71,7 +66,6 @@ def test_output_into_a_closed_pipe_stops_quietly() -> None:
     assert proc.wait(timeout=60) == 141 and "Traceback" not in err and "Broken pipe" not in err, err
 
 
-@needs_traces
 def test_diff_command(capsys) -> None:
     assert main(["diff", str(MEM), str(MEM)]) == 0
     out = capsys.readouterr().out

@@ -36,7 +36,9 @@ ASYNC_WARNING = ("backend:cudaMallocAsync ignores max_split_size_mb,"
                  "roundup_power2_divisions, and garbage_collect_threshold.")
 RESERVE_WARNING = ("Ignoring invalid expandable-segment reserve value '{}' in PYTORCH_CUDA_ALLOC_CONF (expected a "
                    "positive, finite fraction like 0.5 or an absolute size like 40G); using default.")
-TRACES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
+from paths import RECORDINGS  # noqa: E402
+
+TRACES = str(RECORDINGS)
 
 
 def parse(text: str | None, base: AllocatorConfig | None = None, **kw: bool) -> AllocatorConfig:

@@ -4,16 +4,13 @@ real recording by removing or adding known requests, so the expected alignment i
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
-import pytest
-
+from paths import RECORDINGS  # noqa: E402
 from vram.replay.diff import compare, render, side, user_frame
 from vram.replay.loader import load_snapshot
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "cs336-s-mem.pickle"
-pytestmark = pytest.mark.skipif(not TRACE.exists(), reason="needs ../shared/traces beside the checkout")
+TRACE = RECORDINGS / "cs336-s-mem.pickle"
 
 
 def _allocs(snap: dict[str, Any]) -> list[int]:

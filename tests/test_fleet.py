@@ -6,11 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from paths import RECORDINGS as TRACES  # noqa: E402
 from vram.analysis.fleet import ReplayJob, run_jobs
-
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-if not TRACES.is_dir():
-    pytest.skip("shared/traces not found", allow_module_level=True)
 
 
 def _jobs() -> list[ReplayJob]:

@@ -181,7 +181,6 @@ def test_devices_and_pipes_are_read_in_bounded_chunks() -> None:
     writer.join(5)
 
 
-@pytest.mark.skipif(not (TRACES / "cs336-s-mem.pickle").exists(), reason="recording not available")
 def test_a_recording_loads_under_a_2gib_address_space_limit() -> None:
     """Reading used to reserve max_bytes + 1 (2 GiB) up front: under ``ulimit -v 2GiB`` a 72 KB
     file failed with a traceback."""

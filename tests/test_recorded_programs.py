@@ -15,12 +15,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from paths import PROGRAMS  # noqa: E402
+from paths import RECORDINGS as TRACES  # noqa: E402
 from vram.replay.diff import compare, render, side  # noqa: E402
 from vram.replay.loader import load_snapshot  # noqa: E402
 from vram.run.runtime import run_script  # noqa: E402
-
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-PROGRAMS, TRACES = SHARED / "programs", SHARED / "traces"
 
 
 def _reproduce(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folder: str, script: list[str], env: dict[str, str],

@@ -7,17 +7,15 @@ the comments; the recorded case comes from ``shared/traces/cs336-s-mem.pickle``.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from paths import RECORDINGS as TRACES  # noqa: E402
 from vram.replay.loader import load_snapshot  # noqa: E402
 from vram.run.reductions import build_iter, max_threads_per_sm, reduction_plan, staging_sizes  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 A100, H100 = 108, 132
 
 
@@ -38,7 +36,6 @@ def test_full_sum_of_the_recorded_attention_output() -> None:
     assert reduction_plan("sum", (x,), [_meta()], H100, 2048) == plan
 
 
-@pytest.mark.skipif(not (TRACES / "cs336-s-mem.pickle").is_file(), reason="needs ../shared/traces")
 def test_the_recorded_sum_allocates_what_the_a100_did() -> None:
     events = load_snapshot(TRACES / "cs336-s-mem.pickle")["device_traces"][0]
     recorded = [(e["action"], e["size"]) for e in events[26:33]]  # output.sum(): out, buffer, semaphores

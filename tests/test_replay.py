@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import json
 import pickle
-from pathlib import Path
 
 import pytest
 
+from paths import RECORDINGS as TRACES  # noqa: E402
 from vram.cli.commands import main
 from vram.replay.engine import replay
 from vram.replay.loader import load_snapshot
-
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-if not TRACES.is_dir():  # a checkout without shared/ beside it
-    pytest.skip("shared/traces not found", allow_module_level=True)
 
 GiB = 1 << 30
 MiB = 1 << 20
