@@ -8,7 +8,8 @@ fails with "PyTorch is not linked with support for cuda devices" as soon as a CU
 initialised), with its rounding applied to CPU storages too, so that both sides count
 ``round512(nbytes)`` per storage.
 
-The same training step (forward, backward, Adam step) then runs twice — for real on the CPU under
+The same training step (forward, backward, Adam step; for a toy GPT and CNN, and for the
+corpus's Hugging Face GPT-2 and grouped-query Llama) then runs twice — for real on the CPU under
 MemTracker, and under `vram.run.runtime.simulated_cuda` — with a probe mode recording, after every
 aten op, MemTracker's running total (CPU) and ``torch.cuda.memory_allocated()`` plus the live
 blocks (vram). The test asserts, op by op and for the peak, with nothing left to a tolerance::
@@ -37,6 +38,7 @@ kernel's philox seed/offset are host tensors without dropout. See docs/estimate-
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -269,7 +271,38 @@ def _trace_vram(setup: Callable[..., Any], step: Callable[..., Any],
         return probe.log, torch.cuda.max_memory_allocated(), probe.peak_seen, probe.scratch
 
 
-CASES = {"transformer": (gpt_setup, gpt_step), "cnn": (cnn_setup, cnn_step)}
+def hf_setup(device: str, foreach: bool | None, kind: str) -> tuple[Any, ...]:
+    """The corpus's Hugging Face models (tests/corpus/hf_gpt2.py, hf_llama_gqa.py: GPT-2, and
+    Llama with 8 query and 2 KV heads), AdamW, a left-padded attention mask. Eager attention: with
+    ``sdpa`` the CPU takes the math kernel for a masked call where CUDA takes the memory-efficient
+    one, so the two runs would not hold the same tensors."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=128, n_head=4, vocab_size=2000, n_positions=128, bos_token_id=1, eos_token_id=2,
+            attn_implementation="eager"))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=2, vocab_size=2000, max_position_embeddings=256, attn_implementation="eager"))
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
+    ids = torch.randint(3, 2000, (2, 64), device=device)
+    mask = torch.ones_like(ids)
+    mask[0, :8] = 0
+    return model, opt, ids, mask
+
+
+def hf_step(model: Any, opt: Any, ids: Any, mask: Any) -> None:
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+CASES = {"transformer": (gpt_setup, gpt_step), "cnn": (cnn_setup, cnn_step),
+         "hf_gpt2": (functools.partial(hf_setup, kind="gpt2"), hf_step),
+         "hf_llama_gqa": (functools.partial(hf_setup, kind="llama"), hf_step)}
 
 
 @pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
