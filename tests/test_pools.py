@@ -275,3 +275,46 @@ def test_bad_pool_calls_say_why_and_change_nothing(call, message):
     with pytest.raises((RuntimeError, ValueError, TypeError), match=message):
         call(a)
     assert state(a) == before
+
+
+# -- recordings with private pools (replay) -------------------------------------------------------
+
+def _recording(with_trace: bool = True) -> bytes:
+    """A snapshot written as ``torch.cuda.memory._snapshot()`` does (``segment_pool_id`` on every
+    segment, from ``owner_MempoolId()``; ``pool_id`` on the private pool's trace entries)."""
+    import pickle
+
+    from vram.views.snapshot import snapshot
+    a = alloc()
+    a.malloc(1000, 0)
+    a.begin_allocate_to_pool(G, S)
+    a.malloc(5 * MiB, S)
+    a.end_allocate_to_pool(G)
+    snap = snapshot([a])
+    if not with_trace:
+        snap["device_traces"] = [[]]
+    return pickle.dumps(snap)
+
+
+def test_loader_keeps_private_pool_ids_and_refuses_bad_ones():
+    from vram.replay.loader import load_snapshot
+    from vram.replay.messages import SnapshotError
+    snap = load_snapshot(_recording())
+    assert sorted(str(s.get("segment_pool_id")) for s in snap["segments"]) == ["(1, 0)", "None"]
+    assert [e.get("pool_id") for e in snap["device_traces"][0]] == [None, None, G, G]
+    import pickle
+    raw = pickle.loads(_recording())
+    raw["segments"][0]["segment_pool_id"] = (1, "x")
+    with pytest.raises(SnapshotError, match=r"segment_pool_id\[1\]"):
+        load_snapshot(pickle.dumps(raw))
+
+
+@pytest.mark.parametrize("with_trace", [True, False])
+def test_replay_refuses_recordings_with_private_pools_clearly(with_trace):
+    from vram.replay.engine import replay
+    from vram.replay.loader import load_snapshot
+    from vram.replay.messages import SnapshotError
+    snap = load_snapshot(_recording(with_trace))
+    with pytest.raises(SnapshotError, match=r"^this recording uses a private memory pool \(1, 0\) \(a CUDA graph "
+                                            r"or torch.cuda.MemPool\): vram cannot replay private pools yet"):
+        replay(snap, verify=True)
