@@ -167,10 +167,17 @@ class BlockPool:
     and the unmapped pieces of expandable segments ordered by (stream, address)."""
 
     __slots__ = ("keys", "blocks", "is_small", "get_free_blocks_call_count", "unmapped_keys",
-                 "unmapped", "stat_index", "name")
+                 "unmapped", "stat_index", "name", "owner", "pool_id", "trace_id", "no_split")
 
-    def __init__(self, is_small: bool) -> None:
+    def __init__(self, is_small: bool, owner: Any = None, pool_id: tuple[int, int] = (0, 0)) -> None:
         self.is_small = is_small
+        #: the `vram.allocator.pools.PrivatePool` owning this pool, None for a default pool
+        #: (``BlockPool::owner_PrivatePool``); its id is `pool_id` (``owner_MempoolId()``), also
+        #: written to trace entries as `trace_id` (None for the default pools: no key)
+        self.owner = owner
+        self.pool_id = pool_id
+        self.trace_id: tuple[int, int] | None = pool_id if owner is not None else None
+        self.no_split = False  # a MemPool made with no_split=True (``no_split_pools``)
         self.name = "small" if is_small else "large"
         self.stat_index = 1 if is_small else 2  # index into a StatArray: 0 all, 1 small, 2 large
         self.keys = SortedKeys()

@@ -32,7 +32,7 @@ from .errors import EB_MESSAGE, OutOfMemoryError, oom_message
 from .expandable import ExpandableSegment, ExpandableSegmentsMixin, unmapped_next_size
 from .history import ALL, STATE, History
 from .native import mypyc_attr
-from .release import ReleaseMixin
+from .pools import DEFAULT_POOL, PrivatePoolsMixin, check_pool_id
 from .stats import DeviceStats
 
 # Constants, spec §2.
@@ -133,7 +133,7 @@ def _report_unraisable(exc: BaseException, message: str) -> None:
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # see vram.allocator.native
-class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
+class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
     """PyTorch's caching allocator for one device (spec §1–§16).
 
     `alloc_conf` is a ``PYTORCH_CUDA_ALLOC_CONF``-style string; when None the environment is read
@@ -163,6 +163,7 @@ class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
         self.expandable_segments: list[ExpandableSegment] = []
         self.uncached: dict[int, int] = {}  # bypass mode (PYTORCH_NO_CUDA_MEMORY_CACHING): ptr -> size
         self.history = History()
+        self._init_pools()  # private pools (vram.allocator.pools)
         self._busy = False  # an operation is under way on the thread holding the lock
         self._deferred: deque[int] = deque()  # frees that arrived during it (see `_end_operation`)
         if self.config.per_process_memory_fraction < 1.0:
@@ -227,25 +228,39 @@ class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
             return self._malloc_uncached(size)
         history = self.history
         frames = history.gather(STATE) if history.context >= STATE else None
-        if self.cuda_events:
-            self.process_events(frames)
         config = self.config
         rounded = round_size(size, config.roundup_power2_divisions)
-        pool = self.small_blocks if rounded <= K_SMALL_SIZE else self.large_blocks
         alloc_size = allocation_size(rounded, config.large_segment_size)
+        if self.captures:  # a graph capture or MemPool context is under way (vram.allocator.pools)
+            return self._malloc_routed(size, rounded, alloc_size, stream, frames)
+        if self.cuda_events:
+            self.process_events(frames)
+        pool = self.small_blocks if rounded <= K_SMALL_SIZE else self.large_blocks
         block = self._get_free_block(pool, stream, rounded)
         if block is None:
-            if self._gc_active():
-                self._garbage_collect_cached_blocks(frames)
-            block = self._alloc_block(pool, stream, rounded, alloc_size, False, frames)
-            if block is None and self._release_available_cached_blocks(pool, stream, rounded, frames):
-                block = self._alloc_block(pool, stream, rounded, alloc_size, False, frames)
-            if block is None:
-                self._release_cached_blocks(frames)
-                block = self._alloc_block(pool, stream, rounded, alloc_size, True, frames)
-            if block is None:
-                self._raise_oom(pool, stream, rounded, alloc_size, frames)
+            block, pool = self._new_block(pool, stream, rounded, alloc_size, frames)
         return self._alloc_found_block(block, pool, stream, rounded, size, frames)
+
+    def _new_block(self, pool: BlockPool, stream: int, size: int, alloc_size: int,
+                   frames: Any) -> tuple[Block, BlockPool]:
+        """No cached block fits (spec §9 step 4): GC, a new segment, a ``use_on_oom`` MemPool's
+        cached block, oversize releases, then — unless a graph capture or MemPool context is under
+        way — every cached segment; or the OOM. Returns the block and the pool it came from."""
+        if self._gc_active():
+            self._garbage_collect_cached_blocks(frames)
+        block = self._alloc_block(pool, stream, size, alloc_size, False, frames)
+        if block is None and self.oom_pools and pool.owner is None:
+            found = self._mempool_fallback(stream, size)
+            if found is not None:
+                return found
+        if block is None and self._release_available_cached_blocks(pool, stream, size, frames):
+            block = self._alloc_block(pool, stream, size, alloc_size, False, frames)
+        if block is None and not self.captures:
+            self._release_cached_blocks(frames)
+            block = self._alloc_block(pool, stream, size, alloc_size, True, frames)
+        if block is None:
+            self._raise_oom(pool, stream, size, alloc_size, frames)
+        return block, pool
 
     def _get_free_block(self, pool: BlockPool, stream: int, size: int) -> Block | None:
         """Best fit (spec §7): smallest free block of this stream ≥ size, lowest address on ties."""
@@ -302,13 +317,15 @@ class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
             return None
         block = Block(stream, alloc_size, pool, ptr)
         block.segment_frames = frames
+        if pool.owner is not None:
+            pool.owner.cuda_malloc_count += 1
         self.total_allocated_memory += alloc_size
         stats.on_segment(pool.stat_index, 1, alloc_size)
         if alloc_size >= self.config.max_split_size:
             stats.oversize_segments.increase(1)
         stats.num_device_alloc += 1
         if self.history.enabled:
-            self.history.record("segment_alloc", ptr, alloc_size, stream, frames)
+            self.history.record("segment_alloc", ptr, alloc_size, stream, frames, pool.trace_id)
         return block
 
     def _alloc_found_block(self, block: Block, pool: BlockPool, stream: int, size: int,
@@ -322,6 +339,8 @@ class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
             split = remaining >= K_MIN_BLOCK_SIZE
         else:
             split = size < config.max_split_size and remaining > K_SMALL_SIZE
+        if split and pool.no_split:
+            split = False
         already_split = block.prev is not None or block.next is not None
         is_expandable = block.expandable_segment is not None
         if split:
@@ -355,19 +374,20 @@ class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
         if bsize >= config.max_split_size:
             stats.oversize_allocations.increase(1)
         if self.history.enabled:
-            self.history.record("alloc", ptr, orig_size, stream, frames)
+            self.history.record("alloc", ptr, orig_size, stream, frames, pool.trace_id)
         return ptr
 
     def _raise_oom(self, pool: BlockPool, stream: int, size: int, alloc_size: int, frames: Any) -> NoReturn:
         """Count the OOM, trace it and raise PyTorch's message (spec §15)."""
         device_free, device_total = self.device.mem_get_info()
-        self.history.record("oom", device_free, size, stream, frames)
+        self.history.record("oom", device_free, size, stream, frames, pool.trace_id)
         self.stats.num_ooms += 1
         nvml = getattr(self.device, "nvml", False)
         msg = oom_message(
             device=self.device.index, alloc_size=alloc_size, device_total=device_total,
             device_free=device_free, allocated=self.stats.allocated_bytes[0].current,
             reserved=self.stats.reserved_bytes[0].current, allowed=self.allowed_memory_maximum,
+            private_pool_free=self._private_pool_free() if self.graph_pools else 0,
             processes=self.device.process_memory() if nvml else None,  # type: ignore[attr-defined]
             own_pid=getattr(self.device, "pid", None), legacy=self.oom_format == "legacy")
         raise OutOfMemoryError(msg)
@@ -445,6 +465,9 @@ class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
             finally:
                 self._end_operation()
 
+    def _operation(self, mutates: bool) -> Any:  # `operation` for the mixins (mypyc traits)
+        return self.operation(mutates)
+
     def _free(self, ptr: int) -> None:
         """`free` with the lock held."""
         if self.caching_disabled:
@@ -456,6 +479,9 @@ class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
         block = self.active.get(ptr)
         if block is None or not block.allocated:
             raise RuntimeError(f"invalid device pointer: {ptr:#x}")
+        if block.stream_uses and self.captures:  # (PyTorch defers it to the capture's end)
+            raise RuntimeError("vram does not simulate freeing a block used on other streams (record_stream) "
+                               "while a CUDA graph capture or MemPool context is under way")
         history = self.history
         frames = history.gather(ALL) if history.context >= ALL else None
         block.allocated = False
@@ -464,7 +490,7 @@ class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
         stats.on_free_requested(block.pool.stat_index, bsize)
         if history.enabled:
             history.record("free_requested", ptr, block.requested_size, block.stream,
-                           frames if frames is not None else block.frames)
+                           frames if frames is not None else block.frames, block.pool.trace_id)
         if bsize >= self.config.max_split_size:
             stats.oversize_allocations.decrease(1)
         if block.stream_uses:
@@ -476,7 +502,7 @@ class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
         """Free completion (spec §10.2): merge with free neighbours, back into the pool, stats."""
         if self.history.enabled:
             self.history.record("free_completed", block.ptr, block.requested_size, block.stream,
-                                frames if frames is not None else block.frames)
+                                frames if frames is not None else block.frames, block.pool.trace_id)
         block.frames = None
         original_size = block.size
         requested = block.requested_size
@@ -554,13 +580,15 @@ class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
                     self._free_block(block, frames)
 
     # -- releasing memory (spec §11, §12) -----------------------------------------------------
-    def empty_cache(self) -> None:
-        """``torch.cuda.empty_cache``: release every whole free segment (spec §11.1)."""
+    def empty_cache(self, mempool_id: Checked = DEFAULT_POOL) -> None:
+        """``torch.cuda.empty_cache``: release every whole free segment (spec §11.1); given a
+        private pool's id, only that pool's, if freeable (``emptyCache(mempool_id)``)."""
+        if mempool_id != DEFAULT_POOL:
+            mempool_id = check_pool_id(mempool_id)
         with self.operation():
-            if self.caching_disabled:
-                return
-            history = self.history
-            self._release_cached_blocks(history.gather(ALL) if history.context >= ALL else None)
+            if not self.caching_disabled:
+                history = self.history
+                self._empty_cache(history.gather(ALL) if history.context >= ALL else None, mempool_id)
 
     # -- observability ----------------------------------------------------------------------
     def memory_stats(self) -> dict[str, int]:
@@ -580,9 +608,11 @@ class CachingAllocator(ExpandableSegmentsMixin, ReleaseMixin):
         return self.device.mem_get_info()
 
     def all_blocks(self) -> list[Block]:
-        """Every mapped block: the free ones in both pools and the active ones."""
-        return list(self.large_blocks.blocks.values()) + list(self.small_blocks.blocks.values()) \
-            + list(self.active.values())
+        """Every mapped block: the free ones in every pool (private ones too) and the active ones."""
+        out = list(self.large_blocks.blocks.values()) + list(self.small_blocks.blocks.values())
+        for pp in self.graph_pools.values():
+            out += list(pp.small_blocks.blocks.values()) + list(pp.large_blocks.blocks.values())
+        return out + list(self.active.values())
 
     def record_snapshot_entry(self, total_active: int) -> None:
         self.history.record("snapshot", 0, total_active, 0, None)

@@ -45,11 +45,12 @@ def gather_frames(limit: int = 64) -> list[dict[str, Any]]:
 class TraceEntry:
     """One event of the allocator's history (spec §18.2)."""
 
-    __slots__ = ("action", "addr", "size", "stream", "time_us", "frames")
+    __slots__ = ("action", "addr", "size", "stream", "time_us", "frames", "pool_id")
 
     def __init__(self, action: str, addr: int, size: int, stream: int,
-                 frames: list[dict[str, Any]] | None) -> None:
+                 frames: list[dict[str, Any]] | None, pool_id: tuple[int, int] | None = None) -> None:
         self.action = action
+        self.pool_id = pool_id  # a private pool's id (``TraceEntry::mempool_``); None: the default pool
         self.addr = addr
         self.size = size
         self.stream = stream
@@ -65,6 +66,8 @@ class TraceEntry:
         d["time_us"] = self.time_us
         if self.frames is not None:
             d["frames"] = self.frames
+        if self.pool_id is not None:  # written for private pools only: default-pool entries keep
+            d["pool_id"] = self.pool_id  # the keys of the recordings in the spec (§18.2)
         return d
 
 
@@ -97,8 +100,8 @@ class History:
         return gather_frames() if self.context >= level else None
 
     def record(self, action: str, addr: int, size: int, stream: int,
-               frames: list[dict[str, Any]] | None) -> None:
+               frames: list[dict[str, Any]] | None, pool_id: tuple[int, int] | None = None) -> None:
         if not self.enabled or action in self.skip_actions:
             return
         self.entries.append(TraceEntry(action, addr, size, stream,
-                                       frames if self.context >= ALLOC else None))
+                                       frames if self.context >= ALLOC else None, pool_id))

@@ -38,10 +38,16 @@ class ReleaseMixin:
     def _unmap_block(self, block: Block, frames: Any) -> None:
         raise NotImplementedError
 
+    def _release_pool_blocks(self, pool_id: tuple[int, int], frames: Any) -> None:
+        raise NotImplementedError
+
     def _release_cached_blocks(self, frames: Any) -> bool:
+        """``release_cached_blocks(context, {0, 0})`` with no capture under way: the default
+        pools, then the freeable private pools (`vram.allocator.pools`)."""
         self.synchronize_and_free_events(frames)
         self._release_blocks(self.large_blocks, frames)
         self._release_blocks(self.small_blocks, frames)
+        self._release_pool_blocks((0, 0), frames)
         return True
 
     def _release_blocks(self, pool: BlockPool, frames: Any) -> None:
@@ -58,8 +64,10 @@ class ReleaseMixin:
         """cudaFree a whole free segment (spec §11.1)."""
         pool = block.pool
         self.history.record("segment_free", block.ptr, block.size, block.stream,
-                            frames if frames is not None else block.segment_frames)
+                            frames if frames is not None else block.segment_frames, pool.trace_id)
         self.device.free(block.ptr)
+        if pool.owner is not None:
+            pool.owner.cuda_malloc_count -= 1
         self.total_allocated_memory -= block.size
         stats = self.stats
         stats.on_segment(pool.stat_index, -1, -block.size)

@@ -68,6 +68,16 @@ def _stream(value: Any, path: str) -> int:
     return got
 
 
+def _pool_id(value: Any, path: str) -> tuple[int, int] | None:
+    """A memory pool id (``segment_pool_id``, ``pool_id``): two ints; None for the default (0, 0)."""
+    if value is None:
+        return None
+    if type(value) not in (tuple, list) or len(value) != 2:
+        raise Invalid(f"{path} is not a pair of ints (got {brief(value)})")
+    pid = (_int(value[0], f"{path}[0]"), _int(value[1], f"{path}[1]"))
+    return None if pid == (0, 0) else pid
+
+
 def _of(value: Any, kind: type, path: str) -> Any:
     if type(value) is not kind:
         raise Invalid(f"{path} is not a {kind.__name__} (got {type(value).__name__})")
@@ -224,6 +234,9 @@ class _Walker:
                     raise Invalid(f"{path}.{key} is {got} but its blocks give {derived}")
                 derived = got
             out[key] = derived
+        pool_id = _pool_id(s.get("segment_pool_id"), f"{path}.segment_pool_id")
+        if pool_id is not None:  # a private pool's (CUDA graph, MemPool); the default's is left out
+            out["segment_pool_id"] = pool_id
         out.update(stream=_stream(s.get("stream", 0), f"{path}.stream"), segment_type=kind.lower(),
                    is_expandable=s.get("is_expandable", False),
                    frames=self.frames(s.get("frames", []), f"{path}.frames"), blocks=blocks)
@@ -306,7 +319,7 @@ class _Walker:
                                 frames = self.frames(fr, f"device_traces[{d}][{k}].frames")
                     if len(e) == 6 and frames is fr and "stream" in e and "time_us" in e:
                         got = e  # exactly the normalised keys, all checked: its own form
-                    else:
+                    elif "pool_id" not in e:  # (one with a pool id goes through `entry`)
                         got = {"action": action, "addr": addr, "size": size, "stream": stream,
                                "time_us": t, "frames": frames}
             out.append(got if got is not None else self.entry(e, f"device_traces[{d}][{k}]"))
@@ -341,6 +354,10 @@ class _Walker:
         t = e.get("time_us")
         out["time_us"] = None if t is None else _int(t, f"{path}.time_us")
         out["frames"] = self.frames(e.get("frames", []), f"{path}.frames")
+        if "pool_id" in e:
+            pool_id = _pool_id(e["pool_id"], f"{path}.pool_id")
+            if pool_id is not None:
+                out["pool_id"] = pool_id
         if action not in KNOWN_ACTIONS:
             self.unknown[action] = self.unknown.get(action, 0) + 1
         return out
@@ -531,6 +548,8 @@ def to_pytorch_snapshot(snap: dict[str, Any]) -> dict[str, Any]:
                 d["time_us"] = e["time_us"]
             if e.get("frames"):
                 d["frames"] = e["frames"]
+            if "pool_id" in e:
+                d["pool_id"] = e["pool_id"]
             entries.append(d)
         traces.append(entries)
     out: dict[str, Any] = {"segments": snap["segments"], "device_traces": traces}

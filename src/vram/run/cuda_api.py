@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from vram.frontend import graphs as _graphs
 from vram.frontend import memory as _memory
 
 from .reductions import max_threads_per_sm
@@ -161,7 +162,11 @@ def _replacements(props: list[DeviceProperties]) -> dict[str, Callable[..., Any]
         "get_device_capability": lambda device=None: (props_of(device).major, props_of(device).minor),
         "get_arch_list": lambda: [f"sm_{props[0].major}{props[0].minor}"],
         "is_bf16_supported": lambda including_emulation=True: props_of().major >= 8,
-        "is_current_stream_capturing": lambda: False,
+        "is_current_stream_capturing": _graphs.is_current_stream_capturing,
+        "CUDAGraph": _graphs.CUDAGraph,
+        "graph_pool_handle": _graphs.graph_pool_handle,
+        "MemPool": _graphs.MemPool,
+        "use_mem_pool": _graphs.use_mem_pool,
         "synchronize": _memory.synchronize,
         "current_stream": _memory.current_stream,
         "default_stream": _memory.default_stream,
@@ -200,6 +205,8 @@ def patch_torch_cuda(props: list[DeviceProperties]) -> Callable[[], None]:
     for name in _PRIVATE_MEMORY_NAMES:
         put(torch.cuda.memory, name, getattr(_memory, name))
     put(torch.cuda.nvtx, "_nvtx", NVTX())
+    put(torch.cuda.graphs.graph, "default_capture_stream", None)  # made lazily: a simulated stream
+    put(torch._C, "_host_emptyCache", lambda: None)  # torch.cuda.graph's entry: pinned host memory
     return restore
 
 

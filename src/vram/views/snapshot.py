@@ -68,7 +68,7 @@ def segments(alloc: CachingAllocator) -> list[dict[str, Any]]:
                 "device": index, "address": head.ptr, "total_size": total,
                 "allocated_size": allocated, "active_size": active, "requested_size": requested,
                 "stream": head.stream, "segment_type": "small" if head.pool.is_small else "large",
-                "segment_pool_id": (0, 0), "is_expandable": head.expandable_segment is not None,
+                "segment_pool_id": head.pool.pool_id, "is_expandable": head.expandable_segment is not None,
                 "frames": frames(head.segment_frames), "blocks": blocks,
             })
         out.sort(key=lambda s: s["address"])
