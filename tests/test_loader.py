@@ -55,10 +55,14 @@ def raw(path: Path) -> Any:
 
 
 def assert_plain(obj: Any, path: str = "snapshot") -> None:
-    """Only dict (str keys), list, str, int, float, bool, None — nothing else, anywhere."""
+    """Only dict (str keys), list, str, int, float, bool, None — nothing else, anywhere — and pool
+    ids (``segment_pool_id``, ``pool_id``), which PyTorch writes as a pair of ints."""
     stack, seen = [(obj, path)], set()
     while stack:
         o, p = stack.pop()
+        if type(o) is tuple and p.endswith("pool_id"):
+            assert len(o) == 2 and all(type(i) is int for i in o), f"{p}: {o!r}"
+            continue
         assert type(o) in (dict, list, str, int, float, bool, type(None)), f"{p}: {type(o)}"
         if id(o) in seen:  # shared (memoised) frames: already checked
             continue
