@@ -61,14 +61,17 @@ static void block_del(Block *b) {
 }
 
 /* ------------------------------------------------------------------ u64 -> u64 hash map */
-typedef struct { uint64_t *keys, *vals; size_t cap, n; } Map; /* linear probing, cap a power of 2 */
+typedef struct { uint64_t *keys, *vals; size_t cap, n; int shift; } Map; /* linear probing, cap a power of 2 */
 
+/* Fibonacci hashing: the top bits of k * 2**64/phi (addresses are multiples of 512: their low
+ * bits, and so the product's low bits, carry nothing) */
 static size_t slot_of(const Map *m, uint64_t k) {
-    return (size_t)((k * 0x9E3779B97F4A7C15ULL) >> 7) & (m->cap - 1);
+    return (size_t)((k * 0x9E3779B97F4A7C15ULL) >> m->shift);
 }
 
 static int map_init(Map *m, size_t cap) {
     m->cap = cap; m->n = 0;
+    m->shift = 64 - __builtin_ctzll(cap);
     m->keys = PyMem_Malloc(cap * sizeof(uint64_t));
     m->vals = PyMem_Malloc(cap * sizeof(uint64_t));
     if (!m->keys || !m->vals) return -1;

@@ -185,7 +185,8 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     final = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
     if final or not trace:
         divisions, expandable = _recorded_rules(recorded_conf, conf is not None)
-        initial = rewind(final, trace, divisions, device, expandable)
+        with gc_paused():  # it makes a tuple per live block and no garbage cycles (see `gc_paused`)
+            initial = rewind(final, trace, divisions, device, expandable)
     else:  # no segment layout (an RMM log): the trace is taken to start from an empty allocator
         initial = []
     recorded = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
