@@ -10,6 +10,10 @@ allocator (``python3 -m vram.allocator.native_build`` first); the first line say
 2. Scaling: N free blocks are left cached in the large pool (a segment of alternating
    allocated/free 2 MiB blocks per 1000 N), then malloc+free pairs that must search among them
    are timed.
+3. The same scaling workload replayed by the C replay core (`vram.replay.ccore`, when built): the
+   program above is recorded (vram's own history) with and without the timed pairs, both traces
+   are replayed event by event (``skip_cycles=False``), and the difference in ``seconds_replay``
+   is divided by the pairs (each pair is three events: alloc, free_requested, free_completed).
 """
 from __future__ import annotations
 
@@ -23,6 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vram import CachingAllocator, SimulatedDevice  # noqa: E402
 from vram.allocator import native  # noqa: E402
+from vram.allocator.history import STATE  # noqa: E402
+from vram.replay import ccore  # noqa: E402
+from vram.replay.engine import replay  # noqa: E402
+from vram.views.snapshot import snapshot  # noqa: E402
 
 MiB = 1 << 20
 
@@ -81,6 +89,36 @@ def bench_scaling(n_free: int, pairs: int) -> float:
     return dt / pairs * 1e6, nfree
 
 
+def _scaling_trace(n_free: int, pairs: int) -> dict[str, object]:
+    """`bench_scaling`'s program (with `pairs` timed pairs), recorded from an empty allocator."""
+    a = CachingAllocator(SimulatedDevice("1TiB"), "")
+    a.history.configure(True, STATE, 10**8, True)
+    ptrs = [a.malloc(2 * MiB + (k % 4096) * 512) for k in range(2 * n_free)]
+    for k, p in enumerate(ptrs):
+        if k % 2:
+            a.free(p)
+    rng = random.Random(1)
+    for _ in range(pairs):
+        a.free(a.malloc(2 * MiB + rng.randrange(4096) * 512))
+    return snapshot([a])
+
+
+def bench_scaling_ccore(n_free: int, pairs: int, repeat: int = 3) -> tuple[float, int]:
+    """µs per malloc+free pair replayed by the C core with `n_free` free blocks cached, and how
+    many free blocks were cached."""
+    base, full = _scaling_trace(n_free, 0), _scaling_trace(n_free, pairs)
+    times = []
+    for snap in (base, full):
+        best = float("inf")
+        for _ in range(repeat):
+            r = replay(snap, skip_cycles=False)
+            assert r.engine == "C", r.engine
+            best = min(best, r.seconds_replay)
+        times.append(best)
+    cached = sum(b["state"] == "inactive" for seg in base["segments"] for b in seg["blocks"])  # type: ignore[attr-defined]
+    return (times[1] - times[0]) / pairs * 1e6, cached
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
@@ -94,6 +132,14 @@ def main() -> None:
     for n in (10, 100, 1_000, 10_000, 100_000):
         us, nfree = bench_scaling(n, 5_000 if args.quick else 50_000)
         print(f"{nfree:>12,} {us:>12.2f}")
+    if ccore.available() is not None:
+        print(f"C replay core not measured: {ccore.available()}")
+        return
+    print("replayed by the C replay core (vram.replay.ccore):")
+    print(f"{'free blocks':>12} {'ns per pair':>12}")
+    for n in (10, 100, 1_000, 10_000, 100_000):
+        us, nfree = bench_scaling_ccore(n, 20_000 if args.quick else 200_000)
+        print(f"{nfree:>12,} {us * 1e3:>12.0f}")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,11 @@ statement: they copy both block pools and the segment map on every malloc/free),
 dynapipe's simulator; its time is the replay loop only, and the events counted the same way.
 
 vram's rows: ``seconds`` is what ``replay()`` reports: everything the caller waits for after the
-load (rewind to the first event, state import, every event, verification). When the compiled
-allocator is built (``python3 -m vram.allocator.native_build``), every replay row is measured
-again with ``VRAM_NATIVE=1``. Ratios at the end compare events/s of the every-event replay with
+load (rewind to the first event, state import, every event, verification). Replays run the C
+replay core (`vram.replay.ccore`) where it is built and models them (the notes say which engine
+ran); the every-event rows are measured again without it (``[no C core]``: ``VRAM_CCORE=0``). When
+the compiled allocator is built (``python3 -m vram.allocator.native_build``), every replay row is
+measured again with ``VRAM_NATIVE=1``. Ratios at the end compare events/s of the every-event replay with
 the peers', from this one run.
 """
 from __future__ import annotations
@@ -51,6 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vram.allocator.native import DEFAULT_DIR, _unusable  # noqa: E402
+from vram.replay import ccore  # noqa: E402
 from vram.replay.engine import UNLIMITED, replay  # noqa: E402
 from vram.replay.loader import load_snapshot  # noqa: E402
 from vram.replay.safe_pickle import gc_paused  # noqa: E402
@@ -155,7 +158,11 @@ def peer_ops(trace: list[dict[str, Any]]) -> tuple[list[tuple[str, int, Any]], i
 
 
 def child(kind: str, path: str) -> dict[str, Any]:
-    """One measurement, in this (fresh) process."""
+    """One measurement, in this (fresh) process. A kind starting ``python:`` replays without the
+    C replay core (``VRAM_CCORE=0``)."""
+    if kind.startswith("python:"):
+        os.environ[ccore.ENV] = "0"
+        kind = kind.removeprefix("python:")
     if kind == "pickle":  # the yardstick for load_snapshot: a plain pickle.load, collector on
         t0 = time.perf_counter()
         with open(path, "rb") as f:
@@ -209,7 +216,7 @@ def child(kind: str, path: str) -> dict[str, Any]:
         kw: dict[str, Any] = {"skip_cycles": False} if noskip else {}
         r = replay(snap, gpu=None, conf=conf, verify=base == "verify", **kw)
         out.update(events=r.events, seconds=r.seconds_replay, peak_reserved=r.peak_reserved)
-        notes = []
+        notes = [f"engine: {r.engine}"]
         if getattr(r, "skipped_events", 0):
             notes.append(f"{r.skipped_events:,} events skipped as repeated cycles")
         if r.verification is not None:
@@ -226,7 +233,7 @@ def measure(kind: str, path: Path, *extra: str, native: bool = False) -> dict[st
     """Run `child` in a fresh process. The parent stays small: on Linux a child's ru_maxrss
     includes its parent's RSS at the fork, so even the big trace is built in a child. `native`:
     with the compiled allocator (VRAM_NATIVE=1), which the child must then be running."""
-    env = {k: v for k, v in os.environ.items() if k != "VRAM_NATIVE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("VRAM_NATIVE", ccore.ENV)}
     if native:
         env["VRAM_NATIVE"] = "1"
     proc = subprocess.run([sys.executable, __file__, *extra, "--child", kind, str(path)],
@@ -267,6 +274,7 @@ def main() -> None:
     if asim and not all((Path(asim) / name).is_file() for name in ALLOCATORSIM_FILES):
         raise SystemExit(f"ALLOCATORSIM_SRC={asim} lacks {', '.join(ALLOCATORSIM_FILES)}")
     compiled = _native_unusable() is None
+    has_c = ccore.available() is None
     cmd = shlex.join([Path(sys.executable).name, *sys.argv])
     envs = "".join(f"{k}={v} " for k, v in (("DYNAPIPE_SRC", dyn), ("ALLOCATORSIM_SRC", asim)) if v)
     print(f"Command: `{envs}{cmd}`")
@@ -286,7 +294,12 @@ def main() -> None:
                 runs.append((f"replay{tag}, {name}", kind, big, native))
                 if can_skip:  # every event replayed: the like-for-like figure for the peers
                     runs.append((f"replay{tag}, {name}, skip_cycles=False", f"{kind}-noskip", big, native))
+                    if has_c and not native:
+                        runs.append((f"replay [no C core], {name}, skip_cycles=False", f"python:{kind}-noskip",
+                                     big, native))
             runs.append((f"replay{tag}, {SMALL.name}", "default-noskip", SMALL, native))
+            if has_c and not native:
+                runs.append((f"replay [no C core], {SMALL.name}", "python:default-noskip", SMALL, native))
         if dyn:
             runs += [("dynapipe simulator (its defaults)", "dynapipe", big, False),
                      ("dynapipe simulator, kSmallSize=1 MiB", "dynapipe-small", big, False),
@@ -312,7 +325,7 @@ def main() -> None:
         pairs = [("replay{}, default config, skip_cycles=False", "{}", big.name),
                  (f"replay{{}}, {SMALL.name}", f"{{}}, {SMALL.name}", SMALL.name)]
         for ours, peer, trace_name in pairs:
-            for tag in ("", " [compiled]"):
+            for tag in ("", " [no C core]", " [compiled]"):
                 for name in ("dynapipe simulator, kSmallSize=1 MiB" if trace_name == big.name
                              else "dynapipe simulator", "allocatorSim C++ core"):
                     a, b = ours.format(tag), peer.format(name)
@@ -327,6 +340,8 @@ def main() -> None:
               "(needs g++) to enable it.")
     if not compiled:
         print(f"\ncompiled allocator not measured: {_native_unusable()}")
+    if not has_c:
+        print(f"\nC replay core not measured: {ccore.available()}")
 
 
 if __name__ == "__main__":

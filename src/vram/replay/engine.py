@@ -31,6 +31,7 @@ from vram.devices.trace import TraceDevice
 from vram.units import parse_size
 from vram.views.snapshot import segments as snapshot_segments
 
+from . import ccore
 from .cycles import CycleSkipper
 from .messages import SnapshotError, printable
 from .rewind import rewind
@@ -78,6 +79,8 @@ class ReplayResult:
     verification: dict[str, Any] | None = None
     reserved_peak_event: int = -1
     skipped_events: int = 0
+    #: which engine replayed the events: "C" (`vram.replay.ccore`) or "Python (why not C)"
+    engine: str = field(default="", repr=False, compare=False)
     allocator: CachingAllocator | None = field(default=None, repr=False)
     timeline: tuple[array, array] | None = field(default=None, repr=False)
 
@@ -87,7 +90,7 @@ class ReplayResult:
 
     def to_json(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items()
-               if k not in ("allocator", "verification", "timeline")}
+               if k not in ("allocator", "verification", "timeline", "engine")}
         out["fragmentation_at_reserved_peak"] = self.fragmentation_at_reserved_peak
         if self.verification is not None:
             out.update(self.verification)
@@ -183,7 +186,8 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     _refuse_private_pools(final, trace)
     if final or not trace:
         divisions, expandable = _recorded_rules(recorded_conf, conf is not None)
-        initial = rewind(final, trace, divisions, device, expandable)
+        with gc_paused():  # it makes a tuple per live block and no garbage cycles (see `gc_paused`)
+            initial = rewind(final, trace, divisions, device, expandable)
     else:  # no segment layout (an RMM log): the trace is taken to start from an empty allocator
         initial = []
     recorded = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
@@ -204,18 +208,40 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
 
     if empty_cache_at:
         skip_cycles = False  # the periods are no longer the recording's
-    dev, alloc, live = start()
-    result = ReplayResult(conf=conf_text, gpu=total, context=ctx, device=device, allocator=alloc)
-    checks = _Checks(trace) if verify else None
-    if timeline:
-        result.timeline = (array("q"), array("q"))
+
+    def play(events: Sequence[Mapping[str, Any]], with_checks: bool, prog: Callable[[int, int], None] | None,
+             track_peak: bool) -> tuple[_ReplayDevice, CachingAllocator, ReplayResult, _Checks | None]:
+        """Replay `events` from the start state: in C where `vram.replay.ccore` models it, else (or
+        when the C loop stops on the way: then from a fresh start) in Python."""
+        why = None
+        for use_c in (True, False):
+            dev, alloc, live = start()
+            res = ReplayResult(conf=conf_text, gpu=total, context=ctx, device=device, allocator=alloc)
+            checks = _Checks(events) if with_checks else None
+            if timeline and track_peak:
+                res.timeline = (array("q"), array("q"))
+            if use_c:
+                why = ccore.unsupported(alloc, dev, skip_cycles=skip_cycles, empty_cache_at=empty_cache_at)
+                touched = False
+                if why is None:
+                    why, touched = ccore.run(alloc, dev, events, res, checks, verify, prog, live, _CODES,
+                                             track_peak)
+                    if why is None:
+                        res.engine = "C"
+                        return dev, alloc, res, checks
+                if touched:
+                    continue
+            res.engine = f"Python ({why})"
+            _run(alloc, dev, events, res, checks, verify, prog, skip_cycles, live, track_peak=track_peak)
+            return dev, alloc, res, checks
+        raise AssertionError("unreachable")
+
     with gc_paused():  # the replay makes no garbage cycles: see `gc_paused`
-        _run(alloc, dev, trace, result, checks, verify, progress, skip_cycles, live)
-    if result.largest_free_block_at_reserved_peak < 0:  # too many streams to track it on the go:
-        dev2, alloc2, live2 = start()  # replay again up to the peak (the replay is deterministic)
-        _run(alloc2, dev2, trace[:result.reserved_peak_event + 1], ReplayResult(conf_text, total, ctx),
-             None, verify, None, skip_cycles, live2, track_peak=False)
-        result.largest_free_block_at_reserved_peak = _largest_free_block(alloc2)
+        dev, alloc, result, checks = play(trace, verify, progress, True)
+        if result.largest_free_block_at_reserved_peak < 0:  # too many streams to track it on the go:
+            # replay again up to the peak (the replay is deterministic)
+            _, alloc2, _, _ = play(trace[:result.reserved_peak_event + 1], False, None, False)
+            result.largest_free_block_at_reserved_peak = _largest_free_block(alloc2)
     stats = alloc.stats
     result.events = len(trace)
     result.peak_allocated = stats.allocated_bytes[0].peak

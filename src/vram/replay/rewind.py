@@ -102,30 +102,42 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
     def at(i: int) -> str:
         return f"device_traces[{device}][{i}] ({trace[i]['action']} at {trace[i]['addr']:#x})"
 
+    # address -> the segment holding it: the same addresses come back all through a trace, and a
+    # dict lookup is much cheaper than a search of `starts`. Cleared whenever segments change.
+    holder: dict[int, _Segment] = {}
+
     def find(addr: int, i: int) -> _Segment:
+        seg = holder.get(addr)
+        if seg is not None:
+            return seg
         k = starts.floor_below(addr + 1)
         if k is not None:
             seg = segs[k]
             if addr < seg.end:
+                holder[addr] = seg
                 return seg
         raise TraceError(f"{at(i)}: the address is in no segment at that point of the trace")
 
     def add(seg: _Segment) -> None:
+        holder.clear()
         segs[seg.address] = seg
         starts.add(seg.address)
         groups.add(seg)
 
     def drop(seg: _Segment) -> None:
+        holder.clear()
         del segs[seg.address]
         starts.remove(seg.address)
         groups.drop(seg)
+
+    nowhere = _Segment(-1, 0, 0, None, [])  # holds no block: for an address in no segment
 
     for i in range(len(trace) - 1, -1, -1):
         e = trace[i]
         action = e["action"]
         if action == "alloc":
             addr = e["addr"]
-            seg = find(addr, i)
+            seg = holder.get(addr) or find(addr, i)
             got = seg.live.pop(addr, None)
             if got is None:
                 raise TraceError(f"{at(i)}: no block is live at that address later")
@@ -139,7 +151,7 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
             _bound_below(seg, addr)
         elif action == "free_completed":
             addr = e["addr"]
-            seg = find(addr, i)
+            seg = holder.get(addr) or find(addr, i)
             if addr in seg.live:
                 raise TraceError(f"{at(i)}: a block is live at that address later")
             # Size unknown (-1) until the end: only blocks still live at the start need it. Pending
@@ -148,10 +160,14 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
             insort(seg.unknown, addr)
         elif action == "free_requested":
             addr = e["addr"]
-            k = starts.floor_below(addr + 1)
-            owner = segs[k] if k is not None else None
-            got = owner.live.get(addr) if owner is not None and addr < owner.end else None
-            if owner is not None and got is not None and got[3] == PENDING:
+            owner = holder.get(addr)
+            if owner is None:
+                k = starts.floor_below(addr + 1)
+                owner = segs[k] if k is not None and addr < segs[k].end else nowhere
+                if owner is not nowhere:
+                    holder[addr] = owner
+            got = owner.live.get(addr)
+            if got is not None and got[3] == PENDING:
                 owner.live[addr] = (*got[:3], ALLOCATED)
         elif action == "segment_alloc":
             created = segs.get(e["addr"])
@@ -167,8 +183,10 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
                 raise TraceError(f"{at(i)}: a segment of {size} bytes cannot exist (spec §6)")
             add(_Segment(addr, size, e.get("stream", 0), "small" if size == 2 * 1024 * 1024 else "large", []))
         elif action == "segment_map":
+            holder.clear()  # (runs are cut and joined in place)
             _unmap_back(e, find(e["addr"], i), at(i), add, drop, groups)
         elif action == "segment_unmap":
+            holder.clear()
             _map_back(e, at(i), add, drop, segs, starts)
     for a in starts:
         seg = segs[a]

@@ -1,0 +1,918 @@
+/* vram.replay._ccore: the replay engine's event loop in C (issue 15).
+ *
+ * The readable reference is Python: vram/allocator/caching.py, block.py, stats.py, release.py and
+ * the loop `_run` in vram/replay/engine.py. This file repeats exactly what they do, for the subset
+ * of configurations and traces vram/replay/ccore.py hands it (default caching allocator with any
+ * rounding / max_split_size / segment size, any streams; no expandable segments, garbage
+ * collection, history, events or OOMs). Whatever it meets outside that subset, it stops and
+ * returns the reason as a str; the caller then replays with the Python engine from the start.
+ * The Python device stays in charge of cudaMalloc / cudaFree (called back, once per segment), so
+ * recorded and synthetic addresses come from the same code as in a pure-Python replay.
+ *
+ * Follows c10/cuda/CUDACachingAllocator.cpp (DeviceCachingAllocator): malloc -> get_free_block
+ * (best fit in a std::set ordered by BlockComparatorSize: stream, size, address) -> alloc_block
+ * (cudaMalloc) -> alloc_found_block (split, stats); free -> free_block (merge with free
+ * neighbours, stats); release_cached_blocks (empty_cache). Statistics follow `Stat` / `DeviceStats`.
+ *
+ * Pools: one ordered set of (size << 64 | address) keys per (stream, small/large), kept as a
+ * sorted list of sorted chunks of at most CHUNK keys (the layout of vram.allocator.block's
+ * SortedKeys): a search is two binary searches, an insert or delete moves at most CHUNK entries.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef CCORE_SOURCE_SHA256  /* setup.py defines it: the SHA-256 of this file, checked by ccore.py */
+#define CCORE_SOURCE_SHA256 ""
+#endif
+
+typedef unsigned __int128 u128;
+typedef __int128 i128;
+
+/* ------------------------------------------------------------------ constants (spec §2) */
+#define K_MIN_BLOCK_SIZE 512ULL
+#define K_SMALL_SIZE 1048576ULL
+#define K_SMALL_BUFFER 2097152ULL
+#define K_MIN_LARGE_ALLOC 10485760ULL
+#define K_ROUND_LARGE 2097152ULL
+#define ONE_EB (1ULL << 60)
+#define STREAM_MAX ((1ULL << 63) - 1)
+#define EMPTY UINT64_MAX /* the hash maps' empty slot: no address or stream is 2**64-1 */
+
+/* ------------------------------------------------------------------ blocks (block.py Block) */
+typedef struct Block {
+    uint64_t ptr, size, requested, stream, seq; /* seq: when it last entered its pool or `active` */
+    struct Block *prev, *next;
+    PyObject *frames, *seg_frames; /* owned references or NULL (None) */
+    int small, allocated;
+} Block;
+
+static Block *block_new(uint64_t stream, uint64_t size, int small, uint64_t ptr) {
+    Block *b = PyMem_Calloc(1, sizeof(Block));
+    if (b) { b->stream = stream; b->size = size; b->small = small; b->ptr = ptr; }
+    return b;
+}
+
+static void block_del(Block *b) {
+    Py_XDECREF(b->frames);
+    Py_XDECREF(b->seg_frames);
+    PyMem_Free(b);
+}
+
+/* ------------------------------------------------------------------ u64 -> u64 hash map */
+typedef struct { uint64_t *keys, *vals; size_t cap, n; int shift; } Map; /* linear probing, cap a power of 2 */
+
+/* Fibonacci hashing: the top bits of k * 2**64/phi (addresses are multiples of 512: their low
+ * bits, and so the product's low bits, carry nothing) */
+static size_t slot_of(const Map *m, uint64_t k) {
+    return (size_t)((k * 0x9E3779B97F4A7C15ULL) >> m->shift);
+}
+
+static int map_init(Map *m, size_t cap) {
+    m->cap = cap; m->n = 0;
+    m->shift = 64 - __builtin_ctzll(cap);
+    m->keys = PyMem_Malloc(cap * sizeof(uint64_t));
+    m->vals = PyMem_Malloc(cap * sizeof(uint64_t));
+    if (!m->keys || !m->vals) return -1;
+    memset(m->keys, 0xff, cap * sizeof(uint64_t));
+    return 0;
+}
+
+static void map_free(Map *m) { PyMem_Free(m->keys); PyMem_Free(m->vals); m->keys = m->vals = NULL; }
+
+static int map_get(const Map *m, uint64_t k, uint64_t *v) {
+    for (size_t i = slot_of(m, k);; i = (i + 1) & (m->cap - 1)) {
+        if (m->keys[i] == k) { if (v) *v = m->vals[i]; return 1; }
+        if (m->keys[i] == EMPTY) return 0;
+    }
+}
+
+static int map_put(Map *m, uint64_t k, uint64_t v);
+
+static int map_grow(Map *m) {
+    Map old = *m;
+    if (map_init(m, old.cap * 2) < 0) return -1;
+    for (size_t i = 0; i < old.cap; i++)
+        if (old.keys[i] != EMPTY) map_put(m, old.keys[i], old.vals[i]);
+    map_free(&old);
+    return 0;
+}
+
+static int map_put(Map *m, uint64_t k, uint64_t v) {
+    if (2 * (m->n + 1) > m->cap && map_grow(m) < 0) return -1;
+    size_t i = slot_of(m, k);
+    for (; m->keys[i] != EMPTY; i = (i + 1) & (m->cap - 1))
+        if (m->keys[i] == k) { m->vals[i] = v; return 0; }
+    m->keys[i] = k; m->vals[i] = v; m->n++;
+    return 0;
+}
+
+static int map_pop(Map *m, uint64_t k, uint64_t *v) { /* backward-shift deletion */
+    size_t mask = m->cap - 1, i = slot_of(m, k);
+    for (;; i = (i + 1) & mask) {
+        if (m->keys[i] == EMPTY) return 0;
+        if (m->keys[i] == k) break;
+    }
+    if (v) *v = m->vals[i];
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (m->keys[j] == EMPTY) break;
+        size_t home = slot_of(m, m->keys[j]);
+        /* move j back to i unless its home lies cyclically in (i, j] */
+        if ((j > i && (home <= i || home > j)) || (j < i && (home <= i && home > j))) {
+            m->keys[i] = m->keys[j]; m->vals[i] = m->vals[j]; i = j;
+        }
+    }
+    m->keys[i] = EMPTY; m->n--;
+    return 1;
+}
+
+/* ------------------------------------------------------------------ ordered sets of free blocks */
+#define CHUNK 64
+typedef struct { int n; u128 keys[CHUNK]; Block *vals[CHUNK]; } Chunk;
+typedef struct { Chunk **chunks; u128 *maxes; size_t n, cap, len; } Set;
+
+static u128 key_of(const Block *b) { return ((u128)b->size << 64) | b->ptr; }
+
+static size_t lower(const u128 *a, size_t n, u128 k) { /* first index with a[i] >= k */
+    size_t lo = 0, hi = n;
+    while (lo < hi) { size_t mid = (lo + hi) / 2; if (a[mid] < k) lo = mid + 1; else hi = mid; }
+    return lo;
+}
+
+static int set_insert(Set *s, u128 k, Block *b) {
+    if (s->n == 0 || (s->n + 1 > s->cap)) {
+        if (s->n + 1 > s->cap) {
+            size_t cap = s->cap ? 2 * s->cap : 4;
+            Chunk **c = PyMem_Realloc(s->chunks, cap * sizeof(Chunk *));
+            if (!c) return -1;
+            s->chunks = c;
+            u128 *m = PyMem_Realloc(s->maxes, cap * sizeof(u128));
+            if (!m) return -1;
+            s->maxes = m; s->cap = cap;
+        }
+        if (s->n == 0) {
+            Chunk *c = PyMem_Malloc(sizeof(Chunk));
+            if (!c) return -1;
+            c->n = 1; c->keys[0] = k; c->vals[0] = b;
+            s->chunks[0] = c; s->maxes[0] = k; s->n = 1; s->len = 1;
+            return 0;
+        }
+    }
+    size_t i = lower(s->maxes, s->n, k);
+    if (i == s->n) i--;
+    Chunk *c = s->chunks[i];
+    if (c->n == CHUNK) { /* split: the upper half becomes chunk i + 1 */
+        Chunk *d = PyMem_Malloc(sizeof(Chunk));
+        if (!d) return -1;
+        int h = CHUNK / 2;
+        d->n = CHUNK - h;
+        memcpy(d->keys, c->keys + h, d->n * sizeof(u128));
+        memcpy(d->vals, c->vals + h, d->n * sizeof(Block *));
+        c->n = h;
+        memmove(s->chunks + i + 2, s->chunks + i + 1, (s->n - i - 1) * sizeof(Chunk *));
+        memmove(s->maxes + i + 2, s->maxes + i + 1, (s->n - i - 1) * sizeof(u128));
+        s->chunks[i + 1] = d; s->maxes[i + 1] = s->maxes[i]; s->maxes[i] = c->keys[h - 1];
+        s->n++;
+        if (k > s->maxes[i]) { i++; c = d; }
+    }
+    size_t j = lower(c->keys, c->n, k);
+    memmove(c->keys + j + 1, c->keys + j, (c->n - j) * sizeof(u128));
+    memmove(c->vals + j + 1, c->vals + j, (c->n - j) * sizeof(Block *));
+    c->keys[j] = k; c->vals[j] = b; c->n++;
+    if (k > s->maxes[i]) s->maxes[i] = k;
+    s->len++;
+    return 0;
+}
+
+static void set_remove(Set *s, u128 k) { /* k is in the set */
+    size_t i = lower(s->maxes, s->n, k);
+    Chunk *c = s->chunks[i];
+    size_t j = lower(c->keys, c->n, k);
+    memmove(c->keys + j, c->keys + j + 1, (c->n - j - 1) * sizeof(u128));
+    memmove(c->vals + j, c->vals + j + 1, (c->n - j - 1) * sizeof(Block *));
+    c->n--; s->len--;
+    if (c->n == 0) {
+        PyMem_Free(c);
+        memmove(s->chunks + i, s->chunks + i + 1, (s->n - i - 1) * sizeof(Chunk *));
+        memmove(s->maxes + i, s->maxes + i + 1, (s->n - i - 1) * sizeof(u128));
+        s->n--;
+    } else if (j == (size_t)c->n) {
+        s->maxes[i] = c->keys[c->n - 1];
+    }
+}
+
+static Block *set_ceiling(const Set *s, u128 k) { /* the block of the smallest key >= k, or NULL */
+    size_t i = lower(s->maxes, s->n, k);
+    if (i == s->n) return NULL;
+    const Chunk *c = s->chunks[i];
+    return c->vals[lower(c->keys, c->n, k)];
+}
+
+static void set_free(Set *s) {
+    for (size_t i = 0; i < s->n; i++) PyMem_Free(s->chunks[i]);
+    PyMem_Free(s->chunks); PyMem_Free(s->maxes);
+    memset(s, 0, sizeof(Set));
+}
+
+/* ------------------------------------------------------------------ statistics (stats.py) */
+enum { ALLOCATION, SEGMENT, ACTIVE, INACTIVE_SPLIT, ALLOCATED_BYTES, RESERVED_BYTES, ACTIVE_BYTES,
+       INACTIVE_SPLIT_BYTES, REQUESTED_BYTES, N_ARRAY };
+enum { NUM_ALLOC_RETRIES, NUM_OOMS, NUM_SYNC_ALL_STREAMS, NUM_DEVICE_ALLOC, NUM_DEVICE_FREE,
+       NUM_OOM_REJECTIONS, N_COUNTERS };
+typedef struct { i128 current, peak, allocated, freed; } Stat;
+
+static inline void stat_increase(Stat *s, i128 n) {
+    s->current += n;
+    if (s->current > s->peak) s->peak = s->current;
+    s->allocated += n;
+}
+static inline void stat_decrease(Stat *s, i128 n) { s->current -= n; s->freed += n; }
+/* `_change`: increase (n > 0) or decrease (n < 0) the `all` stat and the pool's (i: 1 small, 2 large) */
+static inline void change(Stat *arr, int i, i128 n) {
+    if (n > 0) { stat_increase(&arr[0], n); stat_increase(&arr[i], n); }
+    else if (n < 0) { stat_decrease(&arr[0], -n); stat_decrease(&arr[i], -n); }
+}
+
+/* ------------------------------------------------------------------ the allocator's state */
+typedef struct { uint64_t stream; Set pool[2]; } Streams; /* pool[1] small, pool[0] large */
+
+typedef struct {
+    /* config (config.py AllocatorConfig) */
+    uint64_t divisions[16], max_split, max_non_split, large_segment, allowed_max;
+    int has_allowed_max;
+    /* state (caching.py CachingAllocator) */
+    Stat arr[N_ARRAY][3], oversize_allocations, oversize_segments;
+    i128 counters[N_COUNTERS], total_allocated;
+    Map active;  /* our address -> Block* of allocated blocks */
+    Map stream_ix;  /* stream -> index into `streams` */
+    Streams *streams; size_t nstreams, capstreams;
+    uint64_t seq;
+    PyObject *dev_malloc, *dev_free;  /* the Python device's malloc / free */
+    const char *refused;  /* why the replay stopped, or NULL */
+} Alloc;
+
+static Streams *streams_of(Alloc *a, uint64_t stream) {
+    uint64_t ix;
+    if (map_get(&a->stream_ix, stream, &ix)) return &a->streams[ix];
+    if (a->nstreams == a->capstreams) {
+        size_t cap = a->capstreams ? 2 * a->capstreams : 4;
+        Streams *s = PyMem_Realloc(a->streams, cap * sizeof(Streams));
+        if (!s) return NULL;
+        a->streams = s; a->capstreams = cap;
+    }
+    Streams *s = &a->streams[a->nstreams];
+    memset(s, 0, sizeof(Streams));
+    s->stream = stream;
+    if (map_put(&a->stream_ix, stream, a->nstreams) < 0) return NULL;
+    a->nstreams++;
+    return s;
+}
+
+/* BlockPool.insert / remove */
+static int pool_insert(Alloc *a, Block *b) {
+    Streams *s = streams_of(a, b->stream);
+    if (!s) return -1;
+    b->seq = a->seq++;
+    return set_insert(&s->pool[b->small], key_of(b), b);
+}
+
+static void pool_remove(Alloc *a, Block *b) {
+    uint64_t ix = 0;  /* (every pooled block's stream has an entry) */
+    map_get(&a->stream_ix, b->stream, &ix);
+    set_remove(&a->streams[ix].pool[b->small], key_of(b));
+}
+
+/* caching.py round_size (spec §4) */
+static uint64_t bitlen(uint64_t x) { return x ? 64 - (uint64_t)__builtin_clzll(x) : 0; }
+
+static uint64_t round_size(const Alloc *a, uint64_t size) {
+    if (size < K_MIN_BLOCK_SIZE) return K_MIN_BLOCK_SIZE;
+    int64_t bucket = (int64_t)bitlen(size) - 21;
+    uint64_t d = a->divisions[bucket < 0 ? 0 : (bucket > 15 ? 15 : bucket)];
+    if (d > 1 && (u128)size > (u128)K_MIN_BLOCK_SIZE * d) {
+        if ((size & (size - 1)) == 0) return size;
+        uint64_t floor = 1ULL << (bitlen(size) - 1);
+        uint64_t step = floor >> (bitlen(d) - 1);
+        if (step == 0) return floor << 1;
+        uint64_t rounded = size & ~(step - 1);
+        return rounded == size ? size : rounded + step;
+    }
+    return (size + 511) & ~511ULL;
+}
+
+/* caching.py allocation_size (spec §6) */
+static uint64_t allocation_size(const Alloc *a, uint64_t size) {
+    if (size <= K_SMALL_SIZE) return K_SMALL_BUFFER;
+    if (size < K_MIN_LARGE_ALLOC) return a->large_segment;
+    return (size + K_ROUND_LARGE - 1) / K_ROUND_LARGE * K_ROUND_LARGE;
+}
+
+/* CachingAllocator._get_free_block: best fit (spec §7), no expandable segments or GC */
+static Block *get_free_block(Alloc *a, int small, uint64_t stream, uint64_t size) {
+    uint64_t ix;
+    if (!map_get(&a->stream_ix, stream, &ix)) return NULL;
+    Set *set = &a->streams[ix].pool[small];
+    Block *b = set_ceiling(set, (u128)size << 64);
+    if (!b) return NULL;
+    if (size < a->max_split) {
+        if (b->size >= a->max_split) return NULL;
+    } else if ((u128)b->size >= (u128)size + a->max_non_split) {
+        return NULL;
+    }
+    set_remove(set, key_of(b));
+    return b;
+}
+
+/* CachingAllocator._alloc_block: a new segment from the device (spec §9.1). NULL and no
+ * `refused`: out of memory; NULL and `refused` (or a Python error): stop. */
+static Block *alloc_block(Alloc *a, int small, uint64_t stream, uint64_t alloc_size) {
+    if (a->has_allowed_max && (u128)(a->total_allocated + alloc_size) > (u128)a->allowed_max) return NULL;
+    PyObject *r = PyObject_CallFunction(a->dev_malloc, "K", (unsigned long long)alloc_size);
+    if (!r) return NULL;
+    if (r == Py_None) { Py_DECREF(r); return NULL; }
+    uint64_t ptr = PyLong_AsUnsignedLongLong(r);
+    Py_DECREF(r);
+    if (PyErr_Occurred()) { PyErr_Clear(); a->refused = "the device returned an address outside [0, 2**64)"; return NULL; }
+    if (ptr == EMPTY) { a->refused = "the device returned address 2**64-1"; return NULL; }
+    Block *b = block_new(stream, alloc_size, small, ptr);
+    if (!b) { PyErr_NoMemory(); return NULL; }
+    a->total_allocated += alloc_size;
+    change(a->arr[SEGMENT], small ? 1 : 2, 1);
+    change(a->arr[RESERVED_BYTES], small ? 1 : 2, alloc_size);
+    if (alloc_size >= a->max_split) stat_increase(&a->oversize_segments, 1);
+    a->counters[NUM_DEVICE_ALLOC] += 1;
+    return b;
+}
+
+/* ReleaseMixin._release_block: cudaFree a whole free segment (spec §11.1); it leaves its pool */
+static int release_block(Alloc *a, Block *b) {
+    PyObject *r = PyObject_CallFunction(a->dev_free, "K", (unsigned long long)b->ptr);
+    if (!r) return -1;
+    Py_DECREF(r);
+    int i = b->small ? 1 : 2;
+    a->total_allocated -= b->size;
+    change(a->arr[SEGMENT], i, -1);
+    change(a->arr[RESERVED_BYTES], i, -(i128)b->size);
+    a->counters[NUM_DEVICE_FREE] += 1;
+    if (b->size >= a->max_split) stat_decrease(&a->oversize_segments, 1);
+    pool_remove(a, b);
+    block_del(b);
+    return 0;
+}
+
+static int cmp_stream(const void *x, const void *y) {
+    uint64_t s = ((const Streams *)x)->stream, t = ((const Streams *)y)->stream;
+    return s < t ? -1 : s > t;
+}
+
+/* ReleaseMixin._release_cached_blocks (empty_cache, spec §11.1): no events to wait for, then every
+ * whole free segment of the large pool, then of the small pool, in pool order (stream, size, address) */
+static int release_cached_blocks(Alloc *a) {
+    a->counters[NUM_SYNC_ALL_STREAMS] += 1;  /* synchronize_and_free_events */
+    qsort(a->streams, a->nstreams, sizeof(Streams), cmp_stream);
+    for (size_t k = 0; k < a->nstreams; k++) map_put(&a->stream_ix, a->streams[k].stream, k);
+    for (int small = 0; small < 2; small++) {
+        for (size_t k = 0; k < a->nstreams; k++) {
+            Set *set = &a->streams[k].pool[small];
+            size_t n = 0, len = set->len;
+            Block **todo = PyMem_Malloc((len ? len : 1) * sizeof(Block *));
+            if (!todo) { PyErr_NoMemory(); return -1; }
+            for (size_t c = 0; c < set->n; c++)
+                for (int j = 0; j < set->chunks[c]->n; j++) {
+                    Block *b = set->chunks[c]->vals[j];
+                    if (!b->prev && !b->next) todo[n++] = b;
+                }
+            for (size_t j = 0; j < n; j++)
+                if (release_block(a, todo[j]) < 0) { PyMem_Free(todo); return -1; }
+            PyMem_Free(todo);
+        }
+    }
+    return 0;
+}
+
+/* CachingAllocator._alloc_found_block: split (spec §8), mark allocated, stats (spec §16) */
+static int alloc_found_block(Alloc *a, Block *block, uint64_t stream, uint64_t size, uint64_t orig, uint64_t *out) {
+    int small = block->small, i = small ? 1 : 2;
+    uint64_t remaining = block->size - size;
+    int split = small ? remaining >= K_MIN_BLOCK_SIZE : (size < a->max_split && remaining > K_SMALL_SIZE);
+    int already_split = block->prev || block->next;
+    if (split) {
+        Block *rest = block;
+        block = block_new(stream, size, small, rest->ptr);
+        if (!block) { PyErr_NoMemory(); return -1; }
+        block->seg_frames = rest->seg_frames;  /* the segment's stack stays with its head */
+        rest->seg_frames = NULL;
+        block->prev = rest->prev;
+        if (block->prev) block->prev->next = block;
+        block->next = rest;
+        rest->prev = block;
+        rest->ptr += size;
+        rest->size = remaining;
+        if (pool_insert(a, rest) < 0) { PyErr_NoMemory(); return -1; }
+        if (already_split) {  /* an inactive split block shrinks by `size` */
+            change(a->arr[INACTIVE_SPLIT_BYTES], i, -(i128)size);
+        } else {  /* a whole segment becomes split: its remainder is a new inactive split block */
+            change(a->arr[INACTIVE_SPLIT], i, 1);
+            change(a->arr[INACTIVE_SPLIT_BYTES], i, remaining);
+        }
+    } else if (already_split) {  /* an inactive split block becomes active */
+        change(a->arr[INACTIVE_SPLIT], i, -1);
+        change(a->arr[INACTIVE_SPLIT_BYTES], i, -(i128)block->size);
+    }
+    block->allocated = 1;
+    block->requested = orig;
+    Py_CLEAR(block->frames);
+    block->seq = a->seq++;
+    if (map_put(&a->active, block->ptr, (uint64_t)(uintptr_t)block) < 0) { PyErr_NoMemory(); return -1; }
+    uint64_t bsize = block->size;
+    /* DeviceStats.on_alloc */
+    stat_increase(&a->arr[ALLOCATION][0], 1); stat_increase(&a->arr[ALLOCATION][i], 1);
+    stat_increase(&a->arr[ACTIVE][0], 1); stat_increase(&a->arr[ACTIVE][i], 1);
+    stat_increase(&a->arr[ALLOCATED_BYTES][0], bsize); stat_increase(&a->arr[ALLOCATED_BYTES][i], bsize);
+    stat_increase(&a->arr[ACTIVE_BYTES][0], bsize); stat_increase(&a->arr[ACTIVE_BYTES][i], bsize);
+    stat_increase(&a->arr[REQUESTED_BYTES][0], orig); stat_increase(&a->arr[REQUESTED_BYTES][i], orig);
+    if (bsize >= a->max_split) stat_increase(&a->oversize_allocations, 1);
+    *out = block->ptr;
+    return 0;
+}
+
+/* CachingAllocator._malloc (size checked: 0 < size < 2**60). 0 done, -1 Python error or refused. */
+static int do_malloc(Alloc *a, uint64_t size, uint64_t stream, uint64_t *out) {
+    uint64_t rounded = round_size(a, size);
+    int small = rounded <= K_SMALL_SIZE;
+    uint64_t alloc_size = allocation_size(a, rounded);
+    Block *b = get_free_block(a, small, stream, rounded);
+    if (!b) {
+        b = alloc_block(a, small, stream, alloc_size);
+        if (!b) {
+            if (!PyErr_Occurred() && !a->refused)
+                a->refused = "a cudaMalloc failed (the retry and OOM paths run in Python)";
+            return -1;
+        }
+    }
+    return alloc_found_block(a, b, stream, rounded, size, out);
+}
+
+/* block.py try_merge_blocks for a free neighbour (no events, all mapped): bytes absorbed */
+static uint64_t try_merge(Alloc *a, Block *dst, Block *src) {
+    if (!src || src->allocated) return 0;
+    if (dst->prev == src) {
+        dst->ptr = src->ptr;
+        dst->prev = src->prev;
+        if (dst->prev) dst->prev->next = dst;
+        Py_XSETREF(dst->seg_frames, src->seg_frames);
+        src->seg_frames = NULL;
+    } else {
+        dst->next = src->next;
+        if (dst->next) dst->next->prev = dst;
+    }
+    dst->size += src->size;
+    pool_remove(a, src);
+    uint64_t size = src->size;
+    block_del(src);
+    return size;
+}
+
+/* CachingAllocator._free then _free_block (spec §10.1, §10.2) of an allocated block */
+static int do_free(Alloc *a, Block *block) {
+    int i = block->small ? 1 : 2;
+    uint64_t bsize = block->size, requested = block->requested;
+    block->allocated = 0;
+    /* DeviceStats.on_free_requested */
+    stat_decrease(&a->arr[ALLOCATION][0], 1); stat_decrease(&a->arr[ALLOCATION][i], 1);
+    stat_decrease(&a->arr[ALLOCATED_BYTES][0], bsize); stat_decrease(&a->arr[ALLOCATED_BYTES][i], bsize);
+    if (bsize >= a->max_split) stat_decrease(&a->oversize_allocations, 1);
+    Py_CLEAR(block->frames);
+    map_pop(&a->active, block->ptr, NULL);
+    i128 net_blocks = 0, net_bytes = 0;
+    Block *prev = block->prev, *next = block->next;
+    uint64_t absorbed;
+    if ((absorbed = try_merge(a, block, prev))) { net_blocks -= 1; net_bytes -= absorbed; }
+    if ((absorbed = try_merge(a, block, next))) { net_blocks -= 1; net_bytes -= absorbed; }
+    if (pool_insert(a, block) < 0) { PyErr_NoMemory(); return -1; }
+    if (block->prev || block->next) { net_blocks += 1; net_bytes += block->size; }
+    change(a->arr[INACTIVE_SPLIT], i, net_blocks);  /* on_inactive_split */
+    change(a->arr[INACTIVE_SPLIT_BYTES], i, net_bytes);
+    /* DeviceStats.on_free_completed */
+    stat_decrease(&a->arr[ACTIVE][0], 1); stat_decrease(&a->arr[ACTIVE][i], 1);
+    stat_decrease(&a->arr[ACTIVE_BYTES][0], bsize); stat_decrease(&a->arr[ACTIVE_BYTES][i], bsize);
+    stat_decrease(&a->arr[REQUESTED_BYTES][0], requested); stat_decrease(&a->arr[REQUESTED_BYTES][i], requested);
+    return 0;
+}
+
+/* engine.py _largest_free: the largest free block of either pool, visiting each stream's largest;
+ * -1 once more than `budget` streams were visited (when `has_budget`). */
+static i128 largest_free(Alloc *a, int has_budget, i128 budget, i128 *steps) {
+    uint64_t best = 0;
+    *steps = 0;
+    for (int small = 1; small >= 0; small--)
+        for (size_t k = 0; k < a->nstreams; k++) {
+            Set *s = &a->streams[k].pool[small];
+            if (!s->len) continue;
+            Chunk *c = s->chunks[s->n - 1];
+            uint64_t size = (uint64_t)(c->keys[c->n - 1] >> 64);
+            if (size > best) best = size;
+            *steps += 1;
+            if (has_budget && *steps > budget) return -1;
+        }
+    return best;
+}
+
+/* ------------------------------------------------------------------ Python ints <-> C */
+static PyObject *from_i128(i128 v) {
+    if (v >= INT64_MIN && v <= INT64_MAX) return PyLong_FromLongLong((long long)v);
+    /* hi * 2**64 + lo, for a statistic that outgrew int64 */
+    int neg = v < 0;
+    u128 m = neg ? (u128)(-v) : (u128)v;
+    PyObject *hi = PyLong_FromUnsignedLongLong((unsigned long long)(m >> 64));
+    PyObject *lo = PyLong_FromUnsignedLongLong((unsigned long long)m);
+    PyObject *sh = PyLong_FromLong(64), *t = NULL, *r = NULL;
+    if (hi && lo && sh && (t = PyNumber_Lshift(hi, sh))) r = PyNumber_Or(t, lo);
+    Py_XDECREF(hi); Py_XDECREF(lo); Py_XDECREF(sh); Py_XDECREF(t);
+    if (r && neg) Py_SETREF(r, PyNumber_Negative(r));
+    return r;
+}
+
+/* an exact int in [0, limit]: 1 and *out, or 0 (anything else, no error set) */
+static int as_u64(PyObject *o, uint64_t limit, uint64_t *out) {
+    if (!o || !PyLong_CheckExact(o)) return 0;
+    unsigned long long u = PyLong_AsUnsignedLongLong(o);  /* OverflowError when negative or too big */
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
+    if (u > limit) return 0;
+    *out = u;
+    return 1;
+}
+
+static int as_i128(PyObject *o, i128 *out) { /* int64 range is all the statistics we take in */
+    if (!o || !PyLong_Check(o)) return 0;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) { PyErr_Clear(); return 0; }
+    *out = v;
+    return 1;
+}
+
+/* ------------------------------------------------------------------ the op stream */
+/* engine.py compact_events: (code, address, size, stream) of every event, read from the dicts */
+typedef struct { uint64_t addr, size, stream; int code, ok; } Op;
+/* ok bits: the field is an int usable as such (addr: as a dict key, size and stream: by malloc) */
+#define OK_ADDR 1
+#define OK_SIZE 2
+#define OK_STREAM 4
+
+static PyObject *s_action, *s_addr, *s_device_free, *s_size, *s_stream;
+
+/* 0 ok, 1 refused (reason in *why), -1 Python error */
+static int read_ops(PyObject *trace, PyObject *codes, Op *ops, Py_ssize_t n, const char **why) {
+    PyObject **items = PySequence_Fast_ITEMS(trace);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = items[i];
+        if (!PyDict_Check(e)) { *why = "an event that is not a dict"; return 1; }
+        PyObject *action = PyDict_GetItemWithError(e, s_action);
+        if (!action) { if (PyErr_Occurred()) return -1; *why = "an event without an action"; return 1; }
+        PyObject *code = PyDict_GetItemWithError(codes, action);
+        if (!code && PyErr_Occurred()) { PyErr_Clear(); *why = "an unhashable action"; return 1; }
+        Op *op = &ops[i];
+        op->code = code ? (int)PyLong_AsLong(code) : 5;
+        op->ok = 0;
+        PyObject *addr = PyDict_GetItemWithError(e, s_addr);
+        if (!addr) {
+            if (PyErr_Occurred()) return -1;
+            addr = PyDict_GetItemWithError(e, s_device_free);
+            if (!addr && PyErr_Occurred()) return -1;
+        }
+        PyObject *size = PyDict_GetItemWithError(e, s_size);
+        if (!size) { if (PyErr_Occurred()) return -1; *why = "an event without a size"; return 1; }
+        PyObject *stream = PyDict_GetItemWithError(e, s_stream);
+        if (!stream && PyErr_Occurred()) return -1;
+        op->addr = op->size = op->stream = 0;
+        if (!addr || as_u64(addr, EMPTY - 1, &op->addr)) op->ok |= OK_ADDR;
+        if (as_u64(size, ONE_EB - 1, &op->size)) op->ok |= OK_SIZE;
+        if (!stream || as_u64(stream, STREAM_MAX, &op->stream)) op->ok |= OK_STREAM;
+        if (op->code == 4) { *why = "the trace has an oom event (replayed in Python)"; return 1; }
+        if (op->code <= 2 && !(op->ok & OK_ADDR)) { *why = "an address that is not an int in [0, 2**64-1)"; return 1; }
+        if (op->code == 0 && !(op->ok & OK_SIZE)) { *why = "an alloc size that is not an int in [0, 2**60)"; return 1; }
+        if (op->code == 0 && !(op->ok & OK_STREAM)) { *why = "a stream that is not an int in [0, 2**63)"; return 1; }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ state in and out */
+/* every block (each is in `active` or in a pool), in no particular order; *n is their number */
+static Block **all_blocks(Alloc *a, size_t *n) {
+    size_t total = a->active.n;
+    for (size_t k = 0; k < a->nstreams; k++) total += a->streams[k].pool[0].len + a->streams[k].pool[1].len;
+    Block **out = PyMem_Malloc((total ? total : 1) * sizeof(Block *));
+    if (!out) return NULL;
+    *n = 0;
+    if (a->active.keys)
+        for (size_t i = 0; i < a->active.cap; i++)
+            if (a->active.keys[i] != EMPTY) out[(*n)++] = (Block *)(uintptr_t)a->active.vals[i];
+    for (size_t k = 0; k < a->nstreams; k++)
+        for (int p = 0; p < 2; p++) {
+            Set *s = &a->streams[k].pool[p];
+            for (size_t c = 0; c < s->n; c++)
+                for (int j = 0; j < s->chunks[c]->n; j++) out[(*n)++] = s->chunks[c]->vals[j];
+        }
+    return out;
+}
+
+static void alloc_clear(Alloc *a) {
+    size_t n = 0;
+    Block **blocks = all_blocks(a, &n);
+    for (size_t i = 0; blocks && i < n; i++) block_del(blocks[i]);
+    PyMem_Free(blocks);  /* (out of memory: the blocks leak, nothing worse) */
+    for (size_t k = 0; k < a->nstreams; k++) { set_free(&a->streams[k].pool[0]); set_free(&a->streams[k].pool[1]); }
+    PyMem_Free(a->streams);
+    map_free(&a->active);
+    map_free(&a->stream_ix);
+}
+
+/* blocks: (ptr, size, requested, stream, small, allocated, frames, segment_frames, seq, head) in
+ * segment order, each segment's blocks in address order. 0 ok, 1 refused, -1 error. */
+static int import_blocks(Alloc *a, PyObject *blocks, const char **why) {
+    PyObject *fast = PySequence_Fast(blocks, "blocks must be a sequence");
+    if (!fast) return -1;
+    Block *prev = NULL;
+    uint64_t maxseq = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(fast, i);
+        uint64_t ptr, size, req, stream, seq;
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 10
+                || !as_u64(PyTuple_GET_ITEM(t, 0), EMPTY - 1, &ptr) || !as_u64(PyTuple_GET_ITEM(t, 1), EMPTY - 1, &size)
+                || !as_u64(PyTuple_GET_ITEM(t, 2), EMPTY - 1, &req)
+                || !as_u64(PyTuple_GET_ITEM(t, 3), STREAM_MAX, &stream)
+                || !as_u64(PyTuple_GET_ITEM(t, 8), EMPTY - 1, &seq)) {
+            Py_DECREF(fast); *why = "a block outside the C core's integer ranges"; return 1;
+        }
+        Block *b = block_new(stream, size, PyObject_IsTrue(PyTuple_GET_ITEM(t, 4)), ptr);
+        if (!b) { Py_DECREF(fast); PyErr_NoMemory(); return -1; }
+        b->requested = req;
+        b->allocated = PyObject_IsTrue(PyTuple_GET_ITEM(t, 5));
+        b->seq = seq;
+        if (seq >= maxseq) maxseq = seq + 1;
+        PyObject *f = PyTuple_GET_ITEM(t, 6), *sf = PyTuple_GET_ITEM(t, 7);
+        if (f != Py_None) { Py_INCREF(f); b->frames = f; }
+        if (sf != Py_None) { Py_INCREF(sf); b->seg_frames = sf; }
+        if (!PyObject_IsTrue(PyTuple_GET_ITEM(t, 9))) { b->prev = prev; prev->next = b; }
+        prev = b;
+        int err;
+        if (b->allocated) {
+            err = map_put(&a->active, ptr, (uint64_t)(uintptr_t)b);
+        } else {
+            Streams *s = streams_of(a, stream);
+            err = s ? set_insert(&s->pool[b->small], key_of(b), b) : -1;
+        }
+        if (err < 0) { block_del(b); Py_DECREF(fast); PyErr_NoMemory(); return -1; }
+    }
+    Py_DECREF(fast);
+    if (maxseq > a->seq) a->seq = maxseq;
+    return 0;
+}
+
+static PyObject *block_tuple(const Block *b, int head) {
+    return Py_BuildValue("(KKKKOOOOKO)", (unsigned long long)b->ptr, (unsigned long long)b->size,
+                         (unsigned long long)b->requested, (unsigned long long)b->stream,
+                         b->small ? Py_True : Py_False, b->allocated ? Py_True : Py_False,
+                         b->frames ? b->frames : Py_None, b->seg_frames ? b->seg_frames : Py_None,
+                         (unsigned long long)b->seq, head ? Py_True : Py_False);
+}
+
+static int cmp_block_ptr(const void *x, const void *y) {
+    uint64_t p = (*(Block *const *)x)->ptr, q = (*(Block *const *)y)->ptr;
+    return p < q ? -1 : p > q;
+}
+
+/* every block as import_blocks takes them, segments in address order */
+static PyObject *export_blocks(Alloc *a) {
+    size_t n = 0, heads = 0;
+    Block **blocks = all_blocks(a, &n);
+    if (!blocks) return PyErr_NoMemory();
+    for (size_t i = 0; i < n; i++)
+        if (!blocks[i]->prev) blocks[heads++] = blocks[i];
+    qsort(blocks, heads, sizeof(Block *), cmp_block_ptr);
+    PyObject *out = PyList_New(0);
+    for (size_t h = 0; out && h < heads; h++)
+        for (Block *b = blocks[h]; b; b = b->next) {
+            PyObject *t = block_tuple(b, b == blocks[h]);
+            if (!t || PyList_Append(out, t) < 0) { Py_XDECREF(t); Py_CLEAR(out); break; }
+            Py_DECREF(t);
+        }
+    PyMem_Free(blocks);
+    return out;
+}
+
+/* stats: 9 x 3 x (current, peak, allocated, freed), the two oversize stats, 6 counters, total */
+#define N_STATS (N_ARRAY * 3 * 4 + 8 + N_COUNTERS + 1)
+
+static i128 *stat_slot(Alloc *a, int k) {
+    if (k < N_ARRAY * 12) { Stat *s = &a->arr[k / 12][(k / 4) % 3]; return &s->current + k % 4; }
+    k -= N_ARRAY * 12;
+    if (k < 8) { Stat *s = k < 4 ? &a->oversize_allocations : &a->oversize_segments; return &s->current + k % 4; }
+    k -= 8;
+    return k < N_COUNTERS ? &a->counters[k] : &a->total_allocated;
+}
+
+/* ------------------------------------------------------------------ the replay loop */
+typedef struct { Py_ssize_t i; int kind; uint64_t expected, actual; } Note; /* kind 0 alloc address, 1 free */
+#define MAX_NOTES 10
+
+/* engine.py _run without cycle skipping, held-back frees or OOMs (refused: see the module doc).
+ * run(trace, codes, config, blocks, stats, live_at_start, dev_malloc, dev_free, verify, progress,
+ *     timeline, track_peak) -> str (refused: the reason; nothing of the allocator was changed) or
+ * (blocks, stats, reserved_peak_event, allocated_at_reserved_peak, largest_free_at_reserved_peak,
+ *  allocs_total, allocs_matched, notes, timeline_allocated, timeline_reserved) */
+static PyObject *run(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *trace, *codes, *config, *blocks, *stats, *live_obj, *dev_malloc, *dev_free, *progress;
+    int verify, timeline, track_peak;
+    if (!PyArg_ParseTuple(args, "OO!O!OOOOOpOpp", &trace, &PyDict_Type, &codes, &PyTuple_Type, &config,
+                          &blocks, &stats, &live_obj, &dev_malloc, &dev_free, &verify, &progress,
+                          &timeline, &track_peak))
+        return NULL;
+    Alloc a;
+    memset(&a, 0, sizeof(a));
+    const char *why = NULL;
+    PyObject *result = NULL, *fast = NULL, *notes_list = NULL;
+    Op *ops = NULL;
+    Note notes[MAX_NOTES];
+    int nnotes = 0;
+    int64_t *tl_a = NULL, *tl_r = NULL;
+    Py_ssize_t ntl = 0;
+    Map ptr_of = {0}, live = {0};
+    a.dev_malloc = dev_malloc; a.dev_free = dev_free;
+    if (map_init(&a.active, 1024) < 0 || map_init(&a.stream_ix, 16) < 0 || map_init(&ptr_of, 1024) < 0
+            || map_init(&live, 64) < 0) { PyErr_NoMemory(); goto done; }
+
+    /* config: (divisions[16], max_split_size, max_non_split_rounding, large_segment_size, allowed max or None) */
+    {
+        PyObject *div = PyTuple_GET_SIZE(config) == 5 ? PyTuple_GET_ITEM(config, 0) : NULL;
+        if (!div || !PyList_Check(div) || PyList_GET_SIZE(div) != 16) { why = "an unexpected config"; goto done; }
+        for (int k = 0; k < 16; k++)
+            if (!as_u64(PyList_GET_ITEM(div, k), 1ULL << 40, &a.divisions[k])) { why = "roundup_power2_divisions out of range"; goto done; }
+        if (!as_u64(PyTuple_GET_ITEM(config, 1), EMPTY, &a.max_split) || !as_u64(PyTuple_GET_ITEM(config, 2), EMPTY, &a.max_non_split)
+                || !as_u64(PyTuple_GET_ITEM(config, 3), EMPTY, &a.large_segment)) { why = "a config size out of range"; goto done; }
+        PyObject *mx = PyTuple_GET_ITEM(config, 4);
+        a.has_allowed_max = mx != Py_None;
+        if (a.has_allowed_max && !as_u64(mx, EMPTY, &a.allowed_max)) { why = "a memory fraction cap out of range"; goto done; }
+    }
+    {   /* statistics */
+        PyObject *sf = PySequence_Fast(stats, "stats must be a sequence");
+        if (!sf) goto done;
+        int ok = PySequence_Fast_GET_SIZE(sf) == N_STATS;
+        for (int k = 0; ok && k < N_STATS; k++) ok = as_i128(PySequence_Fast_GET_ITEM(sf, k), stat_slot(&a, k));
+        Py_DECREF(sf);
+        if (!ok) { why = "a statistic outside int64"; goto done; }
+    }
+    {   /* live_at_start: recorded addresses of the blocks live when the trace begins */
+        PyObject *it = PyObject_GetIter(live_obj), *x;
+        if (!it) goto done;
+        while ((x = PyIter_Next(it))) {
+            uint64_t v;
+            int ok = as_u64(x, EMPTY - 1, &v);
+            Py_DECREF(x);
+            if (!ok) { why = "a live block address outside [0, 2**64-1)"; break; }
+            if (map_put(&live, v, 1) < 0) { PyErr_NoMemory(); break; }
+        }
+        Py_DECREF(it);
+        if (why || PyErr_Occurred()) goto done;
+    }
+    fast = PySequence_Fast(trace, "trace must be a sequence");
+    if (!fast) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    ops = PyMem_Malloc((n ? n : 1) * sizeof(Op));
+    if (!ops) { PyErr_NoMemory(); goto done; }
+    int r = read_ops(fast, codes, ops, n, &why);
+    if (r) goto done;
+    r = import_blocks(&a, blocks, &why);
+    if (r) goto done;
+    if (timeline) {
+        tl_a = PyMem_Malloc((n ? n : 1) * sizeof(int64_t));
+        tl_r = PyMem_Malloc((n ? n : 1) * sizeof(int64_t));
+        if (!tl_a || !tl_r) { PyErr_NoMemory(); goto done; }
+    }
+
+    Stat *reserved = &a.arr[RESERVED_BYTES][0], *allocated = &a.arr[ALLOCATED_BYTES][0];
+    i128 best_reserved = reserved->current, steps = 0, peak_steps = 0;
+    i128 at_peak_allocated = allocated->current, peak_event = -1;
+    i128 largest = largest_free(&a, 0, 0, &steps);
+    long long allocs_total = 0, allocs_matched = 0;
+    int in_empty_cache = 0;
+    Py_ssize_t next_progress = 0;
+    for (Py_ssize_t i = 0; i < n;) {
+        if (progress != Py_None && i >= next_progress) {
+            PyObject *pr = PyObject_CallFunction(progress, "nn", i, n);
+            if (!pr) goto done;
+            Py_DECREF(pr);
+            next_progress = i + 0x10000;
+        }
+        const Op *op = &ops[i];
+        Py_ssize_t nxt = i + 1;
+        if (op->code != 3) in_empty_cache = 0;
+        if (op->code == 0) {  /* alloc */
+            uint64_t p = 0;
+            if (op->size && do_malloc(&a, op->size, op->stream, &p) < 0) goto done;
+            if (map_put(&ptr_of, op->addr, p) < 0) { PyErr_NoMemory(); goto done; }
+            if (verify) {
+                allocs_total++;
+                if (p == op->addr) allocs_matched++;
+                else if (nnotes < MAX_NOTES) notes[nnotes++] = (Note){i, 0, op->addr, p};
+            }
+            if (reserved->current > best_reserved) {
+                best_reserved = reserved->current;
+                peak_event = i;
+                at_peak_allocated = allocated->current;
+                if (track_peak && largest >= 0) {
+                    largest = largest_free(&a, 1, 4096 + 32 * (i128)i - peak_steps, &steps);
+                    peak_steps += steps;
+                }
+            }
+        } else if (op->code == 1) {  /* free_requested */
+            uint64_t p, bp;
+            int known = map_pop(&ptr_of, op->addr, &p);
+            if (!known) {  /* not allocated in the trace: live at the start, or unknown */
+                known = map_pop(&live, op->addr, NULL);
+                p = op->addr;
+            }
+            Block *block = known && p && map_get(&a.active, p, &bp) ? (Block *)(uintptr_t)bp : NULL;
+            if (!block) {  /* (`active` holds only allocated blocks here) */
+                if (known && p && verify && nnotes < MAX_NOTES) notes[nnotes++] = (Note){i, 1, 0, 0};
+            } else if (nxt < n && ops[nxt].code == 2 && ops[nxt].addr == op->addr) {
+                if (do_free(&a, block) < 0) goto done;  /* completes at once: the next event is its free_completed */
+                nxt++;
+            } else {
+                why = "a free that completes later (held back with an event: replayed in Python)";
+                goto done;
+            }
+        } else if (op->code == 2) {  /* free_completed */
+            uint64_t bp;
+            if (map_pop(&live, op->addr, NULL) && map_get(&a.active, op->addr, &bp))
+                if (do_free(&a, (Block *)(uintptr_t)bp) < 0) goto done;
+        } else if (op->code == 3) {  /* a run of segment_free / segment_unmap: one empty_cache() */
+            if (!in_empty_cache) {
+                if (release_cached_blocks(&a) < 0) goto done;
+                in_empty_cache = 1;
+            }
+        }
+        if (timeline) {
+            if (allocated->current > INT64_MAX || reserved->current > INT64_MAX) { why = "a timeline value outside int64"; goto done; }
+            for (Py_ssize_t k = i; k < nxt; k++) { tl_a[ntl] = (int64_t)allocated->current; tl_r[ntl++] = (int64_t)reserved->current; }
+        }
+        i = nxt;
+    }
+    notes_list = PyList_New(0);
+    for (int k = 0; notes_list && k < nnotes; k++) {
+        PyObject *t = Py_BuildValue("(niKK)", notes[k].i, notes[k].kind, (unsigned long long)notes[k].expected,
+                                    (unsigned long long)notes[k].actual);
+        if (!t || PyList_Append(notes_list, t) < 0) { Py_XDECREF(t); Py_CLEAR(notes_list); }
+        else Py_DECREF(t);
+    }
+    PyObject *stats_out = PyList_New(N_STATS);
+    for (int k = 0; stats_out && k < N_STATS; k++) {
+        PyObject *v = from_i128(*stat_slot(&a, k));
+        if (!v) { Py_CLEAR(stats_out); break; }
+        PyList_SET_ITEM(stats_out, k, v);
+    }
+    PyObject *blocks_out = export_blocks(&a);
+    PyObject *tla = timeline ? PyBytes_FromStringAndSize((char *)tl_a, ntl * 8) : Py_NewRef(Py_None);
+    PyObject *tlr = timeline ? PyBytes_FromStringAndSize((char *)tl_r, ntl * 8) : Py_NewRef(Py_None);
+    PyObject *pe = from_i128(peak_event), *pa = from_i128(at_peak_allocated), *lg = from_i128(largest);
+    if (notes_list && stats_out && blocks_out && tla && tlr && pe && pa && lg)
+        result = Py_BuildValue("(OOOOOLLOOO)", blocks_out, stats_out, pe, pa, lg, allocs_total, allocs_matched,
+                               notes_list, tla, tlr);
+    Py_XDECREF(stats_out); Py_XDECREF(blocks_out); Py_XDECREF(tla); Py_XDECREF(tlr);
+    Py_XDECREF(pe); Py_XDECREF(pa); Py_XDECREF(lg);
+done:
+    if (!result && !PyErr_Occurred()) {
+        if (!why) why = a.refused ? a.refused : "an internal error";
+        result = PyUnicode_FromString(why);
+    }
+    Py_XDECREF(notes_list);
+    Py_XDECREF(fast);
+    PyMem_Free(ops); PyMem_Free(tl_a); PyMem_Free(tl_r);
+    map_free(&ptr_of); map_free(&live);
+    alloc_clear(&a);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"run", run, METH_VARARGS, "Replay a trace's events through the caching allocator (see vram.replay.ccore)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ccore", "The replay engine's event loop in C.", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__ccore(void) {
+    if (!(s_action = PyUnicode_InternFromString("action")) || !(s_addr = PyUnicode_InternFromString("addr"))
+            || !(s_device_free = PyUnicode_InternFromString("device_free"))
+            || !(s_size = PyUnicode_InternFromString("size")) || !(s_stream = PyUnicode_InternFromString("stream")))
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m && (PyModule_AddIntConstant(m, "N_STATS", N_STATS) < 0
+              || PyModule_AddStringConstant(m, "SOURCE_SHA256", CCORE_SOURCE_SHA256) < 0)) Py_CLEAR(m);
+    return m;
+}
