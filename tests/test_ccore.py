@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from paths import RECORDINGS as TRACES
 from vram.allocator import CachingAllocator
 from vram.allocator.errors import OutOfMemoryError
 from vram.allocator.history import ALL, STATE
@@ -32,7 +33,6 @@ from vram.replay.loader import load_snapshot
 from vram.views.snapshot import segments, snapshot
 
 MiB = 1 << 20
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 CONFS = [None, "", "max_split_size_mb:64", "roundup_power2_divisions:4",
          "roundup_power2_divisions:[256:1,512:2,>:8],max_non_split_rounding_mb:300",
          "large_segment_size_mb:40", "expandable_segments:True"]
@@ -126,8 +126,7 @@ def test_refusals_replay_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "later" in both(monkeypatch, snap)  # a free held back with an event
     assert "cudaMalloc failed" in both(monkeypatch, program(6), gpu="1GiB")  # retry and OOM paths
     assert "cycle skipping" in replay(snap).engine
-    assert "pending" in both(monkeypatch, load_snapshot(TRACES / "llm-inference-1.3b-state.pickle")) \
-        if TRACES.is_dir() else True
+    assert "pending" in both(monkeypatch, load_snapshot(TRACES / "llm-inference-1.3b-state.pickle"))
 
 
 def test_progress_and_peak_tracking(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,8 +152,7 @@ def test_progress_and_peak_tracking(monkeypatch: pytest.MonkeyPatch) -> None:
     assert both(monkeypatch, snap) == "C"
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="no recordings folder")
-@pytest.mark.parametrize("path", sorted(TRACES.glob("*.pickle")) if TRACES.is_dir() else [], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(TRACES.glob("*.pickle")), ids=lambda p: p.name)
 def test_recordings(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
     snap = load_snapshot(path)
     for kw in ({"verify": True, "timeline": True}, {"conf": "max_split_size_mb:64"},

@@ -37,7 +37,7 @@ from .messages import SnapshotError, printable
 from .rewind import rewind
 from .safe_pickle import gc_paused
 from .state import import_segments
-from .validate import KNOWN_ACTIONS, RESERVED_STREAMS
+from .validate import KNOWN_ACTIONS, RESERVED_STREAMS, refuse_private_pools
 
 #: capacity of the replay GPU when none is given: large enough for any recording
 UNLIMITED = 1 << 40
@@ -183,7 +183,7 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     traces = snapshot.get("device_traces") or []
     trace: Sequence[Mapping[str, Any]] = traces[device] if device < len(traces) else []
     final = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
-    _refuse_private_pools(final, trace)
+    refuse_private_pools(final, trace)
     if final or not trace:
         divisions, expandable = _recorded_rules(recorded_conf, conf is not None)
         with gc_paused():  # it makes a tuple per live block and no garbage cycles (see `gc_paused`)
@@ -260,20 +260,6 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
             1 for s in snapshot.get("segments", []) if s.get("device", 0) != device)
     result.seconds_replay = time.perf_counter() - t0
     return result
-
-
-def _refuse_private_pools(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]]) -> None:
-    """Recordings with private pools (CUDA graphs, ``torch.cuda.MemPool``) are refused: their
-    trace does not say when a capture or ``use_mem_pool`` began and ended, nor when a graph or
-    MemPool died (``beginAllocateToPool``, ``releasePool`` leave no trace entry), and those decide
-    which pool each request used and when a pool's memory may be freed."""
-    pid = next((s["segment_pool_id"] for s in segments if s.get("segment_pool_id", (0, 0)) != (0, 0)), None)
-    if pid is None:
-        pid = next((e["pool_id"] for e in trace if e.get("pool_id", (0, 0)) != (0, 0)), None)
-    if pid is not None:
-        raise SnapshotError(f"this recording uses a private memory pool {tuple(pid)} (a CUDA graph or "
-                            "torch.cuda.MemPool): vram cannot replay private pools yet (the trace does not "
-                            "record when captures begin and end or when pools are released)")
 
 
 def device_count(snapshot: Mapping[str, Any]) -> int:
