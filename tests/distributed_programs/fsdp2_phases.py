@@ -7,6 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from memlog import show, warm_up
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 p = argparse.ArgumentParser()
@@ -17,15 +18,7 @@ a = p.parse_args()
 
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 dist.init_process_group("nccl")
-lin = nn.Linear(768, 768, device="cuda")            # cuBLAS workspaces, outside the figures
-lin(torch.randn(2, 768, device="cuda")).sum().backward()
-del lin
-pre = torch.cuda.memory_allocated()
-
-
-def show(name):
-    print(name, torch.cuda.memory_allocated() - pre, torch.cuda.max_memory_allocated() - pre)
-    torch.cuda.reset_peak_memory_stats()
+pre = warm_up()
 
 
 model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.Linear(1024, 1024, bias=False)).cuda()

@@ -11,6 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from memlog import show, warm_up
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -46,15 +47,7 @@ if "--tracker" in sys.argv:
     sys.exit()
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 mesh = init_device_mesh("cuda", (int(os.environ["WORLD_SIZE"]),))
-lin = nn.Linear(768, 768, device="cuda")            # cuBLAS workspaces, outside the figures
-lin(torch.randn(2, 768, device="cuda")).sum().backward()
-del lin
-pre = torch.cuda.memory_allocated()
-
-
-def show(name):
-    print(name, torch.cuda.memory_allocated() - pre, torch.cuda.max_memory_allocated() - pre)
-    torch.cuda.reset_peak_memory_stats()
+pre = warm_up()
 
 
 model = MLP().cuda()
