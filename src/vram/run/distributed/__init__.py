@@ -41,6 +41,7 @@ def install(sim: SimState) -> Callable[[], None]:
     from torch.distributed import HashStore
 
     from .ddp import verify_params_across_processes
+    from .functional import overrides
     from .process_group import SimProcessGroup
     from .rank import stage_snapshots
 
@@ -66,8 +67,12 @@ def install(sim: SimState) -> Callable[[], None]:
         import torch.cuda.memory
         put(torch.cuda.memory, "_dump_snapshot", staged)
     _SIMS.append(sim)
+    ops = overrides()
+    sim.ops.update(ops)
 
     def restore() -> None:
+        for op in ops:
+            sim.ops.pop(op, None)
         _SIMS.remove(sim)
         if dist.is_initialized():
             dist.destroy_process_group()
