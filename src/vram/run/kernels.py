@@ -30,8 +30,8 @@ The rules follow the newest PyTorch sources read (2026); older releases differ i
 the shared cuBLASLt workspace, each Lt matmul allocated and freed its own 1 MiB).
 
 Not modelled (documented limitations) — mostly transient scratch that raises a peak without
-changing steady state: cuDNN convolution workspaces; the contiguous copies cuBLAS calls make of
-operands with unsupported strides (e.g. the expanded gradient of ``sum()``); sort buffers of
+changing steady state: cuDNN convolution workspaces; the contiguous copies ``cublasCommonArgs``
+makes of mm/addmm operands with unsupported strides (bmm/baddbmm's are modelled: `bmm_plan`); sort buffers of
 embedding backward; ``_foreach_norm`` intermediates; NCCL buffers; CUDA graphs.
 """
 from __future__ import annotations
@@ -112,11 +112,63 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     if plan is None:
         plan = _reductions.reduction_plan(name, args, outs, sms, max_threads_sm)
     if plan is None:
+        plan = bmm_plan(name, args, outs)
+    if plan is None:
         plan = [("out", i) for i in range(len(outs))]
         base = scalar_base_bytes(name, args)
         if base:
             plan += [("tmp", base), ("free", 0)]
     return plan
+
+
+def _batch_operand_copy(t: Any, transpose_result: bool, m: int, n: int) -> int:
+    """Bytes ``prepare_batch_matrix_for_cublas`` (``native/cuda/Blas.cpp``) allocates for a bmm
+    operand: a contiguous clone when neither of its last two dims has stride 1 with a leading
+    stride cuBLAS accepts (an expanded gradient: strides 0), unless it is contiguous with
+    non-zero strides; ``resolve_conj_if_indicated`` copies a conjugate view where it resolves."""
+    fast, lead = (2, 1) if transpose_result else (1, 2)
+    s = t.stride()
+    nbytes = t.numel() * t.element_size()
+    if s[fast] == 1 and s[lead] >= max(1, m):
+        return nbytes if t.is_conj() else 0
+    if s[lead] == 1 and s[fast] >= max(1, n):
+        return 0
+    if t.is_contiguous() and s[1] != 0 and s[2] != 0:
+        return nbytes if t.is_conj() and transpose_result else 0
+    return nbytes
+
+
+def bmm_plan(name: str, args: tuple[Any, ...], outs: list[Any]) -> list[tuple[str, Any]] | None:
+    """``baddbmm_out_cuda_impl`` (``native/cuda/Blas.cpp``, bmm and baddbmm): after the output,
+    a column-major copy of a result cuBLAS cannot write, then copies of the two operands
+    (`_batch_operand_copy`), the cuBLAS call (``("blas", None)``: its workspace), and the copies
+    freed in reverse order when the function returns. None for other ops."""
+    if name not in ("bmm", "baddbmm") or not outs or not isinstance(outs[0], torch.Tensor):
+        return None
+    b1, b2 = (args[0], args[1]) if name == "bmm" else (args[1], args[2])
+    res = outs[0]
+    plan: list[tuple[str, Any]] = [("out", 0)]
+    if res.numel() == 0 or b1.size(2) == 0 or res.dim() != 3:
+        return plan + [("blas", None)]
+    rs, rz = res.stride(), res.size()
+    transpose_result = False
+    copies = []
+    if rs[1] == 1 and (rz[2] == 1 or rs[2] >= max(1, rz[1])):
+        copies.append(res.numel() * res.element_size() if res.is_conj() else 0)
+    elif rs[2] == 1 and (rz[1] == 1 or rs[1] >= max(1, rz[2])):
+        transpose_result = True
+        copies.append(res.numel() * res.element_size() if res.is_conj() else 0)
+    else:
+        copies.append(res.numel() * res.element_size())
+    lead = 1 if transpose_result else 2
+    m, n = rz[2 if transpose_result else 1], rz[lead]
+    k = (b2 if transpose_result else b1).size(lead)
+    first, second = (b2, b1) if transpose_result else (b1, b2)
+    copies.append(_batch_operand_copy(first, transpose_result, m, k))
+    copies.append(_batch_operand_copy(second, transpose_result, k, n))
+    made = [c for c in copies if c]
+    plan += [("tmp", c) for c in made] + [("blas", None)]
+    return plan + [("free", j) for j in reversed(range(len(made)))]
 
 
 def scalar_base_bytes(name: str, args: tuple[Any, ...]) -> int:
