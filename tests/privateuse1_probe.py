@@ -1,0 +1,121 @@
+"""A probe for issue 12 (run by ``test_subclass_formulas.py`` in a child process): tensors on a
+Python PrivateUse1 backend (``torch.utils.backend_registration._setup_privateuseone_for_python_backend``)
+whose every op runs on meta, with storages made through DLPack so that a deleter reports each
+storage's death and no storage Python object exists. No dispatch mode, no meta key: autograd sees
+plain tensors. Prints, per formula family, how many gradient-sized storages its backward made."""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._pytree import tree_map
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_subclass_formulas import FAMILIES, FULL  # noqa: E402
+
+_setup_privateuseone_for_python_backend("vramsim")
+META, CPU = torch.device("meta"), torch._C.DispatchKey.CPU
+AS_STRIDED = torch.ops.aten.as_strided.default
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32), ("dtype", DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class DLManaged(ctypes.Structure):
+    pass
+
+
+DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManaged))
+DLManaged._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", DELETER)]
+LIVE: dict[int, tuple[object, ...]] = {}
+MADE: list[int] = []
+FREED: list[int] = []
+CODES = {torch.float32: (2, 32), torch.int64: (0, 64), torch.bool: (6, 8)}
+NEW_CAPSULE = ctypes.pythonapi.PyCapsule_New
+NEW_CAPSULE.restype, NEW_CAPSULE.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+@DELETER
+def _deleter(p):  # type: ignore[no-untyped-def]
+    FREED.append(LIVE.pop(ctypes.addressof(p.contents))[-1])  # the storage died: its block is free
+
+
+def _storage(m: torch.Tensor, address: list[int] = [1 << 40]) -> torch.Tensor:  # noqa: B006
+    """A new storage for the meta output `m`, viewed as `m` (kDLExtDev = 12 is PrivateUse1)."""
+    nbytes = m.untyped_storage().nbytes()
+    n = max(nbytes // m.element_size(), 1)
+    shape, strides = (ctypes.c_int64 * 1)(n), (ctypes.c_int64 * 1)(1)
+    managed = DLManaged()
+    code, bits = CODES[m.dtype]
+    managed.dl_tensor = DLTensor(address[0], DLDevice(12, 0), 1, DLDataType(code, bits, 1), shape, strides, 0)
+    managed.deleter = _deleter
+    LIVE[ctypes.addressof(managed)] = (managed, shape, strides, nbytes)
+    address[0] += max(nbytes, 512)
+    MADE.append(nbytes)
+    base = torch.utils.dlpack.from_dlpack(NEW_CAPSULE(ctypes.addressof(managed), b"dltensor", None))
+    return AS_STRIDED._op_dk(CPU, base, m.shape, m.stride(), m.storage_offset())
+
+
+def _on_meta(t: object) -> object:
+    if isinstance(t, torch.device) and t.type == "vramsim":
+        return META
+    if isinstance(t, torch.Tensor) and t.device.type == "vramsim":
+        return torch.empty(0, dtype=t.dtype, device=META).as_strided(t.shape, t.stride(), t.storage_offset())
+    return t
+
+
+def fallback(op, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """Run `op` on meta; new outputs get new storages, aliases view their input's storage."""
+    out = op(*tree_map(_on_meta, args), **tree_map(_on_meta, kwargs))
+    outs = out if isinstance(out, tuple) else (out,)
+    values = list(args) + [kwargs.get(a.name) for a in op._schema.arguments[len(args):]]
+    results = []
+    for ret, o in zip(op._schema.returns, outs):
+        alias = ret.alias_info
+        if not isinstance(o, torch.Tensor):
+            results.append(o)
+            continue
+        if alias is None:
+            results.append(_storage(o))
+            continue
+        src = next(v for a, v in zip(op._schema.arguments, values)
+                   if a.alias_info is not None and set(a.alias_info.before_set) & set(alias.before_set))
+        if alias.is_write:
+            if (tuple(src.shape), src.stride()) != (tuple(o.shape), o.stride()):
+                torch.ops.aten.set_.source_Tensor._op_dk(CPU, src, _storage(o))
+            results.append(src)
+        else:
+            results.append(AS_STRIDED._op_dk(CPU, src, o.shape, o.stride(), o.storage_offset()))
+    return tuple(results) if isinstance(out, tuple) else results[0]
+
+
+LIB = torch.library.Library("_", "IMPL")
+LIB.fallback(fallback, "PrivateUse1")
+
+for family, (program, *_rest) in FAMILIES.items():
+    loss = program("vramsim")
+    assert not torch._C._dispatch_isTensorSubclassLike(loss)
+    MADE.clear()
+    loss.backward()
+    print(family, sum(1 for n in MADE if n == FULL))
+x = program("vramsim")
+FREED.clear()
+del x
+assert FREED, "the DLPack deleter reports a storage's death"
+sys.stdout.flush()
+os._exit(0)  # storages still alive at interpreter teardown would call a deleter already torn down
