@@ -22,6 +22,8 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   multi-block launches, 32-bit splits, accumulation buffers and input dtype conversions live in
   `vram.run.reductions`; `op_plan` asks it after SDPA.
 * **pow(scalar, tensor)** materialises its base as a 0-dim CUDA tensor (`scalar_base_bytes`).
+* **bmm / baddbmm** copy operands cuBLAS cannot read in place (an expanded gradient) before the
+  cuBLAS call and free them on return (``native/cuda/Blas.cpp``; `bmm_plan`).
 * **scaled_dot_product_attention**: backend choice (flash / memory-efficient / cuDNN / math, by the
   simulated compute capability) and what each kernel allocates, forward and backward, live in
   `vram.run.sdpa` (re-exported here); `op_plan` asks it first.
