@@ -50,22 +50,46 @@ NEW_CAPSULE = ctypes.pythonapi.PyCapsule_New
 NEW_CAPSULE.restype, NEW_CAPSULE.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
 
+
+
+class Counter:
+    """Addresses from a counter; nothing is freed (the family probe only counts)."""
+
+    def __init__(self) -> None:
+        self.next = 1 << 40
+
+    def alloc(self, nbytes: int) -> int:
+        self.next += max(nbytes, 512)
+        return self.next
+
+    def free(self, address: int) -> None:
+        pass
+
+    def plan(self, op, args, outs):  # type: ignore[no-untyped-def]
+        return [("out", i) for i in range(len(outs))]
+
+
+MEMORY = Counter()
+
+
 @DELETER
 def _deleter(p):  # type: ignore[no-untyped-def]
-    FREED.append(LIVE.pop(ctypes.addressof(p.contents))[-1])  # the storage died: its block is free
+    address, nbytes = LIVE.pop(ctypes.addressof(p.contents))[-2:]  # the storage died: its block is free
+    FREED.append(nbytes)
+    MEMORY.free(address)
 
 
-def _storage(m: torch.Tensor, address: list[int] = [1 << 40]) -> torch.Tensor:  # noqa: B006
+def _storage(m: torch.Tensor) -> torch.Tensor:
     """A new storage for the meta output `m`, viewed as `m` (kDLExtDev = 12 is PrivateUse1)."""
     nbytes = m.untyped_storage().nbytes()
     n = max(nbytes // m.element_size(), 1)
     shape, strides = (ctypes.c_int64 * 1)(n), (ctypes.c_int64 * 1)(1)
     managed = DLManaged()
     code, bits = CODES[m.dtype]
-    managed.dl_tensor = DLTensor(address[0], DLDevice(12, 0), 1, DLDataType(code, bits, 1), shape, strides, 0)
+    address = MEMORY.alloc(nbytes)
+    managed.dl_tensor = DLTensor(address or 1 << 40, DLDevice(12, 0), 1, DLDataType(code, bits, 1), shape, strides, 0)
     managed.deleter = _deleter
-    LIVE[ctypes.addressof(managed)] = (managed, shape, strides, nbytes)
-    address[0] += max(nbytes, 512)
+    LIVE[ctypes.addressof(managed)] = (managed, shape, strides, address, nbytes)
     MADE.append(nbytes)
     base = torch.utils.dlpack.from_dlpack(NEW_CAPSULE(ctypes.addressof(managed), b"dltensor", None))
     return AS_STRIDED._op_dk(CPU, base, m.shape, m.stride(), m.storage_offset())
@@ -80,27 +104,38 @@ def _on_meta(t: object) -> object:
 
 
 def fallback(op, *args, **kwargs):  # type: ignore[no-untyped-def]
-    """Run `op` on meta; new outputs get new storages, aliases view their input's storage."""
-    out = op(*tree_map(_on_meta, args), **tree_map(_on_meta, kwargs))
+    """Run `op` on meta; new outputs get new storages, aliases view their input's storage, in the
+    order of ``MEMORY.plan`` (a CUDA kernel's: outputs, scratch, the cuBLAS call)."""
+    if op is torch.ops.aten._copy_from.default:  # copy_ from another device: into dst, in place
+        return args[1]
+    margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
+    out = op(*margs, **mkwargs)
     outs = out if isinstance(out, tuple) else (out,)
     values = list(args) + [kwargs.get(a.name) for a in op._schema.arguments[len(args):]]
-    results = []
-    for ret, o in zip(op._schema.returns, outs):
+    results: list[object] = list(outs)
+    for ret, o, i in zip(op._schema.returns, outs, range(len(outs))):
         alias = ret.alias_info
-        if not isinstance(o, torch.Tensor):
-            results.append(o)
-            continue
-        if alias is None:
-            results.append(_storage(o))
-            continue
-        src = next(v for a, v in zip(op._schema.arguments, values)
-                   if a.alias_info is not None and set(a.alias_info.before_set) & set(alias.before_set))
-        if alias.is_write:
-            if (tuple(src.shape), src.stride()) != (tuple(o.shape), o.stride()):
-                torch.ops.aten.set_.source_Tensor._op_dk(CPU, src, _storage(o))
-            results.append(src)
-        else:
-            results.append(AS_STRIDED._op_dk(CPU, src, o.shape, o.stride(), o.storage_offset()))
+        if isinstance(o, torch.Tensor) and alias is not None:
+            src = next(v for a, v in zip(op._schema.arguments, values)
+                       if a.alias_info is not None and set(a.alias_info.before_set) & set(alias.before_set))
+            if not alias.is_write:
+                results[i] = AS_STRIDED._op_dk(CPU, src, o.shape, o.stride(), o.storage_offset())
+            else:
+                results[i] = src
+    scratch: list[int] = []
+    for step, arg in MEMORY.plan(op, margs, list(outs)):
+        if step == "out" and arg < len(outs) and isinstance(outs[arg], torch.Tensor):
+            o, alias = outs[arg], op._schema.returns[arg].alias_info
+            if alias is None:
+                results[arg] = _storage(o)
+            elif alias.is_write and (tuple(results[arg].shape), results[arg].stride()) != (tuple(o.shape), o.stride()):
+                torch.ops.aten.set_.source_Tensor._op_dk(CPU, results[arg], _storage(o))
+        elif step == "tmp":
+            scratch.append(MEMORY.alloc(arg))
+        elif step == "free":
+            MEMORY.free(scratch[arg])
+        elif step == "blas":
+            MEMORY.blas(op, margs, outs)
     return tuple(results) if isinstance(out, tuple) else results[0]
 
 
@@ -143,6 +178,70 @@ def _bench(steps: int = 50) -> None:
           f"simulated_cuda {run('cuda', simulated_cuda):.1f}  (ms/step)")
 
 
+def _run(script: str, gpu: str) -> int:
+    """``--run SCRIPT GPU``: the script under `vram.run.runtime.run_script` with this backend in
+    place of its two modes: a function mode sends ``device="cuda"`` here, and the fallback charges
+    the simulated allocator in each kernel's order (`vram.run.kernels.op_plan`)."""
+    import contextlib
+
+    from torch.overrides import TorchFunctionMode
+
+    from vram.frontend import memory as _memory
+    from vram.run import kernels as _k
+    from vram.run import runtime as _rt
+
+    class Simulated:
+        def __init__(self, sim) -> None:  # type: ignore[no-untyped-def]
+            self.sim = sim
+
+        def alloc(self, nbytes: int) -> int:
+            return self.sim.malloc(0, nbytes) if nbytes else 0
+
+        def free(self, address: int) -> None:
+            if not address or not self.sim.active:
+                return
+            if self.sim.busy:
+                self.sim.pending.append((0, address))
+            else:
+                _memory.get_allocator(0).free(address)
+
+        def plan(self, op, args, outs):  # type: ignore[no-untyped-def]
+            name, props = op.overloadpacket.__name__, self.sim.props[0]
+            steps = _k.op_plan(name, args, outs, props.multi_processor_count, props.max_threads_per_multi_processor)
+            if name in _k.CUBLAS_OPS and ("blas", None) not in steps:
+                steps = steps + [("blas", None)]
+            return steps
+
+        def blas(self, op, args, outs) -> None:  # type: ignore[no-untyped-def]
+            if not (outs[0].is_floating_point() or outs[0].is_complex()):
+                return
+            props = self.sim.props[0]
+            thread = "autograd" if torch._C._current_autograd_node() is not None else "main"
+            key = (0, _memory.current_stream(0).cuda_stream, thread, "cublas")
+            self.sim.workspace(key, _k.cublas_workspace_size(props.major, props.minor))
+
+    class ToBackend(TorchFunctionMode):
+        def __init__(self, sim) -> None:  # type: ignore[no-untyped-def]
+            super().__init__()
+            global MEMORY
+            MEMORY = Simulated(sim)
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            d = kwargs.get("device")
+            if d is not None and torch.device(d).type == "cuda":
+                kwargs = dict(kwargs, device=torch.device("vramsim", 0))
+            return func(*args, **kwargs)
+
+    _rt.DispatchMode = lambda sim: contextlib.nullcontext()  # type: ignore[assignment,misc]
+    _rt.FunctionMode = ToBackend  # type: ignore[assignment,misc]
+    return _rt.run_script(script, [], gpu=gpu)
+
+
+if sys.argv[1:2] == ["--run"]:
+    status = _run(sys.argv[2], sys.argv[3])
+    sys.stdout.flush()
+    os._exit(status)
 if sys.argv[1:] == ["--bench"]:
     _bench()
     sys.stdout.flush()
