@@ -6,7 +6,6 @@ plain tensors. Prints, per formula family, how many gradient-sized storages its 
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 from pathlib import Path
 
@@ -77,6 +76,10 @@ def _deleter(p):  # type: ignore[no-untyped-def]
     address, nbytes = LIVE.pop(ctypes.addressof(p.contents))[-2:]  # the storage died: its block is free
     FREED.append(nbytes)
     MEMORY.free(address)
+
+
+# Storages can outlive this module (interpreter teardown): the C callback must never be collected.
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_deleter))
 
 
 def _storage(m: torch.Tensor) -> torch.Tensor:
@@ -239,13 +242,10 @@ def _run(script: str, gpu: str) -> int:
 
 
 if sys.argv[1:2] == ["--run"]:
-    status = _run(sys.argv[2], sys.argv[3])
-    sys.stdout.flush()
-    os._exit(status)
+    sys.exit(_run(sys.argv[2], sys.argv[3]))
 if sys.argv[1:] == ["--bench"]:
     _bench()
-    sys.stdout.flush()
-    os._exit(0)
+    sys.exit(0)
 for family, (program, *_rest) in FAMILIES.items():
     loss = program("vramsim")
     assert not torch._C._dispatch_isTensorSubclassLike(loss)
@@ -256,5 +256,3 @@ x = program("vramsim")
 FREED.clear()
 del x
 assert FREED, "the DLPack deleter reports a storage's death"
-sys.stdout.flush()
-os._exit(0)  # storages still alive at interpreter teardown would call a deleter already torn down
