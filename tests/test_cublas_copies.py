@@ -1,7 +1,8 @@
-"""Operand copies inside CUDA's batched matmul (``baddbmm_out_cuda_impl``, ``native/cuda/Blas.cpp``):
-``prepare_batch_matrix_for_cublas`` clones an operand cuBLAS cannot read in place — the expanded
+"""Operand copies inside CUDA's matmuls (``native/cuda/Blas.cpp``): ``prepare_batch_matrix_for_cublas``
+(bmm, baddbmm) and ``cublasCommonArgs``'s ``prepare_matrix_for_cublas`` (mm, addmm,
+``native/cuda/cuBlasCommonArgs.h``) clone an operand cuBLAS cannot read in place — the expanded
 gradient of ``sum()`` (strides 0) is the common case — after the output and before the cuBLAS call,
-and frees it when the kernel returns. Expectations come from that source and from the A100
+and free it when the kernel returns. Expectations come from that source and from the A100
 recording ``cs336-s-mem.pickle`` (its two 2 MiB ``clone`` requests inside ``BmmBackward0``)."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from vram.replay.loader import load_snapshot  # noqa: E402
-from vram.run.kernels import bmm_plan  # noqa: E402
+from vram.run.kernels import bmm_plan, mm_plan, non_overlapping_and_dense  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -45,6 +46,42 @@ def test_both_operands_copied_free_in_reverse_order() -> None:
 
 def test_other_ops_have_no_bmm_plan() -> None:
     assert bmm_plan("mm", (_meta(4, 4), _meta(4, 4)), [_meta(4, 4)]) is None
+    assert mm_plan("bmm", (_meta(2, 4, 4), _meta(2, 4, 4)), [_meta(2, 4, 4)]) is None
+
+
+def test_a_linear_backward_after_sum_clones_the_expanded_gradient() -> None:
+    """``grad.mm(weight)`` with grad = ones.expand(32, 64): strides (0, 0), neither row- nor
+    column-major, so ``prepare_matrix_for_cublas`` clones it (32 x 64 fp32 = 8 KiB)."""
+    grad = torch.ones((), device="meta").expand(32, 64)
+    assert mm_plan("mm", (grad, _meta(64, 16)), [_meta(32, 16)]) == [("out", 0), ("tmp", 8192), ("blas", None),
+                                                                     ("free", 0)]
+
+
+def test_dense_and_transposed_matrices_are_read_in_place() -> None:
+    w = _meta(16, 64)
+    assert mm_plan("mm", (_meta(32, 64), w.t()), [_meta(32, 16)]) == [("out", 0), ("blas", None)]
+    assert mm_plan("addmm", (_meta(16), _meta(32, 64), w.t()), [_meta(32, 16)]) == [("out", 0), ("blas", None)]
+    sliced = _meta(32, 128)[:, :64]  # unit stride, leading stride 128 >= 64: cuBLAS's lda
+    assert mm_plan("mm", (sliced, _meta(64, 16)), [_meta(32, 16)]) == [("out", 0), ("blas", None)]
+
+
+def test_cublas_common_args_frees_result_then_matb_then_mata() -> None:
+    """Both operands expanded: copied as mata (mat2, the result being row-major) then matb (mat1);
+    the struct's members are destroyed result, matb, mata."""
+    g1 = torch.ones((), device="meta").expand(8, 4)
+    g2 = torch.ones((), device="meta").expand(4, 6)
+    assert mm_plan("mm", (g1, g2), [_meta(8, 6)]) == [("out", 0), ("tmp", 96), ("tmp", 128), ("blas", None),
+                                                    ("free", 1), ("free", 0)]
+
+
+@pytest.mark.parametrize(("shape", "stride"), [((4, 3), (3, 1)), ((4, 3), (1, 4)), ((4, 3), (0, 0)), ((4, 3), (6, 2)),
+                                               ((1, 3), (7, 1)), ((4, 1), (1, 9)), ((2, 3, 4), (12, 1, 3)),
+                                               ((2, 3, 4), (1, 2, 6)), ((5,), (2,)), ((1,), (5,)), ((3, 3), (1, 1))])
+def test_non_overlapping_and_dense_is_torchs(shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    t = torch.empty(64, device="meta").as_strided(shape, stride)
+    assert non_overlapping_and_dense(t) == is_non_overlapping_and_dense_or_false(t)
 
 
 @pytest.mark.skipif(not (TRACES / "cs336-s-mem.pickle").is_file(), reason="needs ../shared/traces")

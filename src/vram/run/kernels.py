@@ -22,8 +22,9 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   multi-block launches, 32-bit splits, accumulation buffers and input dtype conversions live in
   `vram.run.reductions`; `op_plan` asks it after SDPA.
 * **pow(scalar, tensor)** materialises its base as a 0-dim CUDA tensor (`scalar_base_bytes`).
-* **bmm / baddbmm** copy operands cuBLAS cannot read in place (an expanded gradient) before the
-  cuBLAS call and free them on return (``native/cuda/Blas.cpp``; `bmm_plan`).
+* **bmm / baddbmm / mm / addmm** copy operands cuBLAS cannot read in place (an expanded
+  gradient) before the cuBLAS call and free them on return (``native/cuda/Blas.cpp``,
+  ``cuBlasCommonArgs.h``; `bmm_plan`, `mm_plan`).
 * **scaled_dot_product_attention**: backend choice (flash / memory-efficient / cuDNN / math, by the
   simulated compute capability) and what each kernel allocates, forward and backward, live in
   `vram.run.sdpa` (re-exported here); `op_plan` asks it first.
@@ -32,8 +33,7 @@ The rules follow the newest PyTorch sources read (2026); older releases differ i
 the shared cuBLASLt workspace, each Lt matmul allocated and freed its own 1 MiB).
 
 Not modelled (documented limitations) — mostly transient scratch that raises a peak without
-changing steady state: cuDNN convolution workspaces; the contiguous copies ``cublasCommonArgs``
-makes of mm/addmm operands with unsupported strides (bmm/baddbmm's are modelled: `bmm_plan`); sort buffers of
+changing steady state: cuDNN convolution workspaces; sort buffers of
 embedding backward; ``_foreach_norm`` intermediates; NCCL buffers; CUDA graphs.
 """
 from __future__ import annotations
@@ -116,6 +116,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     if plan is None:
         plan = bmm_plan(name, args, outs)
     if plan is None:
+        plan = mm_plan(name, args, outs)
+    if plan is None:
         plan = [("out", i) for i in range(len(outs))]
         base = scalar_base_bytes(name, args)
         if base:
@@ -171,6 +173,63 @@ def bmm_plan(name: str, args: tuple[Any, ...], outs: list[Any]) -> list[tuple[st
     made = [c for c in copies if c]
     plan += [("tmp", c) for c in made] + [("blas", None)]
     return plan + [("free", j) for j in reversed(range(len(made)))]
+
+
+def non_overlapping_and_dense(t: Any) -> bool:
+    """``TensorImpl::compute_non_overlapping_and_dense`` (``c10/core/TensorImpl.cpp``): sorted by
+    stride (dims of size < 2 last), each stride is the product of the sizes before it."""
+    sizes, strides = t.shape, t.stride()
+    if len(sizes) == 1:
+        return sizes[0] < 2 or strides[0] == 1
+    need = 1
+    for d in sorted(range(len(sizes)), key=lambda d: (sizes[d] < 2, strides[d] if sizes[d] >= 2 else 0)):
+        if sizes[d] < 2:
+            return True
+        if strides[d] != need:
+            return False
+        need *= sizes[d]
+    return True
+
+
+def _matrix_layout(t: Any, transpose_result: bool | None) -> tuple[int, bool]:
+    """``prepare_matrix_for_cublas`` (``native/cuda/cuBlasCommonArgs.h``) for an operand
+    (`transpose_result`) or the result (None): (bytes it copies, its transpose flag). A dense
+    matrix, or one with a unit stride and a leading stride cuBLAS accepts, is read in place (a
+    conjugate view is resolved, i.e. copied, where cuBLAS cannot conjugate it); any other — an
+    expanded gradient — is cloned contiguous."""
+    nbytes = t.numel() * t.element_size()
+    s, z = t.stride(), t.shape
+    if non_overlapping_and_dense(t):
+        transpose = t.is_contiguous()
+        resolve = transpose_result is None or transpose == transpose_result
+    elif s[0] == 1 and s[1] >= max(1, z[0]):
+        transpose, resolve = False, transpose_result is None or not transpose_result
+    elif s[1] == 1 and s[0] >= max(1, z[1]):
+        transpose, resolve = True, transpose_result is None or transpose_result
+    else:
+        return nbytes, True
+    return (nbytes if resolve and t.is_conj() else 0), transpose
+
+
+def mm_plan(name: str, args: tuple[Any, ...], outs: list[Any]) -> list[tuple[str, Any]] | None:
+    """``addmm_out_cuda_impl`` (``native/cuda/Blas.cpp``: mm, addmm, _addmm_activation): after the
+    output, ``cublasCommonArgs`` prepares the result, then the two operands (`_matrix_layout`); the
+    GEMM call (``("blas", None)``: workspaces); its members die in reverse declaration order
+    (result, matb, mata). None for other ops."""
+    if name not in ("mm", "addmm", "_addmm_activation") or not outs or not isinstance(outs[0], torch.Tensor):
+        return None
+    mat1, mat2 = (args[0], args[1]) if name == "mm" else (args[1], args[2])
+    res = outs[0]
+    plan: list[tuple[str, Any]] = [("out", 0)]
+    if res.numel() == 0 or res.dim() != 2 or mat1.dim() != 2 or mat2.dim() != 2 or mat1.size(1) == 0:
+        return plan + [("blas", None)]
+    result, transpose_result = _matrix_layout(res, None)
+    mata = _matrix_layout(mat2 if transpose_result else mat1, transpose_result)[0]
+    matb = _matrix_layout(mat1 if transpose_result else mat2, transpose_result)[0]
+    copies = [(k, c) for k, c in (("result", result), ("mata", mata), ("matb", matb)) if c]
+    index = {k: i for i, (k, _) in enumerate(copies)}
+    plan += [("tmp", c) for _, c in copies] + [("blas", None)]
+    return plan + [("free", index[k]) for k in ("result", "matb", "mata") if k in index]
 
 
 def scalar_base_bytes(name: str, args: tuple[Any, ...]) -> int:
