@@ -1,7 +1,7 @@
 """A probe for issue 12 (run by ``test_subclass_formulas.py`` in a child process): tensors on a
 Python PrivateUse1 backend (``torch.utils.backend_registration._setup_privateuseone_for_python_backend``)
-whose every op runs on meta, with storages made through DLPack so that a deleter reports each
-storage's death and no storage Python object exists. No dispatch mode, no meta key: autograd sees
+whose every op runs on meta, with storages made through DLPack (NumPy's exporter) so that each
+storage's death is reported and no storage Python object exists. No dispatch mode, no meta key: autograd sees
 plain tensors. Prints, per formula family, how many gradient-sized storages its backward made."""
 from __future__ import annotations
 
@@ -35,20 +35,15 @@ class DLTensor(ctypes.Structure):
                 ("byte_offset", ctypes.c_uint64)]
 
 
-class DLManaged(ctypes.Structure):
-    pass
-
-
-DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManaged))
-DLManaged._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", DELETER)]
-LIVE: dict[int, tuple[object, ...]] = {}
 MADE: list[int] = []
 FREED: list[int] = []
-CODES = {torch.float32: (2, 32), torch.int64: (0, 64), torch.bool: (6, 8)}
-NEW_CAPSULE = ctypes.pythonapi.PyCapsule_New
-NEW_CAPSULE.restype, NEW_CAPSULE.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-
-
+#: DLPack (code, bits) of the dtypes these programs use (dlpack.h: kDLInt 0, kDLUInt 1, kDLFloat 2,
+#: kDLBfloat 4, kDLComplex 5, kDLBool 6)
+CODES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.float64: (2, 64), torch.bfloat16: (4, 16),
+         torch.int64: (0, 64), torch.int32: (0, 32), torch.int8: (0, 8), torch.uint8: (1, 8), torch.bool: (6, 8),
+         torch.complex64: (5, 64)}
+GET_POINTER = ctypes.pythonapi.PyCapsule_GetPointer
+GET_POINTER.restype, GET_POINTER.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
 
 
 class Counter:
@@ -71,30 +66,36 @@ class Counter:
 MEMORY = Counter()
 
 
-@DELETER
-def _deleter(p):  # type: ignore[no-untyped-def]
-    address, nbytes = LIVE.pop(ctypes.addressof(p.contents))[-2:]  # the storage died: its block is free
-    FREED.append(nbytes)
-    MEMORY.free(address)
+class _Block:
+    """Lives exactly as long as one storage: NumPy's DLPack deleter (C, under the GIL) drops the
+    array that holds it, and CPython runs this finaliser with any pending error set aside — a
+    storage may die while C++ unwinds a Python exception (a failed ``set_data``, an OOM)."""
 
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.address, self.nbytes = address, nbytes
 
-# Storages can outlive this module (interpreter teardown): the C callback must never be collected.
-ctypes.pythonapi.Py_IncRef(ctypes.py_object(_deleter))
+    def __del__(self) -> None:
+        FREED.append(self.nbytes)
+        MEMORY.free(self.address)
 
 
 def _storage(m: torch.Tensor) -> torch.Tensor:
-    """A new storage for the meta output `m`, viewed as `m` (kDLExtDev = 12 is PrivateUse1)."""
+    """A new storage for the meta output `m`, viewed as `m`: a NumPy array over the simulated
+    address (never read) exported through DLPack, its device rewritten to kDLExtDev (12,
+    PrivateUse1) and its dtype to `m`'s."""
+    import numpy as np
+
     nbytes = m.untyped_storage().nbytes()
-    n = max(nbytes // m.element_size(), 1)
-    shape, strides = (ctypes.c_int64 * 1)(n), (ctypes.c_int64 * 1)(1)
-    managed = DLManaged()
-    code, bits = CODES[m.dtype]
     address = MEMORY.alloc(nbytes)
-    managed.dl_tensor = DLTensor(address or 1 << 40, DLDevice(12, 0), 1, DLDataType(code, bits, 1), shape, strides, 0)
-    managed.deleter = _deleter
-    LIVE[ctypes.addressof(managed)] = (managed, shape, strides, address, nbytes)
+    words = max(nbytes // m.element_size(), 1)
+    memory = (ctypes.c_uint8 * (words * m.element_size())).from_address(address or 1 << 40)
+    memory.block = _Block(address, nbytes)  # type: ignore[attr-defined]
+    capsule = np.frombuffer(memory, dtype=np.uint8).__dlpack__()
+    dl = DLTensor.from_address(GET_POINTER(capsule, b"dltensor"))
+    code, bits = CODES[m.dtype]
+    dl.device, dl.dtype, dl.shape[0] = DLDevice(12, 0), DLDataType(code, bits, 1), words
     MADE.append(nbytes)
-    base = torch.utils.dlpack.from_dlpack(NEW_CAPSULE(ctypes.addressof(managed), b"dltensor", None))
+    base = torch.utils.dlpack.from_dlpack(capsule)
     return AS_STRIDED._op_dk(CPU, base, m.shape, m.stride(), m.storage_offset())
 
 
@@ -256,3 +257,10 @@ x = program("vramsim")
 FREED.clear()
 del x
 assert FREED, "the DLPack deleter reports a storage's death"
+FREED.clear()
+try:  # a storage that dies while C++ unwinds a Python error: reported, and the error survives
+    torch.randn(2).data = torch.empty(3, device="vramsim")
+except RuntimeError as e:
+    assert "set_data" in str(e) and FREED
+else:
+    raise AssertionError("set_data across tensor types should fail")
