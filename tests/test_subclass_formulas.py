@@ -140,7 +140,11 @@ def test_a_simulated_backward_allocates_what_the_in_place_formula_does(family: s
     assert sum(1 for e in trace if e["action"] == "alloc" and e["size"] == FULL) == expected
 
 
-@pytest.mark.skipif(not hasattr(torch._C, "_acc"), reason="needs torch's experimental Python PrivateUse1 backend (torch._C._acc)")
+NEEDS_ACC = pytest.mark.skipif(not hasattr(torch._C, "_acc"),
+                               reason="needs torch's experimental Python PrivateUse1 backend (torch._C._acc)")
+
+
+@NEEDS_ACC
 def test_a_python_privateuse1_backend_takes_the_gpu_formulas() -> None:
     """The candidate mechanism (docs/estimate-accuracy.md), run in a child process because it
     registers a backend for the whole process: tensors on a Python PrivateUse1 backend whose ops
@@ -157,7 +161,7 @@ def test_a_python_privateuse1_backend_takes_the_gpu_formulas() -> None:
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
-@pytest.mark.skipif(not hasattr(torch._C, "_acc"), reason="needs torch's experimental Python PrivateUse1 backend (torch._C._acc)")
+@NEEDS_ACC
 def test_the_privateuse1_backend_reproduces_s_mem_exactly(tmp_path: Path) -> None:
     """s_mem (attention forward + backward) under `run_script` with the probe's backend in place of
     the two modes: every recorded request and segment, in order — the three out-of-place 512 MiB
