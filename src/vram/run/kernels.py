@@ -22,6 +22,9 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   multi-block launches, 32-bit splits, accumulation buffers and input dtype conversions live in
   `vram.run.reductions`; `op_plan` asks it after SDPA.
 * **pow(scalar, tensor)** materialises its base as a 0-dim CUDA tensor (`scalar_base_bytes`).
+* **bmm / baddbmm / mm / addmm** copy operands cuBLAS cannot read in place (an expanded
+  gradient) before the cuBLAS call and free them on return (``native/cuda/Blas.cpp``,
+  ``cuBlasCommonArgs.h``; `bmm_plan`, `mm_plan`).
 * **scaled_dot_product_attention**: backend choice (flash / memory-efficient / cuDNN / math, by the
   simulated compute capability) and what each kernel allocates, forward and backward, live in
   `vram.run.sdpa` (re-exported here); `op_plan` asks it first.
@@ -30,8 +33,7 @@ The rules follow the newest PyTorch sources read (2026); older releases differ i
 the shared cuBLASLt workspace, each Lt matmul allocated and freed its own 1 MiB).
 
 Not modelled (documented limitations) — mostly transient scratch that raises a peak without
-changing steady state: cuDNN convolution workspaces; the contiguous copies cuBLAS calls make of
-operands with unsupported strides (e.g. the expanded gradient of ``sum()``); sort buffers of
+changing steady state: cuDNN convolution workspaces; sort buffers of
 embedding backward; ``_foreach_norm`` intermediates; NCCL buffers; CUDA graphs.
 """
 from __future__ import annotations
@@ -112,11 +114,122 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     if plan is None:
         plan = _reductions.reduction_plan(name, args, outs, sms, max_threads_sm)
     if plan is None:
+        plan = bmm_plan(name, args, outs)
+    if plan is None:
+        plan = mm_plan(name, args, outs)
+    if plan is None:
         plan = [("out", i) for i in range(len(outs))]
         base = scalar_base_bytes(name, args)
         if base:
             plan += [("tmp", base), ("free", 0)]
     return plan
+
+
+def _batch_operand_copy(t: Any, transpose_result: bool, m: int, n: int) -> int:
+    """Bytes ``prepare_batch_matrix_for_cublas`` (``native/cuda/Blas.cpp``) allocates for a bmm
+    operand: a contiguous clone when neither of its last two dims has stride 1 with a leading
+    stride cuBLAS accepts (an expanded gradient: strides 0), unless it is contiguous with
+    non-zero strides; ``resolve_conj_if_indicated`` copies a conjugate view where it resolves."""
+    fast, lead = (2, 1) if transpose_result else (1, 2)
+    s = t.stride()
+    nbytes = t.numel() * t.element_size()
+    if s[fast] == 1 and s[lead] >= max(1, m):
+        return nbytes if t.is_conj() else 0
+    if s[lead] == 1 and s[fast] >= max(1, n):
+        return 0
+    if t.is_contiguous() and s[1] != 0 and s[2] != 0:
+        return nbytes if t.is_conj() and transpose_result else 0
+    return nbytes
+
+
+def bmm_plan(name: str, args: tuple[Any, ...], outs: list[Any]) -> list[tuple[str, Any]] | None:
+    """``baddbmm_out_cuda_impl`` (``native/cuda/Blas.cpp``, bmm and baddbmm): after the output,
+    a column-major copy of a result cuBLAS cannot write, then copies of the two operands
+    (`_batch_operand_copy`), the cuBLAS call (``("blas", None)``: its workspace), and the copies
+    freed in reverse order when the function returns. None for other ops."""
+    if name not in ("bmm", "baddbmm") or not outs or not isinstance(outs[0], torch.Tensor):
+        return None
+    b1, b2 = (args[0], args[1]) if name == "bmm" else (args[1], args[2])
+    res = outs[0]
+    plan: list[tuple[str, Any]] = [("out", 0)]
+    if res.numel() == 0 or b1.size(2) == 0 or res.dim() != 3:
+        return plan + [("blas", None)]
+    rs, rz = res.stride(), res.size()
+    transpose_result = False
+    copies = []
+    if rs[1] == 1 and (rz[2] == 1 or rs[2] >= max(1, rz[1])):
+        copies.append(res.numel() * res.element_size() if res.is_conj() else 0)
+    elif rs[2] == 1 and (rz[1] == 1 or rs[1] >= max(1, rz[2])):
+        transpose_result = True
+        copies.append(res.numel() * res.element_size() if res.is_conj() else 0)
+    else:
+        copies.append(res.numel() * res.element_size())
+    lead = 1 if transpose_result else 2
+    m, n = rz[2 if transpose_result else 1], rz[lead]
+    k = (b2 if transpose_result else b1).size(lead)
+    first, second = (b2, b1) if transpose_result else (b1, b2)
+    copies.append(_batch_operand_copy(first, transpose_result, m, k))
+    copies.append(_batch_operand_copy(second, transpose_result, k, n))
+    made = [c for c in copies if c]
+    plan += [("tmp", c) for c in made] + [("blas", None)]
+    return plan + [("free", j) for j in reversed(range(len(made)))]
+
+
+def non_overlapping_and_dense(t: Any) -> bool:
+    """``TensorImpl::compute_non_overlapping_and_dense`` (``c10/core/TensorImpl.cpp``): sorted by
+    stride (dims of size < 2 last), each stride is the product of the sizes before it."""
+    sizes, strides = t.shape, t.stride()
+    if len(sizes) == 1:
+        return sizes[0] < 2 or strides[0] == 1
+    need = 1
+    for d in sorted(range(len(sizes)), key=lambda d: (sizes[d] < 2, strides[d] if sizes[d] >= 2 else 0)):
+        if sizes[d] < 2:
+            return True
+        if strides[d] != need:
+            return False
+        need *= sizes[d]
+    return True
+
+
+def _matrix_layout(t: Any, transpose_result: bool | None) -> tuple[int, bool]:
+    """``prepare_matrix_for_cublas`` (``native/cuda/cuBlasCommonArgs.h``) for an operand
+    (`transpose_result`) or the result (None): (bytes it copies, its transpose flag). A dense
+    matrix, or one with a unit stride and a leading stride cuBLAS accepts, is read in place (a
+    conjugate view is resolved, i.e. copied, where cuBLAS cannot conjugate it); any other — an
+    expanded gradient — is cloned contiguous."""
+    nbytes = t.numel() * t.element_size()
+    s, z = t.stride(), t.shape
+    if non_overlapping_and_dense(t):
+        transpose = t.is_contiguous()
+        resolve = transpose_result is None or transpose == transpose_result
+    elif s[0] == 1 and s[1] >= max(1, z[0]):
+        transpose, resolve = False, transpose_result is None or not transpose_result
+    elif s[1] == 1 and s[0] >= max(1, z[1]):
+        transpose, resolve = True, transpose_result is None or transpose_result
+    else:
+        return nbytes, True
+    return (nbytes if resolve and t.is_conj() else 0), transpose
+
+
+def mm_plan(name: str, args: tuple[Any, ...], outs: list[Any]) -> list[tuple[str, Any]] | None:
+    """``addmm_out_cuda_impl`` (``native/cuda/Blas.cpp``: mm, addmm, _addmm_activation): after the
+    output, ``cublasCommonArgs`` prepares the result, then the two operands (`_matrix_layout`); the
+    GEMM call (``("blas", None)``: workspaces); its members die in reverse declaration order
+    (result, matb, mata). None for other ops."""
+    if name not in ("mm", "addmm", "_addmm_activation") or not outs or not isinstance(outs[0], torch.Tensor):
+        return None
+    mat1, mat2 = (args[0], args[1]) if name == "mm" else (args[1], args[2])
+    res = outs[0]
+    plan: list[tuple[str, Any]] = [("out", 0)]
+    if res.numel() == 0 or res.dim() != 2 or mat1.dim() != 2 or mat2.dim() != 2 or mat1.size(1) == 0:
+        return plan + [("blas", None)]
+    result, transpose_result = _matrix_layout(res, None)
+    mata = _matrix_layout(mat2 if transpose_result else mat1, transpose_result)[0]
+    matb = _matrix_layout(mat1 if transpose_result else mat2, transpose_result)[0]
+    copies = [(k, c) for k, c in (("result", result), ("mata", mata), ("matb", matb)) if c]
+    index = {k: i for i, (k, _) in enumerate(copies)}
+    plan += [("tmp", c) for _, c in copies] + [("blas", None)]
+    return plan + [("free", index[k]) for k in ("result", "matb", "mata") if k in index]
 
 
 def scalar_base_bytes(name: str, args: tuple[Any, ...]) -> int:

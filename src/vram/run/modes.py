@@ -160,6 +160,7 @@ class DispatchMode(TorchDispatchMode):
         tmps: list[int] = []
         done: list[Any] = []
         seen: set[int] = set()
+        blas = name in _k.CUBLAS_OPS
         try:
             for step, arg in plan:
                 if step == "tmp":
@@ -167,6 +168,9 @@ class DispatchMode(TorchDispatchMode):
                 elif step == "free":
                     _memory.get_allocator(idx).free(tmps[arg])
                     tmps[arg] = 0
+                elif step == "blas":  # the cuBLAS call, between the kernel's own scratch
+                    self._cublas_if_device(idx, name, args, kwargs, outs[0])
+                    blas = False
                 else:
                     for t in tree_leaves(outs[arg]) if arg < len(outs) else ():
                         if isinstance(t, torch.Tensor) and t.is_meta:
@@ -181,9 +185,8 @@ class DispatchMode(TorchDispatchMode):
                                 done.append(st)
                             else:
                                 sim.resize(st, b)
-            if (name in _k.CUBLAS_OPS and sim.block_of(outs[0]) is not None  # a host matmul: no cuBLAS
-                    and (outs[0].is_floating_point() or outs[0].is_complex())):
-                self._cublas(idx, name, args, kwargs, outs[0])
+            if blas:
+                self._cublas_if_device(idx, name, args, kwargs, outs[0])
         except torch.OutOfMemoryError:
             for p in tmps:
                 if p:
@@ -192,6 +195,11 @@ class DispatchMode(TorchDispatchMode):
                 sim.untrack(st)
             del done, outs, out
             raise
+
+    def _cublas_if_device(self, idx: int, name: str, args: Any, kwargs: Any, out: torch.Tensor) -> None:
+        """The cuBLAS workspaces of a floating matmul whose output is simulated (a host one has none)."""
+        if self.sim.block_of(out) is not None and (out.is_floating_point() or out.is_complex()):
+            self._cublas(idx, name, args, kwargs, out)
 
     def _cublas(self, idx: int, name: str, args: Any, kwargs: Any, out: torch.Tensor) -> None:
         sim = self.sim
