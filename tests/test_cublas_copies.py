@@ -6,17 +6,14 @@ and free it when the kernel returns. Expectations come from that source and from
 recording ``cs336-s-mem.pickle`` (its two 2 MiB ``clone`` requests inside ``BmmBackward0``)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from paths import RECORDINGS as TRACES  # noqa: E402
 from vram.replay.loader import load_snapshot  # noqa: E402
 from vram.run.kernels import bmm_plan, mm_plan, non_overlapping_and_dense  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
-
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
 
 def _meta(*shape: int) -> torch.Tensor:
@@ -84,7 +81,6 @@ def test_non_overlapping_and_dense_is_torchs(shape: tuple[int, ...], stride: tup
     assert non_overlapping_and_dense(t) == is_non_overlapping_and_dense_or_false(t)
 
 
-@pytest.mark.skipif(not (TRACES / "cs336-s-mem.pickle").is_file(), reason="needs ../shared/traces")
 def test_bmm_backward_of_a_sum_allocates_what_the_a100_did() -> None:
     """``(w @ v).sum().backward()`` for w 8x4096x4096, v 8x4096x16: the recording's requests 16-21
     (ones_like, v's gradient, its operand clone, the backward thread's cuBLAS workspace, w's

@@ -158,7 +158,7 @@ def test_a_python_privateuse1_backend_takes_the_gpu_formulas() -> None:
     assert {k: int(v) for k, v in counts.items()} == {k: FAMILIES[k][3] for k in FAMILIES}
 
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+from paths import PROGRAMS, RECORDINGS  # noqa: E402
 
 
 @NEEDS_ACC
@@ -166,7 +166,7 @@ def test_the_privateuse1_backend_reproduces_s_mem_exactly(tmp_path: Path) -> Non
     """s_mem (attention forward + backward) under `run_script` with the probe's backend in place of
     the two modes: every recorded request and segment, in order — the three out-of-place 512 MiB
     requests of the meta + mode design are gone."""
-    if not (SHARED / "programs" / "s_mem").is_dir():
+    if not (PROGRAMS / "s_mem").is_dir():
         pytest.skip("needs ../shared/programs beside the checkout")
     for module in ("einops", "pandas"):
         pytest.importorskip(module)
@@ -176,7 +176,7 @@ def test_the_privateuse1_backend_reproduces_s_mem_exactly(tmp_path: Path) -> Non
     from vram.replay.loader import load_snapshot
 
     work = tmp_path / "s_mem"
-    shutil.copytree(SHARED / "programs" / "s_mem", work)
+    shutil.copytree(PROGRAMS / "s_mem", work)
     for path in work.rglob("*"):
         path.chmod(0o755 if path.is_dir() else 0o644)
     probe = Path(__file__).with_name("privateuse1_probe.py")
@@ -184,6 +184,6 @@ def test_the_privateuse1_backend_reproduces_s_mem_exactly(tmp_path: Path) -> Non
     out = subprocess.run([sys.executable, str(probe), "--run", "trace_peak_memory.py", "A100-80GB"], cwd=work,
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    r = compare(side("GPU", load_snapshot(SHARED / "traces" / "cs336-s-mem.pickle")),
+    r = compare(side("GPU", load_snapshot(RECORDINGS / "cs336-s-mem.pickle")),
                 side("vram", load_snapshot(work / "mem_snapshot.pickle")))
     assert r.identical, render(r)
