@@ -1,0 +1,220 @@
+"""The PrivateUse1 engine's fallback, state and function mode (see `vram.run.backend`).
+
+Every aten op on a PrivateUse1 tensor reaches `_fallback` (a boxed fallback,
+``torch.library.Library("_", "IMPL").fallback(fn, "PrivateUse1")``; PyTorch's
+test/test_privateuseone_python_backend.py registers its ops the same way). It runs the op on meta
+views of its inputs; outputs that alias an input (``alias_info`` in the op's schema) view that
+input's storage, new ones get a new storage (`vram.run.backend.storage`) charged in the order of
+the CUDA kernel's allocations (`vram.run.kernels.op_plan`, with the cuBLAS workspaces of
+`vram.run.modes.DispatchMode`). A block is found from a tensor's data pointer (the storage's
+address *is* the simulated address), never from ``untyped_storage()``, whose Python object would
+pin the storage (issue 12, cause 3).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..modes import DispatchMode, FunctionMode
+from ..storages import ChargedStorage, SimState
+from .storage import new_storage
+
+#: PrivateUse1's name in a process that ran the engine (``torch.utils.rename_privateuse1_backend``)
+NAME = "vramsim"
+_META = torch.device("meta")
+_CPU = torch._C.DispatchKey.CPU
+_AS_STRIDED = torch.ops.aten.as_strided.default
+_SET = torch.ops.aten.set_.source_Tensor
+_COPY_FROM = torch.ops.aten._copy_from.default
+_STATE: list[BackendState] = []  # the running simulations, innermost last
+_LIB: list[Any] = []
+
+
+def register() -> None:
+    """Set PrivateUse1 up as a Python backend named `NAME` with `_fallback` for every op; once
+    per process (PyTorch cannot undo it; it changes nothing for other devices)."""
+    if _LIB:
+        return
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend(NAME)
+    lib = torch.library.Library("_", "IMPL")  # noqa: TOR901 - a fallback for every namespace
+    lib.fallback(_fallback, "PrivateUse1")
+    _LIB.append(lib)
+
+
+def _raw_device(t: torch.Tensor) -> torch.device:
+    with torch._C.DisableTorchFunction():
+        return t.device
+
+
+class BackendState(SimState):
+    """`SimState` whose charged storages are PrivateUse1 storages, found by (device, address)."""
+
+    def __init__(self, props: list[Any]) -> None:
+        super().__init__(props)
+        self.blocks: dict[tuple[int, int], ChargedStorage] = {}
+        self._empty = [ChargedStorage(0, 0, i, None) for i in range(len(props))]  # type: ignore[arg-type]
+        self._blas = DispatchMode(self)  # its cuBLAS workspace helpers; never entered
+
+    def block_of(self, t: Any) -> ChargedStorage | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        with torch._C.DisableTorchFunction():
+            d = t.device
+            if d.type != NAME:
+                return None
+            base = t.data_ptr() - t.storage_offset() * t.element_size()
+        idx = d.index or 0
+        return self.blocks.get((idx, base)) or self._empty[idx]
+
+    def new(self, meta: torch.Tensor, idx: int) -> torch.Tensor:
+        """A PrivateUse1 tensor like `meta` over a new storage charged to device `idx`."""
+        nbytes = meta.untyped_storage().nbytes()
+        ptr = self.malloc(idx, nbytes) if nbytes else 0
+        if ptr:
+            self.blocks[(idx, ptr)] = ChargedStorage(ptr, nbytes, idx, None)  # type: ignore[arg-type]
+        return new_storage(meta, idx, ptr, self._died)
+
+    def _died(self, idx: int, ptr: int) -> None:
+        b = self.blocks.pop((idx, ptr), None)
+        if b is not None:
+            self._free(b)
+
+    def close(self) -> None:
+        self.active = False
+        self.blocks.clear()
+
+
+def _on_meta(t: Any) -> Any:
+    if isinstance(t, torch.device) and t.type == NAME:
+        return _META
+    if isinstance(t, torch.Tensor) and t.device.type == NAME:
+        return torch.empty(0, dtype=t.dtype, device=_META).as_strided(t.shape, t.stride(), t.storage_offset())
+    return t
+
+
+def _device(args: Any, kwargs: dict[str, Any]) -> int:
+    for a in list(args) + list(kwargs.values()):
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor) and t.device.type == NAME:
+                return t.device.index or 0
+    d = kwargs.get("device")
+    if isinstance(d, torch.device) and d.type == NAME:
+        return d.index or 0
+    from vram.frontend import memory as _memory
+
+    return _memory.current_device()
+
+
+def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run `op` on meta; charge its new outputs and scratch to the simulated allocator. Without
+    the function mode: an op may run where it is on the stack (the autograd engine's threads)."""
+    with torch._C.DisableTorchFunction():
+        return _run(op, args, kwargs)
+
+
+def _run(op: Any, args: Any, kwargs: Any) -> Any:
+    if not _STATE:
+        raise RuntimeError(f"vram: a {NAME} tensor outside a simulated run")
+    sim = _STATE[-1]
+    if op is _COPY_FROM:  # copy_ across devices into a simulated tensor: no values to move
+        return args[1]
+    margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
+    out = op(*margs, **mkwargs)
+    single = not isinstance(out, tuple)
+    outs = [out] if single else list(out)
+    schema = op._schema
+    values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
+    results: list[Any] = list(outs)
+    for i, (ret, o) in enumerate(zip(schema.returns, outs)):
+        alias = ret.alias_info
+        if alias is None or not isinstance(o, (torch.Tensor, list)):
+            continue
+        src = next(v for a, v in zip(schema.arguments, values)
+                   if a.alias_info is not None and set(a.alias_info.before_set) & set(alias.before_set))
+        if alias.is_write:
+            results[i] = src
+        elif isinstance(o, list):
+            results[i] = [_AS_STRIDED._op_dk(_CPU, src, m.shape, m.stride(), m.storage_offset()) for m in o]
+        else:
+            results[i] = _AS_STRIDED._op_dk(_CPU, src, o.shape, o.stride(), o.storage_offset())
+    idx = _device(args, kwargs)
+    _charge(sim, op, idx, margs, mkwargs, outs, results)
+    return results[0] if single else tuple(results)
+
+
+def _charge(sim: BackendState, op: Any, idx: int, margs: Any, mkwargs: Any, outs: list[Any],
+            results: list[Any]) -> None:
+    from vram.frontend import memory as _memory
+
+    from .. import kernels as _k
+
+    name = op.overloadpacket.__name__
+    props = sim.props[idx]
+    plan = _k.op_plan(name, margs, outs, props.multi_processor_count, props.max_threads_per_multi_processor)
+    blas = name in _k.CUBLAS_OPS
+    tmps: list[int] = []
+    try:
+        for step, arg in plan:
+            if step == "tmp":
+                tmps.append(sim.malloc(idx, arg))
+            elif step == "free":
+                _memory.get_allocator(idx).free(tmps[arg])
+                tmps[arg] = 0
+            elif step == "blas":
+                _blas(sim, idx, name, margs, mkwargs, results)
+                blas = False
+            elif arg < len(outs):
+                _materialise(sim, op._schema.returns[arg].alias_info, outs, results, arg, idx)
+        if blas:
+            _blas(sim, idx, name, margs, mkwargs, results)
+    except torch.OutOfMemoryError:
+        for p in tmps:
+            if p:
+                _memory.get_allocator(idx).free(p)
+        raise
+
+
+def _materialise(sim: BackendState, alias: Any, outs: list[Any], results: list[Any], i: int, idx: int) -> None:
+    """Give return `i` its storage: new outputs a new one; an output written in place (``out=``,
+    ``resize_``) whose meta storage grew a new one too, as CUDA's ``resize_`` allocates anew."""
+    o = outs[i]
+    if alias is None:
+        if isinstance(o, torch.Tensor):
+            results[i] = sim.new(o, idx)
+        elif isinstance(o, list):
+            results[i] = [sim.new(m, idx) if isinstance(m, torch.Tensor) else m for m in o]
+    elif alias.is_write and isinstance(o, torch.Tensor):
+        t = results[i]
+        b = sim.block_of(t)
+        if b is not None and o.untyped_storage().nbytes() > b.nbytes:
+            _SET._op_dk(_CPU, t, sim.new(o, idx))
+        elif (tuple(t.shape), t.stride(), t.storage_offset()) != (tuple(o.shape), o.stride(), o.storage_offset()):
+            torch.ops.aten.as_strided_.default._op_dk(_CPU, t, o.shape, o.stride(), o.storage_offset())
+
+
+def _blas(sim: BackendState, idx: int, name: str, margs: Any, mkwargs: Any, results: list[Any]) -> None:
+    out = results[0]
+    if isinstance(out, torch.Tensor):
+        sim._blas._cublas_if_device(idx, name, margs, mkwargs, out)
+
+
+class BackendFunctionMode(FunctionMode):
+    """The default engine's function mode with ``cuda:N`` sent to PrivateUse1 device N."""
+
+    lazy_host = False
+
+    def device_for(self, idx: int) -> torch.device:
+        return torch.device(NAME, idx)
+
+
+def push(sim: BackendState) -> None:
+    _STATE.append(sim)
+
+
+def pop(sim: BackendState) -> None:
+    _STATE.remove(sim)
+    sim.close()
