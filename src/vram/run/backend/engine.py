@@ -28,6 +28,9 @@ _CPU = torch._C.DispatchKey.CPU
 _AS_STRIDED = torch.ops.aten.as_strided.default
 _SET = torch.ops.aten.set_.source_Tensor
 _COPY_FROM = torch.ops.aten._copy_from.default
+_SET_SOURCE = frozenset(getattr(torch.ops.aten.set_, o) for o in ("source_Tensor", "source_Storage",
+                                                                   "source_Storage_storage_offset",
+                                                                   "source_Tensor_storage_offset"))
 _STATE: list[BackendState] = []  # the running simulations, innermost last
 _LIB: list[Any] = []
 
@@ -122,6 +125,8 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     sim = _STATE[-1]
     if op is _COPY_FROM:  # copy_ across devices into a simulated tensor: no values to move
         return args[1]
+    if op in _SET_SOURCE:  # onto another simulated storage: the CPU kernel, which allocates nothing
+        return op._op_dk(_CPU, *args, **kwargs)
     margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
     out = op(*margs, **mkwargs)
     single = not isinstance(out, tuple)
