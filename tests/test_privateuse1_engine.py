@@ -1,105 +1,25 @@
-"""``vram run --backend privateuse1`` (experimental; `vram.run.backend`, issue 12): what it covers
-so far. The backend registers PrivateUse1 for the whole process, so these tests run it in this
-process only after the default engine's tests cannot be affected (it changes nothing for other
-devices: the default engine's tests pass after it, see docs/design.md)."""
+"""``vram run --backend privateuse1`` (experimental; `vram.run.backend`, issue 12): its cases
+(tests/privateuse1_engine_cases.py) run in a child pytest, because the engine registers
+PrivateUse1 for the whole process (a registered accelerator can change what torch picks
+elsewhere) and must not share a worker with the default engine's tests."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-if not hasattr(torch._C, "_acc"):
-    pytest.skip("needs torch's experimental Python PrivateUse1 backend (torch._C._acc)", allow_module_level=True)
-
-from test_subclass_formulas import FAMILIES, FULL  # noqa: E402
-from vram.run.runtime import simulated_cuda  # noqa: E402
 
 
-def sim(**kwargs):  # type: ignore[no-untyped-def]
-    return simulated_cuda(backend="privateuse1", **kwargs)
-
-
-def test_tensors_answer_as_cuda_tensors() -> None:
-    with sim():
-        x = torch.randn(4, 8, device="cuda")
-        assert x.device == torch.device("cuda", 0) and x.is_cuda and not x.is_meta and not x.is_cpu
-        assert x.get_device() == 0
-        assert torch.zeros(2, device=x.device).is_cuda
-        y = x[1:]
-        assert y.data_ptr() == x.data_ptr() + 8 * 4 and y.is_cuda
-        a, b = torch.ones(3).to("cuda"), torch.ones(3).cuda()
-        assert a.is_cuda and b.device == torch.device("cuda", 0) and a.data_ptr() != b.data_ptr()
-        assert torch.cuda.memory_allocated() == 512 * 3  # x, and the two moved copies
-
-
-def test_module_moves_keep_parameters() -> None:
-    with sim():
-        m = torch.nn.Linear(8, 16)
-        w = m.weight
-        m.cuda()
-        assert m.weight is w and w.is_cuda and isinstance(w, torch.nn.Parameter)
-        m.to("cuda")
-        assert m.weight is w
-        assert torch.cuda.memory_allocated() == 512 + 512  # weight (512 B) and bias (64 B -> 512)
-
-
-def test_storages_are_freed_when_pytorch_frees_them() -> None:
-    with sim():
-        x = torch.empty(1 << 20, device="cuda")
-        assert torch.cuda.memory_allocated() == 4 << 20
-        v = x.view(-1, 2)
-        del x
-        assert torch.cuda.memory_allocated() == 4 << 20
-        del v
-        assert torch.cuda.memory_allocated() == 0
-        assert torch.cuda.memory_reserved() == 20 << 20
-
-
-def test_out_of_memory_is_torch_s() -> None:
-    with sim(gpu="1GiB"):
-        with pytest.raises(torch.OutOfMemoryError):
-            torch.empty(1 << 30, device="cuda")
-        assert torch.cuda.memory_allocated() == 0
-
-
-def test_cublas_workspace_and_autocast() -> None:
-    with sim(gpu="A100-80GB"):
-        a = torch.randn(64, 64, device="cuda", requires_grad=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = a @ a
-            assert out.dtype == torch.bfloat16 and out.is_cuda
-            assert torch.softmax(out, -1).dtype == torch.float32
-        assert torch.cuda.memory_allocated() > 4 << 20  # the cuBLAS workspace
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_backward_takes_the_gpu_formulas(family: str) -> None:
-    """The xfails of test_subclass_formulas.py, passing: no meta key, no dispatch mode."""
-    program, _, _, expected = FAMILIES[family]
-    with sim():
-        loss = program("cuda")
-        torch.cuda.memory._record_memory_history()
-        loss.backward()
-        trace = torch.cuda.memory._snapshot()["device_traces"][0]
-        torch.cuda.memory._record_memory_history(enabled=None)
-    assert sum(1 for e in trace if e["action"] == "alloc" and e["size"] == FULL) == expected
-
-
-def _recorded(tmp_path, monkeypatch, name):  # type: ignore[no-untyped-def]
-    from test_recorded_programs import _reproduce
-
-    monkeypatch.setenv("VRAM_RUN_BACKEND", "privateuse1")
-    args = {"s_bf16": ("s_bf16", ["benchmark.py"], {"PREC": "bf16"}, "A100-80GB", "memory_forward_bf16_128.pickle",
-                       "cs336-s-forward-bf16-128.pickle", ("einops", "jaxtyping", "pandas")),
-            "s_mem": ("s_mem", ["trace_peak_memory.py"], {}, "A100-80GB", "mem_snapshot.pickle",
-                      "cs336-s-mem.pickle", ("einops", "pandas"))}[name]
-    return _reproduce(tmp_path, monkeypatch, *args)
-
-
-@pytest.mark.parametrize("name", ["s_bf16", "s_mem"])
-def test_recorded_programs_reproduce_their_recordings(tmp_path, monkeypatch, name) -> None:  # type: ignore[no-untyped-def]
-    """test_recorded_programs.py's programs (k_run: VRAM_SLOW_TESTS) — s_mem's xfail passes here."""
-    from vram.replay.diff import render
-
-    r = _recorded(tmp_path, monkeypatch, name)
-    assert (r.a.peak_allocated, r.a.peak_reserved) == (r.b.peak_allocated, r.b.peak_reserved)
-    assert r.identical, render(r)
+@pytest.mark.skipif(not hasattr(torch._C, "_acc"),
+                    reason="needs torch's experimental Python PrivateUse1 backend (torch._C._acc)")
+def test_the_privateuse1_engine_cases_pass() -> None:
+    cases = Path(__file__).with_name("privateuse1_engine_cases.py")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-p", "no:xdist",
+                          "-p", "no:cacheprovider", str(cases)], capture_output=True, text=True, env=env,
+                         timeout=1200, cwd=cases.parent)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
