@@ -34,10 +34,10 @@ from vram.views.snapshot import segments as snapshot_segments
 from . import ccore
 from .cycles import CycleSkipper
 from .messages import SnapshotError, printable
+from .pool_replay import PoolRouter, plan_pools
 from .rewind import rewind
 from .safe_pickle import gc_paused
 from .state import import_segments
-from .pool_replay import PoolRouter, plan_pools
 from .validate import KNOWN_ACTIONS, RESERVED_STREAMS
 
 #: capacity of the replay GPU when none is given: large enough for any recording

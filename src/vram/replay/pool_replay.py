@@ -138,7 +138,7 @@ def _pools_by_id(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[
     out: list[tuple[int, int] | None] = []
     for e in trace:
         pid = e.get("pool_id")
-        out.append(None if not pid or tuple(pid) == DEFAULT else tuple(pid))  # type: ignore[arg-type]
+        out.append(None if not pid or tuple(pid) == DEFAULT else tuple(pid))
     return out
 
 
@@ -175,7 +175,7 @@ def _pools_by_address(segments: Sequence[Mapping[str, Any]], trace: Sequence[Map
             raise SnapshotError(f"device_traces[{device}][{i}] ({action} at {addr:#x}): its memory pool is not "
                                 "recorded (a recording with private pools and no trace pool ids: only segments "
                                 "alive at the end tell their pool)")
-        out[i] = None if pid is unknown else pid
+        out[i] = None if pid is unknown else pid  # type: ignore[assignment]
         if action == "segment_alloc" and seg is not None and starts[k] == addr:
             del segs[addr]
             starts.pop(k)

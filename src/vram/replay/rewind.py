@@ -348,7 +348,7 @@ def _as_snapshot_segment(seg: _Segment, final_free: Mapping[tuple[int, int], int
     if addr < end:
         blocks.append({"address": addr, "size": end - addr, "state": "inactive", "frames": [],
                        "requested_size": _stale_requested(final_free, addr, end)})
-    out = {"address": seg.address, "total_size": seg.total_size, "stream": seg.stream,
+    out: dict[str, Any] = {"address": seg.address, "total_size": seg.total_size, "stream": seg.stream,
            "segment_type": seg.segment_type, "is_expandable": seg.expandable, "frames": seg.frames,
            "blocks": blocks}
     if seg.pool and tuple(seg.pool) != (0, 0):

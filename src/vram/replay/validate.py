@@ -9,10 +9,10 @@ mapped page by page, so only the rules that hold for them too are applied to the
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from .messages import Invalid, SnapshotError, brief, printable
+from .messages import Invalid, brief, printable
 
 __all__ = ["KNOWN_ACTIONS", "RESERVED_STREAMS", "check_requested", "check_segment", "check_settings",
            "stream_error"]
