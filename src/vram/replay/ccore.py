@@ -101,6 +101,8 @@ def unsupported(alloc: CachingAllocator, dev: TraceDevice, *, skip_cycles: bool,
         return "history recording is on"
     if alloc.cuda_events:
         return "blocks pending on events at the start"
+    if alloc.graph_pools or getattr(dev, "pool_router", None) is not None:
+        return "private memory pools (CUDA graphs, MemPool)"
     if not isinstance(dev, TraceDevice) or dev.fail_mallocs:
         return "not a replay device"
     if alloc.small_blocks.get_free_blocks_call_count or alloc.large_blocks.get_free_blocks_call_count:

@@ -44,7 +44,7 @@ LARGE_PAGE = 20 * 1024 * 1024  # an expandable segment's large-pool page (kLarge
 
 class _Segment:
     __slots__ = ("address", "total_size", "stream", "segment_type", "frames", "live", "expandable", "bound",
-                 "unknown")
+                 "unknown", "pool")
 
     def __init__(self, address: int, total_size: int, stream: int, segment_type: str | None,
                  frames: list[Any], expandable: bool = False) -> None:
@@ -59,6 +59,7 @@ class _Segment:
         #: addr of a block of unknown size -> the lowest address allocated above it while it lived
         self.bound: dict[int, int] = {}
         self.unknown: list[int] = []  # sorted addresses of the live blocks of size -1
+        self.pool: Any = None  # a private pool's id (``segment_pool_id``); None: the default pool
 
     @property
     def end(self) -> int:
@@ -87,6 +88,7 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
     for s in segments:
         seg = _Segment(s["address"], s["total_size"], s.get("stream", 0),
                        s.get("segment_type", "large"), s.get("frames") or [], bool(s.get("is_expandable")))
+        seg.pool = s.get("segment_pool_id")
         addr = s["address"]
         for b in s["blocks"]:
             if b["state"] != "inactive":
@@ -181,7 +183,9 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
             _check_unused(segs, starts, addr, size, at(i), "freed segment")
             if size <= 0 or size % K_MIN_BLOCK_SIZE:
                 raise TraceError(f"{at(i)}: a segment of {size} bytes cannot exist (spec §6)")
-            add(_Segment(addr, size, e.get("stream", 0), "small" if size == 2 * 1024 * 1024 else "large", []))
+            freed = _Segment(addr, size, e.get("stream", 0), "small" if size == 2 * 1024 * 1024 else "large", [])
+            freed.pool = e.get("pool_id")  # (its pool: vram.replay.pool_replay)
+            add(freed)
         elif action == "segment_map":
             holder.clear()  # (runs are cut and joined in place)
             _unmap_back(e, find(e["addr"], i), at(i), add, drop, groups)
@@ -344,9 +348,11 @@ def _as_snapshot_segment(seg: _Segment, final_free: Mapping[tuple[int, int], int
     if addr < end:
         blocks.append({"address": addr, "size": end - addr, "state": "inactive", "frames": [],
                        "requested_size": _stale_requested(final_free, addr, end)})
-    out = {"address": seg.address, "total_size": seg.total_size, "stream": seg.stream,
+    out: dict[str, Any] = {"address": seg.address, "total_size": seg.total_size, "stream": seg.stream,
            "segment_type": seg.segment_type, "is_expandable": seg.expandable, "frames": seg.frames,
            "blocks": blocks}
+    if seg.pool and tuple(seg.pool) != (0, 0):
+        out["segment_pool_id"] = tuple(seg.pool)
     if seg.expandable:
         out["expandable_base"] = lowest.get((seg.stream, seg.segment_type), seg.address)
     return out
