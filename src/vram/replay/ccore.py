@@ -80,6 +80,11 @@ def available() -> str | None:
     return _load()[1]
 
 
+def loaded() -> ModuleType | None:
+    """The built module when the C core can run here (`available`), else None."""
+    return _module if available() is None else None
+
+
 def unsupported(alloc: CachingAllocator, dev: TraceDevice, *, skip_cycles: bool,
                 empty_cache_at: Collection[int]) -> str | None:
     """Why the C core cannot replay on `alloc` (checked before the run), or None."""
