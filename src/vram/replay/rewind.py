@@ -31,6 +31,7 @@ from typing import Any
 from vram.allocator.block import SortedKeys
 from vram.allocator.caching import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, round_size
 
+from . import ccore
 from .messages import SnapshotError
 
 
@@ -100,7 +101,55 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
         segs[seg.address] = seg
         starts.add(seg.address)
         groups.add(seg)
+    walked = _walk_in_c(segs, trace)
+    order: list[int]
+    if walked is None:
+        _walk(segs, starts, groups, trace, divisions, device)
+        order = list(starts)
+    else:
+        segs, order = walked, list(walked)  # (in address order)
+    for a in order:
+        seg = segs[a]
+        if seg.segment_type is None:  # never used in the trace: only its size can tell
+            groups.drop(seg)
+            seg.segment_type = "large" if seg.total_size % LARGE_PAGE == 0 else "small"
+            groups.add(seg)
+        _infer_sizes(seg, divisions, expandable_conf or seg.expandable)
+    return [_as_snapshot_segment(segs[a], final_free, groups.lowest) for a in order]
 
+
+#: the actions the C walk (`vram.replay._ccore.rewind`) acts on; 5: walked in Python only
+_ACTIONS = {"alloc": 0, "free_completed": 1, "free_requested": 2, "segment_alloc": 3, "segment_free": 4,
+            "segment_map": 5, "segment_unmap": 5}
+
+
+def _walk_in_c(segs: dict[int, _Segment], trace: Sequence[Mapping[str, Any]]) -> dict[int, _Segment] | None:
+    """`_walk` in C (`vram.replay.ccore`), on new segments (`segs` is left as it is): the segments
+    at the trace's first event by address, or None where the C core is not there or leaves the
+    walk to Python (expandable segments, values beyond 64 bits, a trace that contradicts the state)."""
+    module = ccore.loaded()
+    if module is None or not trace or any(s.expandable or s.segment_type is None for s in segs.values()):
+        return None
+    given = list(segs.values())
+    got = module.rewind([(s.address, s.total_size, s.live) for s in given], trace, _ACTIONS, ALLOCATED, PENDING)
+    if got is None:
+        return None
+    out: dict[int, _Segment] = {}
+    for index, address, total, stream, live, bound in got:
+        if index >= 0:
+            old = given[index]
+            seg = _Segment(address, total, old.stream, old.segment_type, old.frames)
+        else:  # restored by a segment_free (as `_walk` makes it)
+            seg = _Segment(address, total, stream, "small" if total == 2 * 1024 * 1024 else "large", [])
+        seg.live, seg.bound = live, bound
+        out[address] = seg
+    return out
+
+
+def _walk(segs: dict[int, _Segment], starts: SortedKeys, groups: _Groups, trace: Sequence[Mapping[str, Any]],
+          divisions: list[int], device: int) -> None:
+    """Walk `trace` backwards from the final state in `segs` (with `starts` and `groups`), leaving
+    there the state at its first event: the readable reference for `_walk_in_c`."""
     def at(i: int) -> str:
         return f"device_traces[{device}][{i}] ({trace[i]['action']} at {trace[i]['addr']:#x})"
 
@@ -192,14 +241,6 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
         elif action == "segment_unmap":
             holder.clear()
             _map_back(e, at(i), add, drop, segs, starts)
-    for a in starts:
-        seg = segs[a]
-        if seg.segment_type is None:  # never used in the trace: only its size can tell
-            groups.drop(seg)
-            seg.segment_type = "large" if seg.total_size % LARGE_PAGE == 0 else "small"
-            groups.add(seg)
-        _infer_sizes(seg, divisions, expandable_conf or seg.expandable)
-    return [_as_snapshot_segment(segs[a], final_free, groups.lowest) for a in starts]
 
 
 class _Groups:
