@@ -189,7 +189,7 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     if final or not trace:
         divisions, expandable = _recorded_rules(recorded_conf, conf is not None)
         with gc_paused():  # it makes a tuple per live block and no garbage cycles (see `gc_paused`)
-            initial = rewind(final, trace, divisions, device, expandable)
+            initial = rewind(final, trace, divisions, device, expandable, plan is not None)
     else:  # no segment layout (an RMM log): the trace is taken to start from an empty allocator
         initial = []
     recorded = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]

@@ -72,13 +72,14 @@ _Edit = Callable[[_Segment], None]  # add a segment to, or drop it from, the rew
 
 def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
            divisions: list[int] | None = None, device: int = 0,
-           expandable_conf: bool = False) -> list[dict[str, Any]]:
+           expandable_conf: bool = False, private_pools: bool = False) -> list[dict[str, Any]]:
     """The segments (with blocks) as they were before the first event of `trace`.
 
     `segments` is the snapshot's final state of one device, `trace` that device's events (its
     index `device` names them in errors), `divisions` the recording's
     ``roundup_power2_divisions`` table and `expandable_conf` its ``expandable_segments`` (for
-    inferring sizes). Linear in the trace (a sorted index of segment starts), so 100k segments
+    inferring sizes); `private_pools`: the recording used private pools, so segments keep their
+    pool, which only the Python walk follows. Linear in the trace (a sorted index of segment starts), so 100k segments
     rewind in well under a second. Raises `TraceError` where the trace contradicts the final state.
     """
     divisions = divisions or [0] * 16
@@ -101,7 +102,8 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
         segs[seg.address] = seg
         starts.add(seg.address)
         groups.add(seg)
-    walked = _walk_in_c(segs, trace)
+    private = private_pools or any(seg.pool and tuple(seg.pool) != (0, 0) for seg in segs.values())
+    walked = None if private else _walk_in_c(segs, trace)
     order: list[int]
     if walked is None:
         _walk(segs, starts, groups, trace, divisions, device)
