@@ -1,0 +1,75 @@
+"""Pipeline parallel under ``vram run --nproc-per-node`` (issue 13): each stage is its own
+program, simulated in its own process; point-to-point messages carry known values between the
+rank processes (`vram.run.distributed.p2p`), so stages infer their shapes as on GPUs.
+
+Expectations from ``torch/distributed/pipelining/schedules.py``: ``ScheduleGPipe`` runs every
+microbatch's forward before any backward, so during the backward of microbatch k a stage still
+holds the activations of microbatches k..M-1 (M - k of them); ``Schedule1F1B`` runs
+``warmup_chunks = min(M, num_stages - stage_index)`` forwards, then alternates one backward and
+one forward, so during every backward before the cooldown it holds ``warmup_chunks``
+microbatches. A stage's peak is during the backward of microbatch 1: the first whose weight
+gradients are *accumulated* (``AccumulateGrad`` steals the first microbatch's gradient and adds
+the next one's, a new H x D float32 tensor per weight, in place). The two schedules' peaks on a
+stage therefore differ by exactly ``(M - 1) - min(M, S - s)`` microbatches' saved activations:
+the ReLU output (saved by ``threshold_backward`` and by the second Linear's ``mm``) and, per
+stage, the stage output kept for its backward (first stage: the output in ``fwd_cache``; last
+stage: ``(y - t)``, saved by ``pow``'s backward).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from vram.run.distributed.p2p import Mailbox, P2PError, exited_marker  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAMS = ROOT / "tests" / "distributed_programs"
+D, H, BATCH, MICRO = 256, 4096, 64, 4          # as in pp_schedules.py
+MB = BATCH // MICRO
+
+
+def _peaks(stdout: str) -> dict[tuple[int, str], int]:
+    peaks = {}
+    for line in stdout.splitlines():
+        if line.startswith("[rank") and " peak " in line:
+            rank = int(line[5:line.index("]")])
+            name, _, value = line.split(":", 1)[1].split()
+            peaks[rank, name] = int(value)
+    return peaks
+
+
+def test_1f1b_holds_fewer_microbatches_than_gpipe_by_the_schedules_rules() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run([sys.executable, "-m", "vram", "run", "--nproc-per-node", "2", "--gpu", "24GiB",
+                        str(PROGRAMS / "pp_schedules.py")], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    peaks = _peaks(r.stdout)
+    stages = 2
+    saved = MB * H * 4 + MB * D * 4      # ReLU output + the stage's kept output (see the module doc)
+    for s in range(stages):
+        held_gpipe = MICRO - 1                       # during microbatch 1's backward
+        held_1f1b = min(MICRO, stages - s)           # warmup_chunks
+        assert peaks[s, "ScheduleGPipe"] - peaks[s, "Schedule1F1B"] == (held_gpipe - held_1f1b) * saved
+    # the first stage holds more microbatches under 1F1B than the last: 2 against 1
+    assert peaks[0, "ScheduleGPipe"] - peaks[0, "Schedule1F1B"] < peaks[1, "ScheduleGPipe"] - peaks[1, "Schedule1F1B"]
+
+
+def test_mailbox_matches_messages_in_order_per_pair(tmp_path: Path) -> None:
+    sender, receiver = Mailbox(str(tmp_path), 0, {0, 1}), Mailbox(str(tmp_path), 1, {0, 1})
+    sender.post("g", 1, [torch.tensor([1])])
+    sender.post("g", 1, [None])
+    assert receiver.take("g", 0) == [torch.tensor([1])]
+    assert receiver.take("g", 0) == [None]                  # unknown values stay unknown
+    assert Mailbox(str(tmp_path), 1, {1}).take("g", 0) is None   # rank 0 not simulated: unknown at once
+
+
+def test_receiving_from_a_rank_that_ended_without_sending_is_an_error(tmp_path: Path) -> None:
+    open(exited_marker(str(tmp_path), 0), "w").close()
+    with pytest.raises(P2PError, match="rank 1 receives message 0 from rank 0 .* ended without sending it"):
+        Mailbox(str(tmp_path), 1, {0, 1}).take("g", 0)
