@@ -27,7 +27,7 @@ from vram.views.summary import memory_summary_from_stats
 DEFAULT_TOTAL_MEMORY = 80 * GiB
 
 __all__ = [
-    "simulate", "device_count", "current_device", "set_device", "synchronize", "Stream",
+    "simulate", "device_count", "current_device", "set_device", "synchronize", "Stream", "Event",
     "current_stream", "default_stream", "stream", "memory_allocated", "max_memory_allocated",
     "memory_reserved", "max_memory_reserved", "memory_stats", "memory_stats_as_nested_dict",
     "memory_summary", "empty_cache", "reset_peak_memory_stats", "reset_accumulated_memory_stats",
@@ -161,6 +161,18 @@ class Stream:
     def wait_stream(self, stream: Stream) -> None:  # ordering only; no memory effect
         return None
 
+    def is_capturing(self) -> bool:  # ``torch.Stream.is_capturing``: no graph capture here
+        return False
+
+    def wait_event(self, event: Event) -> None:  # ordering only; no memory effect
+        return None
+
+    def record_event(self, event: Event | None = None) -> Event:
+        """``torch.cuda.Stream.record_event``: records (a new one when None) and returns it."""
+        event = Event() if event is None else event
+        event.record(self)
+        return event
+
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Stream) and other.cuda_stream == self.cuda_stream
                 and other.device_index == self.device_index)
@@ -170,6 +182,30 @@ class Stream:
 
     def __repr__(self) -> str:
         return f"<vram.Stream device=cuda:{self.device_index} cuda_stream={self.cuda_stream:#x}>"
+
+
+class Event:
+    """``torch.cuda.Event`` on an infinitely fast GPU: always complete, and ``elapsed_time`` is
+    0.0 ms. A simulation knows memory, not time: timings of a simulated run mean nothing."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False, external: bool = False) -> None:
+        self.enable_timing = enable_timing
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end_event: Event) -> float:
+        return 0.0
 
 
 def default_stream(device: Any = None) -> Stream:

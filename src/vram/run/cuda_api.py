@@ -1,7 +1,7 @@
 """``torch.cuda`` answered by the simulator, for `vram.run.runtime` (layer 4; needs torch).
 
-`patch_torch_cuda` swaps the device, stream, RNG and memory functions of ``torch.cuda`` and
-``torch.cuda.memory`` for ones backed by `vram.memory` and returns a function that puts every
+`patch_torch_cuda` swaps the device, stream, RNG and memory functions of ``torch.cuda``,
+``torch.cuda.memory`` and ``torch.accelerator`` for ones backed by `vram.memory` and returns a function that puts every
 original back. Memory statistics, ``memory_summary()``, ``empty_cache()``, snapshots and
 ``_record_memory_history`` are vram's own, which are PyTorch's byte for byte.
 """
@@ -49,30 +49,6 @@ class DeviceProperties:
                 f"multi_processor_count={self.multi_processor_count}, uuid={self.uuid}, "
                 f"pci_bus_id={self.pci_bus_id}, pci_device_id={self.pci_device_id}, "
                 f"pci_domain_id={self.pci_domain_id}, L2_cache_size={self.L2_cache_size // MiB}MB)")
-
-
-class Event:
-    """``torch.cuda.Event`` on an infinitely fast GPU: always complete, and ``elapsed_time`` is
-    0.0 ms. A simulation knows memory, not time: timings of a simulated run mean nothing."""
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False,
-                 interprocess: bool = False, external: bool = False) -> None:
-        self.enable_timing = enable_timing
-
-    def record(self, stream: Any = None) -> None:
-        return None
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
-
-    def elapsed_time(self, end_event: Event) -> float:
-        return 0.0
 
 
 class NVTX:
@@ -123,15 +99,17 @@ _PRIVATE_MEMORY_NAMES = ("_record_memory_history", "_snapshot", "_dump_snapshot"
                          "_set_allocator_settings")
 
 
+def _exchange_device(idx: int) -> int:
+    """``torch.cuda._exchange_device``: make `idx` current (unless negative), return the previous."""
+    prev = _memory.current_device()
+    if idx >= 0:
+        _memory.set_device(idx)
+    return prev
+
+
 def _replacements(props: list[DeviceProperties]) -> dict[str, Callable[..., Any] | type]:
     def props_of(device: Any = None) -> DeviceProperties:
         return props[_memory._device_index(device)]
-
-    def exchange_device(idx: int) -> int:
-        prev = _memory.current_device()
-        if idx >= 0:
-            _memory.set_device(idx)
-        return prev
 
     def set_device(device: Any) -> None:
         if isinstance(device, int) and device < 0:
@@ -154,8 +132,8 @@ def _replacements(props: list[DeviceProperties]) -> dict[str, Callable[..., Any]
         "device_count": _memory.device_count,
         "current_device": _memory.current_device,
         "set_device": set_device,
-        "_exchange_device": exchange_device,
-        "_maybe_exchange_device": exchange_device,
+        "_exchange_device": _exchange_device,
+        "_maybe_exchange_device": _exchange_device,
         "get_device_properties": props_of,
         "get_device_name": lambda device=None: props_of(device).name,
         "get_device_capability": lambda device=None: (props_of(device).major, props_of(device).minor),
@@ -167,7 +145,7 @@ def _replacements(props: list[DeviceProperties]) -> dict[str, Callable[..., Any]
         "default_stream": _memory.default_stream,
         "stream": _memory.stream,
         "Stream": _memory.Stream,
-        "Event": Event,
+        "Event": _memory.Event,
         "ipc_collect": noop(),
         "get_rng_state": get_rng_state,
         "get_rng_state_all": lambda: [get_rng_state() for _ in props],
@@ -178,6 +156,30 @@ def _replacements(props: list[DeviceProperties]) -> dict[str, Callable[..., Any]
         "seed": noop(),
         "seed_all": noop(),
         "initial_seed": torch.initial_seed,
+    }
+
+
+def _accelerator() -> dict[str, Callable[..., Any]]:
+    """``torch._C``'s accelerator hooks, behind ``torch.accelerator`` and
+    ``torch._C._get_accelerator()`` (FSDP2's default mesh, ``torch.distributed``'s default
+    device): on a CPU build they say "cpu"; a simulated run's accelerator is CUDA."""
+    cuda = torch.device("cuda")
+
+    return {
+        "_get_accelerator": lambda check=False: cuda,
+        "_accelerator_getAccelerator": lambda: cuda,
+        "_accelerator_getDeviceIndex": _memory.current_device,
+        "_accelerator_setDeviceIndex": lambda idx: _memory.set_device(idx) if idx >= 0 else None,
+        "_accelerator_exchangeDevice": _exchange_device,
+        "_accelerator_maybeExchangeDevice": _exchange_device,
+        "_accelerator_getStream": _memory.current_stream,
+        "_accelerator_synchronizeDevice": _memory.synchronize,
+        "_accelerator_isAllocatorInitialized": lambda: True,
+        "_accelerator_emptyCache": _memory.empty_cache,
+        "_accelerator_getDeviceStats": _memory.memory_stats_as_nested_dict,
+        "_accelerator_resetAccumulatedStats": _memory.reset_accumulated_memory_stats,
+        "_accelerator_resetPeakStats": _memory.reset_peak_memory_stats,
+        "_accelerator_getMemoryInfo": _memory.mem_get_info,
     }
 
 
@@ -200,6 +202,8 @@ def patch_torch_cuda(props: list[DeviceProperties]) -> Callable[[], None]:
     for name in _PRIVATE_MEMORY_NAMES:
         put(torch.cuda.memory, name, getattr(_memory, name))
     put(torch.cuda.nvtx, "_nvtx", NVTX())
+    for name, fn in _accelerator().items():
+        put(torch._C, name, fn)
     return restore
 
 

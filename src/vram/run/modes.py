@@ -75,6 +75,8 @@ class DispatchMode(TorchDispatchMode):
         self.sim = sim
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(hasattr(t, "__tensor_flatten__") for t in types):
+            return NotImplemented  # a wrapper subclass (DTensor): its ops on inner tensors come here
         kwargs = kwargs or {}
         sim = self.sim
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -243,7 +245,7 @@ class FunctionMode(TorchFunctionMode):
         if name == "__get__":  # a Tensor property
             prop = getattr(getattr(func, "__self__", None), "__name__", "")
             if prop in ("device", "is_cuda", "is_meta", "is_cpu") and args:
-                idx = sim.idx_of(args[0])
+                idx = sim.seen_idx(args[0])
                 if idx is not None:
                     return torch.device("cuda", idx) if prop == "device" else prop == "is_cuda"
                 if sim.host.of(args[0]) is not None:  # a lazy host tensor: a CPU tensor to the script

@@ -68,6 +68,23 @@ class SimState:
         b = self.block_of(t)
         return None if b is None else b.device
 
+    def seen_idx(self, t: Any) -> int | None:
+        """The CUDA index the script sees for `t`: its storage's, or for a wrapper subclass whose
+        inner tensors are simulated (a DTensor's ``_local_tensor``; ``__tensor_flatten__``) the
+        first inner tensor's. A DTensor's wrapper is made on its local tensor's device, meta
+        here (``THPVariable_dtensor_new``), and must say cuda as on a GPU (FSDP2 checks it)."""
+        b = self.block_of(t)
+        if b is not None:
+            return b.device
+        flatten = getattr(t, "__tensor_flatten__", None)
+        if flatten is None or not isinstance(t, torch.Tensor):
+            return None
+        for name in flatten()[0]:
+            idx = self.seen_idx(getattr(t, name, None))
+            if idx is not None:
+                return idx
+        return None
+
     # -- allocation -------------------------------------------------------------------------
     def malloc(self, idx: int, nbytes: int) -> int:
         allocator = _memory.get_allocator(idx)
