@@ -31,6 +31,7 @@ _DATA_ERRORS = ("meta tensor", "meta device", "no data", "data-dependent", "data
                 "register_meta", "Meta tensors", "has no data")
 
 _META = torch.device("meta")
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
 _PARSE_TO = torch._C._nn._parse_to
 #: torch functions that build a tensor from host data below the modes (their values are known)
 _HOST_DATA = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
@@ -77,6 +78,10 @@ class DispatchMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(hasattr(t, "__tensor_flatten__") for t in types):
             return NotImplemented  # a wrapper subclass (DTensor): its ops on inner tensors come here
+        if torch._C._get_dispatch_mode(_FAKE) is not None:
+            return func(*args, **(kwargs or {}))  # fake tensors (DTensor's sharding propagation)
+        if func in self.sim.ops:
+            return self.sim.ops[func](*args, **(kwargs or {}))
         kwargs = kwargs or {}
         sim = self.sim
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -240,6 +245,8 @@ class FunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if torch._C._get_dispatch_mode(_FAKE) is not None:  # fake tensors: shapes only, no memory
+            return func(*args, **kwargs)
         sim = self.sim
         name = getattr(func, "__name__", "")
         if name == "__get__":  # a Tensor property

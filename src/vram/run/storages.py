@@ -51,6 +51,7 @@ class SimState:
         self.report = ValueReport()          # where placeholders were used
         self.host_factory = False            # the running torch function is a CPU factory
         self.host = LazyHost(VALUE_LIMIT, lambda t: None, self._host_unknown)  # lazy host tensors
+        self.ops: dict[Any, Any] = {}        # aten/custom op -> what it does on a GPU instead (meta differs)
 
     def _host_unknown(self, what: str) -> None:
         self.report.record("a host tensor's recipe read a simulated tensor", what)

@@ -35,14 +35,17 @@ def current_sim() -> SimState:
 
 def install(sim: SimState) -> Callable[[], None]:
     """Make ``torch.distributed``'s ``nccl`` backend vram's; returns the function that undoes it."""
+    import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     import torch.distributed.rendezvous  # noqa: F401 - the module; the package's name is a function
     from torch.distributed import HashStore
 
     from .ddp import verify_params_across_processes
+    from .functional import overrides
     from .process_group import SimProcessGroup
     from .rank import stage_snapshots
+    from .wrappers import make_wrapper_subclass
 
     rdzv = sys.modules["torch.distributed.rendezvous"]
 
@@ -61,13 +64,18 @@ def install(sim: SimState) -> Callable[[], None]:
     put(c10d, "_NCCL_AVAILABLE", True)
     put(rdzv, "_create_c10d_store", create_store)
     put(dist, "_verify_params_across_processes", verify_params_across_processes)
+    put(torch.Tensor, "_make_wrapper_subclass", make_wrapper_subclass(torch.Tensor._make_wrapper_subclass))
     staged = stage_snapshots(_memory._dump_snapshot)  # a launched rank: dumps wait for the launcher
     if staged is not None:
         import torch.cuda.memory
         put(torch.cuda.memory, "_dump_snapshot", staged)
     _SIMS.append(sim)
+    ops = overrides()
+    sim.ops.update(ops)
 
     def restore() -> None:
+        for op in ops:
+            sim.ops.pop(op, None)
         _SIMS.remove(sim)
         if dist.is_initialized():
             dist.destroy_process_group()
