@@ -17,7 +17,9 @@ tensors but for AdamW's ``step`` counters, kept on the host on a GPU unless ``ca
 parameters, 512 bytes each once rounded as on CUDA. Without checkpointing the peak is in the
 backward, before any counter exists: equal. With ``checkpoint_wrapper`` around each block the
 activations shrink and the peak moves into the optimizer step, after the counters are made.
-Local shard shapes follow ``torch/distributed/tensor/parallel/style.py``: ``ColwiseParallel``
+A 2-D mesh (``("dp", "tp")``, FSDP2's ``fully_shard`` over ``dp`` on top of the TP plan) is
+compared with ``FSDPMemTracker`` the same way; every rank runs the same program, so two ranks
+that differ in both mesh coordinates are simulated. Local shard shapes follow ``torch/distributed/tensor/parallel/style.py``: ``ColwiseParallel``
 shards a Linear weight ``Shard(0)``, ``RowwiseParallel`` ``Shard(1)`` (an Embedding's
 ``Shard(0)``), ``SequenceParallel`` replicates the norm's parameters.
 """
@@ -106,16 +108,21 @@ def _figures(out: str) -> dict[str, dict[int, int]]:
     return got
 
 
-@pytest.mark.parametrize("args", [(), ("--checkpoint",)], ids=["tp-sp", "tp-sp-checkpoint"])
-def test_tp_sp_transformer_step_matches_mem_tracker(args: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("args, nproc, ranks", [
+    ((), 2, [0, 1]),
+    (("--checkpoint",), 2, [0, 1]),
+    (("--fsdp", "2"), 4, [0, 3]),        # mesh (dp=2, tp=2): ranks 0 and 3 differ in both coordinates
+], ids=["tp-sp", "tp-sp-checkpoint", "fsdp2-x-tp"])
+def test_tp_sp_transformer_step_matches_mem_tracker(args: tuple[str, ...], nproc: int, ranks: list[int]) -> None:
     tracker = _figures(_run([sys.executable, str(PROGRAMS / "tp_transformer.py"), "--tracker", *args]))
-    out = _run([sys.executable, "-m", "vram", "run", "--nproc-per-node", "2", str(PROGRAMS / "tp_transformer.py"),
-                *args])
+    out = _run([sys.executable, "-m", "vram", "run", "--nproc-per-node", str(nproc), "--ranks",
+                ",".join(map(str, ranks)), str(PROGRAMS / "tp_transformer.py"), *args])
     vram = _figures(out)
-    steps = ADAM_STEPS if args else 0     # the peak: in the step (checkpointed) or the backward
-    assert vram["peak"] == {0: tracker["peak"][0] - steps, 1: tracker["peak"][0] - steps}
-    assert vram["end"] == {0: tracker["end"][0] - ADAM_STEPS, 1: tracker["end"][0] - ADAM_STEPS}
-    shapes = dict(re.findall(r"^\[rank0\]:local (\S+) (\(.*\))$", out, re.M))
-    assert shapes == {"tok_embeddings.weight": "(512, 256)", "layers.0.attention.wq.weight": "(128, 256)",
-                      "layers.0.feed_forward.w2.weight": "(256, 512)", "output.weight": "(512, 256)",
-                      "norm.weight": "(256,)"}
+    steps = ADAM_STEPS if "--checkpoint" in args else 0   # the peak: in the step (checkpointed) or the backward
+    assert vram["peak"] == {r: tracker["peak"][0] - steps for r in ranks}
+    assert vram["end"] == {r: tracker["end"][0] - ADAM_STEPS for r in ranks}
+    shapes = dict(re.findall(rf"^\[rank{ranks[0]}\]:local (\S+) (\(.*\))$", out, re.M))
+    tp = {"tok_embeddings.weight": (512, 256), "layers.0.attention.wq.weight": (128, 256),
+          "layers.0.feed_forward.w2.weight": (256, 512), "output.weight": (512, 256), "norm.weight": (256,)}
+    dp = 2 if "--fsdp" in args else 1                    # fully_shard: Shard(0) over dp, on the TP shard
+    assert shapes == {k: str((v[0] // dp, *v[1:])) for k, v in tp.items()}

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 p = argparse.ArgumentParser()
 p.add_argument("--tracker", action="store_true", help="MemTracker on CPU with a fake process group")
 p.add_argument("--checkpoint", action="store_true")
+p.add_argument("--fsdp", type=int, default=1, help="a 2-D mesh: FSDP2 over this many ranks x TP")
 a = p.parse_args()
 
 if a.tracker:  # as PyTorch's test/distributed/_tools/test_mem_tracker.py, on the CPU
@@ -38,13 +39,13 @@ if a.tracker:  # as PyTorch's test/distributed/_tools/test_mem_tracker.py, on th
 
     # MemTracker rounds storages to 512 bytes on CUDA only (_WeakRefInfo); the CPU run does too
     mem_tracker._WeakRefInfo._calculate_mem_consumed = lambda info: -(-info.size * info.element_size // 512) * 512
-    dist.init_process_group("fake", rank=0, world_size=2)
+    dist.init_process_group("fake", rank=0, world_size=2 * a.fsdp)
     dev = torch.device("cpu")
-    mesh = init_device_mesh("cpu", (2,))
+    mesh2d = init_device_mesh("cpu", (a.fsdp, 2), mesh_dim_names=("dp", "tp"))
 else:
     dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(dev)
-    mesh = init_device_mesh("cuda", (int(os.environ["WORLD_SIZE"]),))
+    mesh2d = init_device_mesh("cuda", (a.fsdp, int(os.environ["WORLD_SIZE"]) // a.fsdp), mesh_dim_names=("dp", "tp"))
     warm = nn.Linear(768, 768, device=dev)           # cuBLAS workspaces first, outside the figure
     warm(torch.randn(2, 768, device=dev)).sum().backward()
     del warm
@@ -52,6 +53,7 @@ else:
     torch.cuda.reset_peak_memory_stats()
     pre = torch.cuda.memory_allocated()
 
+mesh = mesh2d["tp"]
 DIM, HEADS, LAYERS, VOCAB, BATCH, SEQ = 256, 8, 2, 1024, 4, 128
 
 
@@ -126,6 +128,11 @@ for i, block in enumerate(model.layers):
     if a.checkpoint:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+if a.fsdp > 1:
+    from torch.distributed.fsdp import fully_shard
+    for block in model.layers:
+        fully_shard(block, mesh=mesh2d["dp"])
+    fully_shard(model, mesh=mesh2d["dp"])
 if not a.tracker:
     for name in ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.feed_forward.w2.weight",
                  "output.weight", "norm.weight"):
@@ -146,8 +153,13 @@ def step():
 
 
 if a.tracker:
-    mt = mem_tracker.MemTracker()
-    mt.track_external(model, optim)
+    if a.fsdp > 1:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        mt = FSDPMemTracker(model, optim)
+        mt.track_inputs((tokens,))
+    else:
+        mt = mem_tracker.MemTracker()
+        mt.track_external(model, optim)
     with mt:
         step()
     print("peak", mt.get_tracker_snapshot("peak")[dev]["Total"])
