@@ -19,9 +19,10 @@ backward, before any counter exists: equal. With ``checkpoint_wrapper`` around e
 activations shrink and the peak moves into the optimizer step, after the counters are made.
 A 2-D mesh (``("dp", "tp")``, FSDP2's ``fully_shard`` over ``dp`` on top of the TP plan) is
 compared with ``FSDPMemTracker`` the same way; every rank runs the same program, so two ranks
-that differ in both mesh coordinates are simulated. Local shard shapes follow ``torch/distributed/tensor/parallel/style.py``: ``ColwiseParallel``
-shards a Linear weight ``Shard(0)``, ``RowwiseParallel`` ``Shard(1)`` (an Embedding's
-``Shard(0)``), ``SequenceParallel`` replicates the norm's parameters.
+that differ in both mesh coordinates are simulated. Local shard shapes follow
+``torch/distributed/tensor/parallel/style.py``: ``ColwiseParallel`` shards a Linear weight
+``Shard(0)``, ``RowwiseParallel`` ``Shard(1)`` (an Embedding's ``Shard(0)``), ``SequenceParallel``
+replicates the norm's parameters; ``fully_shard`` adds ``Shard(0)`` over ``dp``.
 """
 from __future__ import annotations
 
