@@ -1,13 +1,15 @@
-"""Pipeline parallel, one stage per rank (``torch.distributed.pipelining``): the same two-stage
-model stepped under ``ScheduleGPipe`` and then ``Schedule1F1B``; the stages infer their shapes
-at the first step (``PipelineStage`` without ``input_args``: metadata sent between ranks); prints, per schedule, this
-stage's peak allocated bytes over the bytes allocated before the step."""
+"""Pipeline parallel, one stage per rank (``torch.distributed.pipelining``): the same model
+stepped under ``ScheduleGPipe`` and then ``Schedule1F1B``. The stages infer their shapes at the
+first step (``PipelineStage`` without ``input_args``: metadata sent between ranks), or with
+``--tracer`` are split from the whole model by ``pipeline()`` and ``build_stage``. Prints, per
+schedule, this stage's peak allocated bytes over the bytes allocated before the step."""
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
 D, H, BATCH, MICRO = 256, 4096, 64, 4
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -19,10 +21,19 @@ warm(torch.randn(2, 8, device=device)).sum().backward()
 del warm
 
 
+def block():
+    return nn.Sequential(nn.Linear(D, H, bias=False), nn.ReLU(), nn.Linear(H, D, bias=False))
+
+
 def step(schedule_cls):
     torch.manual_seed(0)
-    stage_mod = nn.Sequential(nn.Linear(D, H, bias=False), nn.ReLU(), nn.Linear(H, D, bias=False)).to(device)
-    stage = PipelineStage(stage_mod, rank, world, device)   # shapes: metadata inference, sent
+    if "--tracer" in sys.argv:   # the whole model on every rank, split by the tracer at each block
+        whole = nn.Sequential(*(block() for _ in range(world)))
+        pipe = pipeline(whole, mb_args=(torch.empty(BATCH // MICRO, D),),
+                        split_spec={str(i): SplitPoint.BEGINNING for i in range(1, world)})
+        stage = pipe.build_stage(rank, device)
+    else:
+        stage = PipelineStage(block().to(device), rank, world, device)   # shapes: metadata inference, sent
     schedule = schedule_cls(stage, n_microbatches=MICRO, loss_fn=lambda y, t: ((y - t) ** 2).mean())
     x = torch.randn(BATCH, D, device=device)
     target = torch.randn(BATCH, D, device=device)

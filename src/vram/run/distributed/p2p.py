@@ -155,7 +155,10 @@ def take(group: Any, tensors: list[torch.Tensor], src: int) -> None:
     for t, v in zip(tensors, values):
         if v is None:
             continue
-        if tuple(v.shape) != tuple(t.shape) or v.dtype != t.dtype:
+        if v.numel() * v.element_size() != t.numel() * t.element_size():
             raise P2PError(f"rank {box.rank} receives a {t.dtype} tensor of shape {tuple(t.shape)} from rank "
-                           f"{peer}, which sent {v.dtype} {tuple(v.shape)}")
+                           f"{peer}, which sent {v.dtype} {tuple(v.shape)}: NCCL needs the same byte count")
+        # NCCL moves bytes: shapes may differ (pipelining sends a 0-d tensor into a [1] buffer)
+        with torch._C.DisableTorchFunction():
+            v = v.contiguous().reshape(-1).view(torch.uint8).view(t.dtype).reshape(t.shape)
         known.define(sim, t, v, False)
