@@ -7,6 +7,8 @@
   vram's. Rendezvous (``env://``, ``tcp://``) keeps PyTorch's parsing, checks and messages
   (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` must be set) but its store is an
   in-process ``HashStore``: no rank waits for another, since each is simulated on its own.
+* ``ProcessGroupGloo`` (``"gloo"``, the ``cpu`` half of ``"cpu:gloo,cuda:nccl"``) is
+  `gloo.SimProcessGroupGloo`: host tensors, values as if every rank held this rank's.
 * `vram.run.distributed.launcher` is ``torchrun`` for simulated GPUs (``vram run
   --nproc-per-node N``): one process per rank, the torchrun environment, a per-rank summary.
 """
@@ -43,6 +45,7 @@ def install(sim: SimState) -> Callable[[], None]:
 
     from .ddp import verify_params_across_processes
     from .functional import overrides
+    from .gloo import SimProcessGroupGloo
     from .process_group import SimProcessGroup
     from .rank import stage_snapshots
     from .wrappers import make_wrapper_subclass
@@ -58,6 +61,8 @@ def install(sim: SimState) -> Callable[[], None]:
         return HashStore()
 
     put(c10d, "ProcessGroupNCCL", SimProcessGroup)
+    put(c10d, "ProcessGroupGloo", SimProcessGroupGloo)   # would wait for the other ranks' processes
+    put(dist, "ProcessGroupGloo", SimProcessGroupGloo)
     put(dist, "ProcessGroupNCCL", SimProcessGroup)
     put(c10d, "is_nccl_available", lambda: True)
     put(dist, "is_nccl_available", lambda: True)

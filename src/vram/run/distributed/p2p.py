@@ -161,4 +161,8 @@ def take(group: Any, tensors: list[torch.Tensor], src: int) -> None:
         # NCCL moves bytes: shapes may differ (pipelining sends a 0-d tensor into a [1] buffer)
         with torch._C.DisableTorchFunction():
             v = v.contiguous().reshape(-1).view(torch.uint8).view(t.dtype).reshape(t.shape)
-        known.define(sim, t, v, False)
+        if sim.block_of(t) is None and t.device.type == "cpu":   # a host tensor (gloo): its bytes
+            with torch._C.DisableTorchFunction():
+                t.copy_(v)
+        else:
+            known.define(sim, t, v, False)
