@@ -42,3 +42,12 @@ def test_gloo_refuses_cuda_tensors_clearly(two_ranks: Any) -> None:
         dist.init_process_group("gloo")
         with pytest.raises(NotImplementedError, match="gloo's all_reduce on a CUDA tensor is not simulated"):
             dist.all_reduce(torch.ones(2, device="cuda"))
+
+
+def test_a_collectives_error_is_not_buried_by_the_nccl_version_lookup(two_ranks: Any) -> None:
+    """``c10d_logger``'s wrapper asks ``torch.cuda.nccl.version()`` (absent from a CPU build) for
+    its debug log when a collective raises; the collective's own error must be what surfaces."""
+    with simulated_cuda(gpu="24GiB"):
+        dist.init_process_group("nccl")
+        with pytest.raises(TypeError, match="incompatible function arguments"):
+            dist.all_reduce(torch.ones(2, device="cuda"), op="bogus")

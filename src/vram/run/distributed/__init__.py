@@ -39,6 +39,7 @@ def install(sim: SimState) -> Callable[[], None]:
     """Make ``torch.distributed``'s ``nccl`` backend vram's; returns the function that undoes it."""
     import torch
     import torch.distributed as dist
+    import torch.distributed.c10d_logger as c10d_logger
     import torch.distributed.distributed_c10d as c10d
     import torch.distributed.rendezvous  # noqa: F401 - the module; the package's name is a function
     from torch.distributed import HashStore
@@ -63,6 +64,9 @@ def install(sim: SimState) -> Callable[[], None]:
     put(c10d, "ProcessGroupNCCL", SimProcessGroup)
     put(c10d, "ProcessGroupGloo", SimProcessGroupGloo)   # would wait for the other ranks' processes
     put(dist, "ProcessGroupGloo", SimProcessGroupGloo)
+    # c10d_logger's exception wrapper builds a debug-log dict that asks a CPU build for its NCCL
+    # version, and the AttributeError buries the collective's own error: log without it
+    put(c10d_logger, "_get_msg_dict", lambda func_name, *args, **kwargs: {"func_name": func_name})
     put(dist, "ProcessGroupNCCL", SimProcessGroup)
     put(c10d, "is_nccl_available", lambda: True)
     put(dist, "is_nccl_available", lambda: True)
