@@ -76,3 +76,31 @@ def test_receiving_from_a_rank_that_ended_without_sending_is_an_error(tmp_path: 
     open(exited_marker(str(tmp_path), 0), "w").close()
     with pytest.raises(P2PError, match="rank 1 receives message 0 from rank 0 .* ended without sending it"):
         Mailbox(str(tmp_path), 1, {0, 1}).take("g", 0)
+
+
+P2P_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+rank = int(os.environ["RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl")
+t = torch.zeros(1, device="cuda")
+if "--deadlock" in sys.argv or rank == 0:
+    dist.recv(t, src=1 - rank)
+    print("got", t.item())
+else:
+    dist.send(torch.full((1,), 7.0, device="cuda"), dst=0)
+"""
+
+
+def test_a_waiting_receiver_gets_its_sender_started_beyond_jobs(tmp_path: Path) -> None:
+    script = tmp_path / "p2p.py"
+    script.write_text(P2P_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run([sys.executable, "-m", "vram", "run", "--nproc-per-node", "2", "--jobs", "1", str(script)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[rank0]:got 7.0" in r.stdout                      # the sender's value, not a placeholder
+    r = subprocess.run([sys.executable, "-m", "vram", "run", "--nproc-per-node", "2", str(script), "--deadlock"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1
+    assert "while every simulated rank waits: a deadlock" in r.stderr
