@@ -6,14 +6,20 @@ Expectations from ``torch/distributed/pipelining/schedules.py``: ``ScheduleGPipe
 microbatch's forward before any backward, so during the backward of microbatch k a stage still
 holds the activations of microbatches k..M-1 (M - k of them); ``Schedule1F1B`` runs
 ``warmup_chunks = min(M, num_stages - stage_index)`` forwards, then alternates one backward and
-one forward, so during every backward before the cooldown it holds ``warmup_chunks``
+one forward, so during the backward of microbatch k it holds ``min(warmup_chunks + k, M) - k``
 microbatches. A stage's peak is during the backward of microbatch 1: the first whose weight
 gradients are *accumulated* (``AccumulateGrad`` steals the first microbatch's gradient and adds
 the next one's, a new H x D float32 tensor per weight, in place). The two schedules' peaks on a
-stage therefore differ by exactly ``(M - 1) - min(M, S - s)`` microbatches' saved activations:
+stage therefore differ by exactly ``(M - 1) - (min(min(M, S - s) + 1, M) - 1)`` microbatches'
+saved activations:
 the ReLU output (saved by ``threshold_backward`` and by the second Linear's ``mm``) and, per
 stage, the stage output kept for its backward (first stage: the output in ``fwd_cache``; last
-stage: ``(y - t)``, saved by ``pow``'s backward).
+stage: ``(y - t)``, saved by ``pow``'s backward). On a middle stage 1F1B also holds microbatch 0's
+input gradient during microbatch 1's backward: ``Schedule1F1B._step_microbatches`` keeps it in
+``bwd_sends`` until the next ``get_bwd_send_ops``, while under GPipe only the send's Work holds
+it, and ``ProcessGroupNCCL`` unstashes a completed Work at the next enqueue on the group: the
+receive of microbatch 1's gradient, before its backward (the last stage receives none, and the
+first sends none).
 """
 from __future__ import annotations
 
@@ -44,21 +50,26 @@ def _peaks(stdout: str) -> dict[tuple[int, str], int]:
     return peaks
 
 
-@pytest.mark.parametrize("how", [(), ("--tracer",)], ids=["PipelineStage", "pipeline"])
-def test_1f1b_holds_fewer_microbatches_than_gpipe_by_the_schedules_rules(how: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("how, stages", [((), 2), (("--tracer",), 2), ((), 4)],
+                         ids=["PipelineStage", "pipeline", "4-stages"])
+def test_1f1b_holds_fewer_microbatches_than_gpipe_by_the_schedules_rules(how: tuple[str, ...], stages: int) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    r = subprocess.run([sys.executable, "-m", "vram", "run", "--nproc-per-node", "2", "--gpu", "24GiB",
+    r = subprocess.run([sys.executable, "-m", "vram", "run", "--nproc-per-node", str(stages), "--gpu", "24GiB",
                         str(PROGRAMS / "pp_schedules.py"), *how], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     peaks = _peaks(r.stdout)
-    stages = 2
     saved = MB * H * 4 + MB * D * 4      # ReLU output + the stage's kept output (see the module doc)
+    grad = MB * D * 4                    # one microbatch's input gradient, sent to the previous stage
     for s in range(stages):
-        held_gpipe = MICRO - 1                       # during microbatch 1's backward
-        held_1f1b = min(MICRO, stages - s)           # warmup_chunks
-        assert peaks[s, "ScheduleGPipe"] - peaks[s, "Schedule1F1B"] == (held_gpipe - held_1f1b) * saved
-    # the first stage holds more microbatches under 1F1B than the last: 2 against 1
-    assert peaks[0, "ScheduleGPipe"] - peaks[0, "Schedule1F1B"] < peaks[1, "ScheduleGPipe"] - peaks[1, "Schedule1F1B"]
+        held_gpipe = MICRO - 1                       # during microbatch 1's backward: 1..M-1
+        warmup = min(MICRO, stages - s)              # warmup_chunks
+        held_1f1b = min(warmup + 1, MICRO) - 1       # forwards done before B1, less B0
+        middle = 0 < s < stages - 1                  # 1F1B's bwd_sends still holds B0's gradient
+        assert peaks[s, "ScheduleGPipe"] - peaks[s, "Schedule1F1B"] == (held_gpipe - held_1f1b) * saved - middle * grad
+    # 1F1B saves the most on the last stage; on the first only when there are more microbatches
+    # than stages (with M = S = 4 its warm-up runs every forward first, as GPipe does)
+    assert peaks[stages - 1, "Schedule1F1B"] < peaks[stages - 1, "ScheduleGPipe"]
+    assert (peaks[0, "Schedule1F1B"] < peaks[0, "ScheduleGPipe"]) == (MICRO > stages)
 
 
 def test_mailbox_matches_messages_in_order_per_pair(tmp_path: Path) -> None:
