@@ -46,10 +46,57 @@ def vram_peaks(script: str, *args: str, nproc: int = 2) -> dict[int, int]:
     return {int(r): int(v) for r, v in re.findall(r"^\[rank(\d+)\]:peak (\d+)$", out, re.M)}
 
 
-@pytest.mark.parametrize("args", [(), ("--no-reshard", "--foreach"), ("--bf16",)],
-                         ids=["default", "no-reshard-foreach", "bf16"])
-def test_fsdp2_peak_matches_fsdp_mem_tracker(args: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("args, extra", [
+    ((), 0), (("--no-reshard", "--foreach"), 0), (("--bf16",), 0),
+    # Activation checkpointing: the recomputed forward's addmm runs on the autograd thread, whose
+    # cuBLAS handle gets its own cuBLASLt workspace (1 MiB, CUBLASLT_WORKSPACE_SIZE's default;
+    # the warm-up's backward made none: it has no addmm). No tracker sees workspaces.
+    (("--ac",), 1 << 20),
+], ids=["default", "no-reshard-foreach", "bf16", "activation-checkpointing"])
+def test_fsdp2_peak_matches_fsdp_mem_tracker(args: tuple[str, ...], extra: int) -> None:
     tracker = int(re.findall(r"^peak (\d+)$", _run([sys.executable, str(PROGRAMS / "fsdp2_mlp.py"), "--tracker",
                                                        *args]), re.M)[0])
     peaks = vram_peaks("fsdp2_mlp.py", *args)
-    assert peaks == {0: tracker - ADAM_STEPS, 1: tracker - ADAM_STEPS}
+    assert peaks == {0: tracker - ADAM_STEPS + extra, 1: tracker - ADAM_STEPS + extra}
+
+
+def _phases(*args: str) -> dict[str, str]:
+    out = _run([sys.executable, "-m", "vram", "run", "--nproc-per-node", "2", "--ranks", "0",
+                str(PROGRAMS / "fsdp2_phases.py"), *args])
+    return dict(re.findall(r"^\[rank0\]:([a-z_0-9]+) (.*)$", out, re.M))
+
+
+MiB, KiB = 1 << 20, 1 << 10
+W, X = 4 * MiB, 32 * KiB     # one unsharded 1024x1024 float32 weight; the 8x1024 input, each output
+
+
+@pytest.mark.parametrize("args, layer0, forward", [
+    # _fsdp_param_group.py, FORWARD: unshard() allocates the all-gather output (AG, world x shard
+    # = W) on the copy-in stream, wait_for_unshard() the unsharded parameter (W), keeping AG in
+    # comm_ctx.all_gather_state; layer 1's wait_for_unshard drops it, but the walrus-bound
+    # local ``prev_all_gather_state`` holds it until the method returns, i.e. past layer 1's
+    # copy-out: the forward peak is shards + x + AG0 + AG1 + layer 1's weight + out0. The root's
+    # post-forward frees the last AG (_fsdp_state.py).
+    ((), W + 2 * W + X, (W + 3 * X, W + 3 * W + 2 * X)),
+    # reshard_after_forward=False: layer 0's weight stays through layer 1's copy-out and after
+    (("--no-reshard",), W + 2 * W + X, (W + 2 * W + 3 * X, W + 4 * W + 2 * X)),
+    # set_modules_to_forward_prefetch: layer 1's AG is allocated before layer 0 runs
+    (("--prefetch",), W + 3 * W + X, (W + 3 * X, W + 3 * W + 2 * X)),
+    # CPUOffloadPolicy: shards live on the host; all-gather inputs are H2D copies freed before
+    # layer 1's copy-out
+    (("--offload",), 2 * W + X, (3 * X, 3 * W + 2 * X)),
+], ids=["reshard", "no-reshard", "prefetch", "cpu-offload"])
+def test_fsdp2_sharding_forward_and_streams(args: tuple[str, ...], layer0: int, forward: tuple[int, int]) -> None:
+    shards = 0 if args == ("--offload",) else W         # two half weights (world 2)
+    p = _phases(*args)
+    assert p["built"] == f"{2 * W} {2 * W}"
+    # _init_sharded_param: new_zeros(padded shard) while the unsharded weight lives, one layer at a time
+    assert p["sharded"] == f"{shards} {2 * W + W // 2}"
+    assert int(p["layer0"]) == layer0                      # in layer 0's forward pre-hook
+    assert p["forward"] == f"{forward[0]} {forward[1]}"
+    # Allocations on FSDP2's streams (spec §4: a 1-10 MiB request gets a 20 MiB segment of its
+    # stream): the all-gather outputs on the copy-in stream, the reduce-scatter outputs (the
+    # sharded gradients) on the reduce-scatter stream; the all-gather stream only runs NCCL.
+    streams = dict(re.findall(r"\('(\w+)', (\d+)\)", p["streams"]))
+    assert streams["all_gather_copy_in"] == str(20 * MiB) and streams["reduce_scatter"] == str(20 * MiB)
+    assert "all_gather" not in streams

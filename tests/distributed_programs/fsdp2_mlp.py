@@ -17,6 +17,7 @@ p.add_argument("--tracker", action="store_true", help="FSDPMemTracker on CPU wit
 p.add_argument("--no-reshard", action="store_true")
 p.add_argument("--bf16", action="store_true")
 p.add_argument("--foreach", action="store_true")
+p.add_argument("--ac", action="store_true", help="activation checkpointing of every block (composable)")
 a = p.parse_args()
 
 if a.tracker:
@@ -47,6 +48,9 @@ model = nn.Sequential(*[nn.Sequential(nn.Linear(dim, 4 * dim), nn.ReLU(), nn.Lin
                         for _ in range(3)]).to(dev)
 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if a.bf16 else MixedPrecisionPolicy()
 for block in model:
+    if a.ac:
+        from torch.distributed._composable import checkpoint
+        checkpoint(block)
     fully_shard(block, reshard_after_forward=not a.no_reshard, mp_policy=mp)
 fully_shard(model, reshard_after_forward=not a.no_reshard, mp_policy=mp)
 optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=a.foreach)
