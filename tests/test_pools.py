@@ -310,11 +310,10 @@ def test_loader_keeps_private_pool_ids_and_refuses_bad_ones():
 
 
 @pytest.mark.parametrize("with_trace", [True, False])
-def test_replay_refuses_recordings_with_private_pools_clearly(with_trace):
+def test_replay_verifies_recordings_with_private_pools(with_trace):
+    """(Once refused; now replayed: vram.replay.pool_replay, tests/test_pool_replay.py.)"""
     from vram.replay.engine import replay
     from vram.replay.loader import load_snapshot
-    from vram.replay.messages import SnapshotError
     snap = load_snapshot(_recording(with_trace))
-    with pytest.raises(SnapshotError, match=r"^this recording uses a private memory pool \(1, 0\) \(a CUDA graph "
-                                            r"or torch.cuda.MemPool\): vram cannot replay private pools yet"):
-        replay(snap, verify=True)
+    v = replay(snap, verify=True).verification
+    assert v["final_blocks"]["matched"] == v["final_blocks"]["total"] == 4 and not v["divergences"]

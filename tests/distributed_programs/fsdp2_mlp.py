@@ -5,11 +5,11 @@ Run under torchrun (or ``vram run --nproc-per-node 2``) it reads ``torch.cuda.ma
 with ``--tracker`` it runs rank 0 of 2 on the CPU with PyTorch's fake process group under
 ``FSDPMemTracker`` and prints the tracker's peak "Total"."""
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from memlog import start
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 p = argparse.ArgumentParser()
@@ -20,28 +20,9 @@ p.add_argument("--foreach", action="store_true")
 p.add_argument("--ac", action="store_true", help="activation checkpointing of every block (composable)")
 a = p.parse_args()
 
+dev, pre = start(a.tracker)  # cuBLAS workspaces first, kept out of the figure (test_fsdp2_mem_tracker.py)
 if a.tracker:
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers backend "fake"
-    from torch.distributed._tools import mem_tracker
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    def rounded(self):  # the tracker rounds CUDA storages to 512 bytes; do so on the CPU too
-        return -(-self.size * self.element_size // 512) * 512
-    mem_tracker._WeakRefInfo._calculate_mem_consumed = rounded
-    dev = torch.device("cpu")
-    dist.init_process_group("fake", rank=0, world_size=2)
-else:
-    dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(dev)
-    dist.init_process_group("nccl")
-
-if not a.tracker:  # cuBLAS workspaces first, kept out of the figure (test_fsdp2_mem_tracker.py)
-    lin = nn.Linear(768, 768, device=dev)
-    lin(torch.randn(2, 768, device=dev)).sum().backward()  # batch > 1: cuBLASLt's too
-    del lin
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    pre = torch.cuda.memory_allocated()
 torch.manual_seed(42)
 dim, bsz = 256, 64
 model = nn.Sequential(*[nn.Sequential(nn.Linear(dim, 4 * dim), nn.ReLU(), nn.Linear(4 * dim, dim))

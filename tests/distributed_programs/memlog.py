@@ -20,3 +20,29 @@ def show(name):
     pre = _pre[0]
     print(name, torch.cuda.memory_allocated() - pre, torch.cuda.max_memory_allocated() - pre)
     torch.cuda.reset_peak_memory_stats()
+
+
+def start(tracker):
+    """Initialise as a tracker comparison does; returns ``(device, baseline)``. With `tracker`:
+    rank 0 of 2 on the CPU with PyTorch's fake process group, storages rounded to 512 bytes as
+    ``mem_tracker._WeakRefInfo`` rounds CUDA ones (baseline 0); else the script's simulated GPU
+    after the workspaces exist, the peak reset."""
+    import os
+
+    import torch.distributed as dist
+    if tracker:
+        from torch.distributed._tools import mem_tracker
+        from torch.testing._internal.distributed import fake_pg  # noqa: F401  registers backend "fake"
+
+        def rounded(self):
+            return -(-self.size * self.element_size // 512) * 512
+        mem_tracker._WeakRefInfo._calculate_mem_consumed = rounded
+        dist.init_process_group("fake", rank=0, world_size=2)
+        return torch.device("cpu"), 0
+    dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl")
+    pre = warm_up()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return dev, pre

@@ -898,8 +898,256 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ the rewind's event loop */
+/* rewind.py's backward walk over the trace, for non-expandable segments: the same segments, live
+ * blocks and bounds (`_Segment.live`, `.bound`) at the trace's first event. Anything else -- an
+ * expandable run, a segment_map/unmap, a value outside 64 bits, an event that contradicts the
+ * state (rewind.py raises TraceError) -- returns None and rewind.py walks the trace in Python. */
+typedef struct RSeg {
+    uint64_t address, total, nlive;
+    Py_ssize_t index;            /* in the segments given, or -1: restored by a segment_free */
+    PyObject *stream;            /* (index -1) the segment_free's stream, owned */
+    uint64_t *unknown; size_t nunk, capunk;  /* sorted addresses of live blocks of unknown size */
+    PyObject *live;              /* (the result) its live blocks, owned */
+    struct RSeg *next_all;       /* every RSeg made, for freeing */
+} RSeg;
+
+/* size NULL: -1 (unknown); frames NULL: a new empty list; pending: state == rewind.py's PENDING */
+typedef struct { PyObject *size, *requested, *frames, *state; int pending; RSeg *seg; } Live;
+
+static PyObject *s_frames, *s_minus_one;
+static PyObject *minus_one(void) { return s_minus_one; }
+
+static size_t lower64(const uint64_t *a, size_t n, uint64_t k) {
+    size_t lo = 0, hi = n;
+    while (lo < hi) { size_t mid = (lo + hi) / 2; if (a[mid] < k) lo = mid + 1; else hi = mid; }
+    return lo;
+}
+
+static Block *set_floor(const Set *s, u128 k) { /* the value of the largest key <= k, or NULL */
+    if (!s->n) return NULL;
+    size_t i = lower(s->maxes, s->n, k + 1);
+    if (i == s->n) { const Chunk *c = s->chunks[s->n - 1]; return c->vals[c->n - 1]; }
+    const Chunk *c = s->chunks[i];
+    size_t j = lower(c->keys, c->n, k + 1);
+    if (j) return c->vals[j - 1];
+    if (i) { c = s->chunks[i - 1]; return c->vals[c->n - 1]; }
+    return NULL;
+}
+
+/* the segment holding addr (the Set's values are RSeg pointers), or NULL */
+static RSeg *rseg_at(const Set *starts, uint64_t addr) {
+    RSeg *g = (RSeg *)(void *)set_floor(starts, addr);
+    return g && addr - g->address < g->total ? g : NULL;
+}
+
+static void live_del(Live *l) {
+    Py_XDECREF(l->size); Py_XDECREF(l->requested); Py_XDECREF(l->frames); Py_XDECREF(l->state);
+    PyMem_Free(l);
+}
+
+static int unknown_add(RSeg *g, uint64_t addr) {
+    if (g->nunk == g->capunk) {
+        size_t cap = g->capunk ? 2 * g->capunk : 8;
+        uint64_t *u = PyMem_Realloc(g->unknown, cap * sizeof(uint64_t));
+        if (!u) return -1;
+        g->unknown = u; g->capunk = cap;
+    }
+    size_t k = lower64(g->unknown, g->nunk, addr);
+    memmove(g->unknown + k + 1, g->unknown + k, (g->nunk - k) * sizeof(uint64_t));
+    g->unknown[k] = addr; g->nunk++;
+    return 0;
+}
+
+/* rewind(segments, trace, actions, allocated, pending) -> None (walk it in Python) or
+ * [(index, address, total_size, stream, live, bound)] in address order: index into `segments`
+ * ((address, total_size, live dict) each) or -1 with the stream of the segment_free that restored it */
+static PyObject *rewind_walk(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *segments, *trace, *actions, *allocated, *pending;
+    if (!PyArg_ParseTuple(args, "O!OO!OO", &PyList_Type, &segments, &trace, &PyDict_Type, &actions,
+                          &allocated, &pending))
+        return NULL;
+    Set starts = {0};
+    Map live = {0}, bound = {0};
+    RSeg *all = NULL;
+    PyObject *fast = NULL, *result = NULL;
+    int refused = 0;
+    if (map_init(&live, 1024) < 0 || map_init(&bound, 64) < 0) { PyErr_NoMemory(); goto done; }
+#define REFUSE do { refused = 1; goto done; } while (0)
+#define NEWSEG(g) do { g = PyMem_Calloc(1, sizeof(RSeg)); if (!g) { PyErr_NoMemory(); goto done; } \
+                       g->next_all = all; all = g; } while (0)
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(segments); k++) {
+        PyObject *t = PyList_GET_ITEM(segments, k);
+        RSeg *g;
+        NEWSEG(g);
+        g->index = k;
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3 || !PyDict_Check(PyTuple_GET_ITEM(t, 2))
+                || !as_u64(PyTuple_GET_ITEM(t, 0), EMPTY - 1, &g->address)
+                || !as_u64(PyTuple_GET_ITEM(t, 1), EMPTY - 1 - g->address, &g->total))
+            REFUSE;
+        if (set_floor(&starts, g->address) && ((RSeg *)(void *)set_floor(&starts, g->address))->address == g->address)
+            REFUSE;  /* two segments at one address */
+        if (set_insert(&starts, g->address, (Block *)(void *)g) < 0) { PyErr_NoMemory(); goto done; }
+        Py_ssize_t pos = 0;
+        PyObject *key, *val;
+        while (PyDict_Next(PyTuple_GET_ITEM(t, 2), &pos, &key, &val)) {
+            uint64_t a, size;
+            if (!as_u64(key, EMPTY - 1, &a) || a - g->address >= g->total || map_get(&live, a, NULL)
+                    || !PyTuple_Check(val) || PyTuple_GET_SIZE(val) != 4
+                    || !as_u64(PyTuple_GET_ITEM(val, 0), EMPTY - 1, &size))
+                REFUSE;
+            int eq = PyObject_RichCompareBool(PyTuple_GET_ITEM(val, 3), pending, Py_EQ);
+            if (eq < 0) goto done;
+            Live *l = PyMem_Calloc(1, sizeof(Live));
+            if (!l || map_put(&live, a, (uint64_t)(uintptr_t)l) < 0) { PyMem_Free(l); PyErr_NoMemory(); goto done; }
+            l->size = Py_NewRef(PyTuple_GET_ITEM(val, 0));
+            l->requested = Py_NewRef(PyTuple_GET_ITEM(val, 1));
+            l->frames = Py_NewRef(PyTuple_GET_ITEM(val, 2));
+            l->state = Py_NewRef(PyTuple_GET_ITEM(val, 3));
+            l->pending = eq;
+            l->seg = g;
+            g->nlive++;
+        }
+    }
+    {   /* the segments given must not overlap (then each address has one segment) */
+        uint64_t end = 0;
+        int first = 1;
+        for (size_t c = 0; c < starts.n; c++)
+            for (int j = 0; j < starts.chunks[c]->n; j++) {
+                RSeg *g = (RSeg *)(void *)starts.chunks[c]->vals[j];
+                if (!first && g->address < end) REFUSE;
+                first = 0; end = g->address + g->total;
+            }
+    }
+    fast = PySequence_Fast(trace, "trace must be a sequence");
+    if (!fast) goto done;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(fast) - 1; i >= 0; i--) {
+        PyObject *e = items[i];
+        if (!PyDict_Check(e)) REFUSE;
+        PyObject *action = PyDict_GetItemWithError(e, s_action);
+        if (!action) { if (PyErr_Occurred()) goto done; REFUSE; }
+        PyObject *code_obj = PyDict_GetItemWithError(actions, action);
+        if (!code_obj) { if (PyErr_Occurred()) { PyErr_Clear(); REFUSE; } continue; }  /* an action it ignores */
+        long code = PyLong_AsLong(code_obj);
+        if (code >= 5) REFUSE;  /* segment_map / segment_unmap */
+        uint64_t addr;
+        if (!as_u64(PyDict_GetItemWithError(e, s_addr), EMPTY - 1, &addr)) { if (PyErr_Occurred()) goto done; REFUSE; }
+        if (code == 0) {  /* alloc: its block was not there before */
+            RSeg *g = rseg_at(&starts, addr);
+            uint64_t lp;
+            if (!g || !map_pop(&live, addr, &lp)) REFUSE;
+            Live *l = (Live *)(uintptr_t)lp;
+            g->nlive--;
+            if (!l->size) {
+                size_t k = lower64(g->unknown, g->nunk, addr);
+                memmove(g->unknown + k, g->unknown + k + 1, (g->nunk - k - 1) * sizeof(uint64_t));
+                g->nunk--;
+                map_pop(&bound, addr, NULL);
+            }
+            live_del(l);
+            size_t k = lower64(g->unknown, g->nunk, addr);  /* _bound_below */
+            if (k) {
+                uint64_t u = g->unknown[k - 1], b;
+                if (!map_get(&bound, u, &b) || addr < b)
+                    if (map_put(&bound, u, addr) < 0) { PyErr_NoMemory(); goto done; }
+            }
+        } else if (code == 1) {  /* free_completed: live before, size unknown, pending */
+            RSeg *g = rseg_at(&starts, addr);
+            if (!g || map_get(&live, addr, NULL)) REFUSE;
+            PyObject *size = PyDict_GetItemWithError(e, s_size);
+            if (!size) { if (PyErr_Occurred()) goto done; REFUSE; }
+            PyObject *frames = PyDict_GetItemWithError(e, s_frames);
+            if (!frames && PyErr_Occurred()) goto done;
+            int truth = frames ? PyObject_IsTrue(frames) : 0;
+            if (truth < 0) goto done;
+            Live *l = PyMem_Calloc(1, sizeof(Live));
+            if (!l || unknown_add(g, addr) < 0 || map_put(&live, addr, (uint64_t)(uintptr_t)l) < 0) {
+                PyMem_Free(l); PyErr_NoMemory(); goto done;
+            }
+            l->requested = Py_NewRef(size);
+            l->frames = truth ? Py_NewRef(frames) : NULL;
+            l->state = Py_NewRef(pending);
+            l->pending = 1;
+            l->seg = g;
+            g->nlive++;
+        } else if (code == 2) {  /* free_requested: a pending block was allocated before it */
+            uint64_t lp;
+            Live *l = map_get(&live, addr, &lp) ? (Live *)(uintptr_t)lp : NULL;
+            if (l && l->pending) { Py_SETREF(l->state, Py_NewRef(allocated)); l->pending = 0; }
+        } else if (code == 3) {  /* segment_alloc: the segment did not exist before */
+            RSeg *g = (RSeg *)(void *)set_floor(&starts, addr);
+            if (!g || g->address != addr || g->nlive) REFUSE;
+            set_remove(&starts, addr);
+        } else {  /* segment_free: an empty segment existed before */
+            uint64_t size;
+            PyObject *stream = PyDict_GetItemWithError(e, s_stream);
+            if (!stream && PyErr_Occurred()) goto done;
+            if (!as_u64(PyDict_GetItemWithError(e, s_size), EMPTY - 1 - addr, &size)) {
+                if (PyErr_Occurred()) goto done;
+                REFUSE;
+            }
+            RSeg *below = size ? (RSeg *)(void *)set_floor(&starts, addr + size - 1) : NULL;
+            if (size == 0 || size % K_MIN_BLOCK_SIZE || (below && below->address + below->total > addr)
+                    || rseg_at(&starts, addr))
+                REFUSE;
+            RSeg *g;
+            NEWSEG(g);
+            g->index = -1; g->address = addr; g->total = size;
+            g->stream = stream ? Py_NewRef(stream) : PyLong_FromLong(0);
+            if (!g->stream || set_insert(&starts, addr, (Block *)(void *)g) < 0) { PyErr_NoMemory(); goto done; }
+        }
+    }
+    for (size_t c = 0; c < starts.n; c++)  /* a live dict per segment, filled in one scan of the map */
+        for (int j = 0; j < starts.chunks[c]->n; j++)
+            if (!(((RSeg *)(void *)starts.chunks[c]->vals[j])->live = PyDict_New())) goto done;
+    for (size_t s = 0; s < live.cap; s++) {
+        if (live.keys[s] == EMPTY) continue;
+        Live *l = (Live *)(uintptr_t)live.vals[s];
+        PyObject *k = PyLong_FromUnsignedLongLong(live.keys[s]);
+        PyObject *fr = l->frames ? Py_NewRef(l->frames) : PyList_New(0);
+        PyObject *v = k && fr ? PyTuple_Pack(4, l->size ? l->size : minus_one(), l->requested, fr, l->state) : NULL;
+        int ok = v && PyDict_SetItem(l->seg->live, k, v) == 0;
+        Py_XDECREF(k); Py_XDECREF(fr); Py_XDECREF(v);
+        if (!ok) goto done;
+    }
+    PyObject *out = PyList_New(0);
+    for (size_t c = 0; out && c < starts.n; c++)
+        for (int j = 0; out && j < starts.chunks[c]->n; j++) {
+            RSeg *g = (RSeg *)(void *)starts.chunks[c]->vals[j];
+            PyObject *bd = PyDict_New(), *t = NULL;
+            int ok = bd != NULL;
+            for (size_t s = 0; ok && s < g->nunk; s++) {
+                uint64_t b;
+                if (!map_get(&bound, g->unknown[s], &b)) continue;
+                PyObject *k = PyLong_FromUnsignedLongLong(g->unknown[s]), *v = PyLong_FromUnsignedLongLong(b);
+                ok = k && v && PyDict_SetItem(bd, k, v) == 0;
+                Py_XDECREF(k); Py_XDECREF(v);
+            }
+            if (ok) t = Py_BuildValue("(nKKOOO)", g->index, (unsigned long long)g->address,
+                                      (unsigned long long)g->total, g->stream ? g->stream : Py_None, g->live, bd);
+            if (!t || PyList_Append(out, t) < 0) Py_CLEAR(out);
+            Py_XDECREF(t); Py_XDECREF(bd);
+        }
+    result = out;
+#undef REFUSE
+#undef NEWSEG
+done:
+    if (refused && !PyErr_Occurred()) { Py_CLEAR(result); result = Py_NewRef(Py_None); }
+    Py_XDECREF(fast);
+    if (live.keys)
+        for (size_t s = 0; s < live.cap; s++)
+            if (live.keys[s] != EMPTY) live_del((Live *)(uintptr_t)live.vals[s]);
+    map_free(&live); map_free(&bound);
+    set_free(&starts);
+    while (all) { RSeg *g = all; all = g->next_all; Py_XDECREF(g->stream); Py_XDECREF(g->live); PyMem_Free(g->unknown); PyMem_Free(g); }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, "Replay a trace's events through the caching allocator (see vram.replay.ccore)."},
+    {"rewind", rewind_walk, METH_VARARGS, "Walk a trace backwards from the final segments (see vram.replay.rewind)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -909,7 +1157,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ccore", "The replay
 PyMODINIT_FUNC PyInit__ccore(void) {
     if (!(s_action = PyUnicode_InternFromString("action")) || !(s_addr = PyUnicode_InternFromString("addr"))
             || !(s_device_free = PyUnicode_InternFromString("device_free"))
-            || !(s_size = PyUnicode_InternFromString("size")) || !(s_stream = PyUnicode_InternFromString("stream")))
+            || !(s_size = PyUnicode_InternFromString("size")) || !(s_stream = PyUnicode_InternFromString("stream"))
+            || !(s_frames = PyUnicode_InternFromString("frames")) || !(s_minus_one = PyLong_FromLong(-1)))
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && (PyModule_AddIntConstant(m, "N_STATS", N_STATS) < 0

@@ -14,7 +14,8 @@ on the way: expandable segments, ``garbage_collection_threshold``, history recor
 ``PYTORCH_NO_CUDA_MEMORY_CACHING``, blocks pending on events at the start, cycle skipping and
 ``empty_cache_at`` (engine options), a free that completes later (held back with an event), a
 ``cudaMalloc`` that fails (the retry and OOM paths), a recorded ``oom`` and values outside 64-bit
-ranges. ``ReplayResult.engine`` says which engine ran, and why not C.
+ranges. ``ReplayResult.engine`` says which engine ran, and why not C. The rewind's backward walk
+over the trace runs in C too (``_ccore.rewind``, through `loaded`; see `vram.replay.rewind._walk_in_c`).
 
 Built by ``pip install -e .`` / ``pip install .`` when a C compiler is there (``setup.py``: an
 optional extension, so an install without one still works), or in place with ``python3 -m
@@ -80,6 +81,11 @@ def available() -> str | None:
     return _load()[1]
 
 
+def loaded() -> ModuleType | None:
+    """The built module when the C core can run here (`available`), else None."""
+    return _module if available() is None else None
+
+
 def unsupported(alloc: CachingAllocator, dev: TraceDevice, *, skip_cycles: bool,
                 empty_cache_at: Collection[int]) -> str | None:
     """Why the C core cannot replay on `alloc` (checked before the run), or None."""
@@ -101,6 +107,8 @@ def unsupported(alloc: CachingAllocator, dev: TraceDevice, *, skip_cycles: bool,
         return "history recording is on"
     if alloc.cuda_events:
         return "blocks pending on events at the start"
+    if alloc.graph_pools or getattr(dev, "pool_router", None) is not None:
+        return "private memory pools (CUDA graphs, MemPool)"
     if not isinstance(dev, TraceDevice) or dev.fail_mallocs:
         return "not a replay device"
     if alloc.small_blocks.get_free_blocks_call_count or alloc.large_blocks.get_free_blocks_call_count:

@@ -34,10 +34,11 @@ from vram.views.snapshot import segments as snapshot_segments
 from . import ccore
 from .cycles import CycleSkipper
 from .messages import SnapshotError, printable
+from .pool_replay import PoolRouter, plan_pools
 from .rewind import rewind
 from .safe_pickle import gc_paused
 from .state import import_segments
-from .validate import KNOWN_ACTIONS, RESERVED_STREAMS, refuse_private_pools
+from .validate import KNOWN_ACTIONS, RESERVED_STREAMS
 
 #: capacity of the replay GPU when none is given: large enough for any recording
 UNLIMITED = 1 << 40
@@ -132,6 +133,7 @@ class _ReplayDevice(TraceDevice):
     capacity_known = False
     #: event indices before which the replay calls ``empty_cache()`` (a what-if)
     empty_cache_at: frozenset[int] = frozenset()
+    pool_router: PoolRouter | None = None  # routes requests to private pools (vram.replay.pool_replay)
 
     def record_event(self, stream: int) -> Event:
         event = self.last_event = super().record_event(stream)
@@ -183,11 +185,11 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     traces = snapshot.get("device_traces") or []
     trace: Sequence[Mapping[str, Any]] = traces[device] if device < len(traces) else []
     final = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
-    refuse_private_pools(final, trace)
+    plan = plan_pools(final, trace, device)  # private pools (CUDA graphs, MemPool): vram.replay.pool_replay
     if final or not trace:
         divisions, expandable = _recorded_rules(recorded_conf, conf is not None)
         with gc_paused():  # it makes a tuple per live block and no garbage cycles (see `gc_paused`)
-            initial = rewind(final, trace, divisions, device, expandable)
+            initial = rewind(final, trace, divisions, device, expandable, plan is not None)
     else:  # no segment layout (an RMM log): the trace is taken to start from an empty allocator
         initial = []
     recorded = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
@@ -204,10 +206,11 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
         dev.empty_cache_at = frozenset(empty_cache_at)
         alloc = CachingAllocator(dev, conf_text)
         import_segments(alloc, initial)
+        dev.pool_router = plan.router(alloc) if plan is not None else None
         return dev, alloc, {b["address"] for seg in initial for b in seg["blocks"] if b["state"] != "inactive"}
 
-    if empty_cache_at:
-        skip_cycles = False  # the periods are no longer the recording's
+    if empty_cache_at or plan is not None:
+        skip_cycles = False  # the periods are no longer the recording's (or pools are routed)
 
     def play(events: Sequence[Mapping[str, Any]], with_checks: bool, prog: Callable[[int, int], None] | None,
              track_peak: bool) -> tuple[_ReplayDevice, CachingAllocator, ReplayResult, _Checks | None]:
@@ -307,7 +310,8 @@ def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[st
          result: ReplayResult, checks: _Checks | None, verify: bool,
          progress: Callable[[int, int], None] | None, skip_cycles: bool,
          live_at_start: set[int], track_peak: bool = True) -> None:
-    malloc, free, active = alloc.malloc, alloc.free, alloc.active
+    free, active, router = alloc.free, alloc.active, dev.pool_router
+    malloc, empty = (router.malloc, router.empty_cache) if router else (alloc.malloc, alloc.empty_cache)
     reserved = alloc.stats.reserved_bytes[0]
     allocated = alloc.stats.allocated_bytes[0]
     best_reserved = reserved.current  # the starting state is the first candidate for the peak
@@ -436,7 +440,7 @@ def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[st
                     _complete_pending(alloc, dev, block)
         elif code == 3:  # segment_free / segment_unmap: a run of them is one empty_cache() call
             if not in_empty_cache:
-                alloc.empty_cache()
+                empty()
                 in_empty_cache = True
         elif code == 4:  # oom: a request that failed in the recording
             if reproduce:  # the device fails as the real one did, and reports its recorded free
@@ -555,8 +559,8 @@ class _Checks:
         maps = _matched(self.trace, "segment_map", dev.maps)
         unmaps = _matched(self.trace, "segment_unmap", dev.unmaps)
         mine = snapshot_segments(alloc)
-        want_segs = {(s["address"], s["total_size"]) for s in final}
-        have_segs = {(s["address"], s["total_size"]) for s in mine}
+        want_segs = {(s["address"], s["total_size"], tuple(s.get("segment_pool_id") or (0, 0))) for s in final}
+        have_segs = {(s["address"], s["total_size"], tuple(s.get("segment_pool_id") or (0, 0))) for s in mine}
         want_blocks = {_block_key(s, b) for s in final for b in _with_addresses(s)}
         have_blocks = {_block_key(s, b) for s in mine for b in _with_addresses(s)}
         missing = sorted(want_blocks - have_blocks)[:5]

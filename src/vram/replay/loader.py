@@ -68,6 +68,9 @@ def _stream(value: Any, path: str) -> int:
     return got
 
 
+_DEFAULT_POOL = (0, 0)
+
+
 def _pool_id(value: Any, path: str) -> tuple[int, int] | None:
     """A memory pool id (``segment_pool_id``, ``pool_id``): two ints; None for the default (0, 0)."""
     if value is None:
@@ -354,10 +357,8 @@ class _Walker:
         t = e.get("time_us")
         out["time_us"] = None if t is None else _int(t, f"{path}.time_us")
         out["frames"] = self.frames(e.get("frames", []), f"{path}.frames")
-        if "pool_id" in e:
-            pool_id = _pool_id(e["pool_id"], f"{path}.pool_id")
-            if pool_id is not None:
-                out["pool_id"] = pool_id
+        if "pool_id" in e:  # kept for the default pool too: the trace records pools (vram.replay.pool_replay)
+            out["pool_id"] = _pool_id(e["pool_id"], f"{path}.pool_id") or _DEFAULT_POOL
         if action not in KNOWN_ACTIONS:
             self.unknown[action] = self.unknown.get(action, 0) + 1
         return out

@@ -31,6 +31,7 @@ from typing import Any
 from vram.allocator.block import SortedKeys
 from vram.allocator.caching import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, round_size
 
+from . import ccore
 from .messages import SnapshotError
 
 
@@ -44,7 +45,7 @@ LARGE_PAGE = 20 * 1024 * 1024  # an expandable segment's large-pool page (kLarge
 
 class _Segment:
     __slots__ = ("address", "total_size", "stream", "segment_type", "frames", "live", "expandable", "bound",
-                 "unknown")
+                 "unknown", "pool")
 
     def __init__(self, address: int, total_size: int, stream: int, segment_type: str | None,
                  frames: list[Any], expandable: bool = False) -> None:
@@ -59,6 +60,7 @@ class _Segment:
         #: addr of a block of unknown size -> the lowest address allocated above it while it lived
         self.bound: dict[int, int] = {}
         self.unknown: list[int] = []  # sorted addresses of the live blocks of size -1
+        self.pool: Any = None  # a private pool's id (``segment_pool_id``); None: the default pool
 
     @property
     def end(self) -> int:
@@ -70,13 +72,14 @@ _Edit = Callable[[_Segment], None]  # add a segment to, or drop it from, the rew
 
 def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
            divisions: list[int] | None = None, device: int = 0,
-           expandable_conf: bool = False) -> list[dict[str, Any]]:
+           expandable_conf: bool = False, private_pools: bool = False) -> list[dict[str, Any]]:
     """The segments (with blocks) as they were before the first event of `trace`.
 
     `segments` is the snapshot's final state of one device, `trace` that device's events (its
     index `device` names them in errors), `divisions` the recording's
     ``roundup_power2_divisions`` table and `expandable_conf` its ``expandable_segments`` (for
-    inferring sizes). Linear in the trace (a sorted index of segment starts), so 100k segments
+    inferring sizes); `private_pools`: the recording used private pools, so segments keep their
+    pool, which only the Python walk follows. Linear in the trace (a sorted index of segment starts), so 100k segments
     rewind in well under a second. Raises `TraceError` where the trace contradicts the final state.
     """
     divisions = divisions or [0] * 16
@@ -87,6 +90,7 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
     for s in segments:
         seg = _Segment(s["address"], s["total_size"], s.get("stream", 0),
                        s.get("segment_type", "large"), s.get("frames") or [], bool(s.get("is_expandable")))
+        seg.pool = s.get("segment_pool_id")
         addr = s["address"]
         for b in s["blocks"]:
             if b["state"] != "inactive":
@@ -98,7 +102,56 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
         segs[seg.address] = seg
         starts.add(seg.address)
         groups.add(seg)
+    private = private_pools or any(seg.pool and tuple(seg.pool) != (0, 0) for seg in segs.values())
+    walked = None if private else _walk_in_c(segs, trace)
+    order: list[int]
+    if walked is None:
+        _walk(segs, starts, groups, trace, divisions, device)
+        order = list(starts)
+    else:
+        segs, order = walked, list(walked)  # (in address order)
+    for a in order:
+        seg = segs[a]
+        if seg.segment_type is None:  # never used in the trace: only its size can tell
+            groups.drop(seg)
+            seg.segment_type = "large" if seg.total_size % LARGE_PAGE == 0 else "small"
+            groups.add(seg)
+        _infer_sizes(seg, divisions, expandable_conf or seg.expandable)
+    return [_as_snapshot_segment(segs[a], final_free, groups.lowest) for a in order]
 
+
+#: the actions the C walk (`vram.replay._ccore.rewind`) acts on; 5: walked in Python only
+_ACTIONS = {"alloc": 0, "free_completed": 1, "free_requested": 2, "segment_alloc": 3, "segment_free": 4,
+            "segment_map": 5, "segment_unmap": 5}
+
+
+def _walk_in_c(segs: dict[int, _Segment], trace: Sequence[Mapping[str, Any]]) -> dict[int, _Segment] | None:
+    """`_walk` in C (`vram.replay.ccore`), on new segments (`segs` is left as it is): the segments
+    at the trace's first event by address, or None where the C core is not there or leaves the
+    walk to Python (expandable segments, values beyond 64 bits, a trace that contradicts the state)."""
+    module = ccore.loaded()
+    if module is None or not trace or any(s.expandable or s.segment_type is None for s in segs.values()):
+        return None
+    given = list(segs.values())
+    got = module.rewind([(s.address, s.total_size, s.live) for s in given], trace, _ACTIONS, ALLOCATED, PENDING)
+    if got is None:
+        return None
+    out: dict[int, _Segment] = {}
+    for index, address, total, stream, live, bound in got:
+        if index >= 0:
+            old = given[index]
+            seg = _Segment(address, total, old.stream, old.segment_type, old.frames)
+        else:  # restored by a segment_free (as `_walk` makes it)
+            seg = _Segment(address, total, stream, "small" if total == 2 * 1024 * 1024 else "large", [])
+        seg.live, seg.bound = live, bound
+        out[address] = seg
+    return out
+
+
+def _walk(segs: dict[int, _Segment], starts: SortedKeys, groups: _Groups, trace: Sequence[Mapping[str, Any]],
+          divisions: list[int], device: int) -> None:
+    """Walk `trace` backwards from the final state in `segs` (with `starts` and `groups`), leaving
+    there the state at its first event: the readable reference for `_walk_in_c`."""
     def at(i: int) -> str:
         return f"device_traces[{device}][{i}] ({trace[i]['action']} at {trace[i]['addr']:#x})"
 
@@ -181,21 +234,15 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
             _check_unused(segs, starts, addr, size, at(i), "freed segment")
             if size <= 0 or size % K_MIN_BLOCK_SIZE:
                 raise TraceError(f"{at(i)}: a segment of {size} bytes cannot exist (spec §6)")
-            add(_Segment(addr, size, e.get("stream", 0), "small" if size == 2 * 1024 * 1024 else "large", []))
+            freed = _Segment(addr, size, e.get("stream", 0), "small" if size == 2 * 1024 * 1024 else "large", [])
+            freed.pool = e.get("pool_id")  # (its pool: vram.replay.pool_replay)
+            add(freed)
         elif action == "segment_map":
             holder.clear()  # (runs are cut and joined in place)
             _unmap_back(e, find(e["addr"], i), at(i), add, drop, groups)
         elif action == "segment_unmap":
             holder.clear()
             _map_back(e, at(i), add, drop, segs, starts)
-    for a in starts:
-        seg = segs[a]
-        if seg.segment_type is None:  # never used in the trace: only its size can tell
-            groups.drop(seg)
-            seg.segment_type = "large" if seg.total_size % LARGE_PAGE == 0 else "small"
-            groups.add(seg)
-        _infer_sizes(seg, divisions, expandable_conf or seg.expandable)
-    return [_as_snapshot_segment(segs[a], final_free, groups.lowest) for a in starts]
 
 
 class _Groups:
@@ -344,9 +391,11 @@ def _as_snapshot_segment(seg: _Segment, final_free: Mapping[tuple[int, int], int
     if addr < end:
         blocks.append({"address": addr, "size": end - addr, "state": "inactive", "frames": [],
                        "requested_size": _stale_requested(final_free, addr, end)})
-    out = {"address": seg.address, "total_size": seg.total_size, "stream": seg.stream,
+    out: dict[str, Any] = {"address": seg.address, "total_size": seg.total_size, "stream": seg.stream,
            "segment_type": seg.segment_type, "is_expandable": seg.expandable, "frames": seg.frames,
            "blocks": blocks}
+    if seg.pool and tuple(seg.pool) != (0, 0):
+        out["segment_pool_id"] = tuple(seg.pool)
     if seg.expandable:
         out["expandable_base"] = lowest.get((seg.stream, seg.segment_type), seg.address)
     return out

@@ -57,6 +57,9 @@ def import_segments(alloc: CachingAllocator, segments: Iterable[Mapping[str, Any
         groups: dict[tuple[int, bool], list[Mapping[str, Any]]] = {}
         for s in segs:
             if s.get("is_expandable"):
+                if s.get("segment_pool_id"):
+                    raise StateError(f"segment {s['address']:#x}: vram does not simulate expandable segments "
+                                     "in a private memory pool")
                 groups.setdefault((s.get("stream", 0), s.get("segment_type") == "small"), []).append(s)
             else:
                 _install(alloc, s)
@@ -73,7 +76,7 @@ def _install(alloc: CachingAllocator, seg: Mapping[str, Any]) -> None:
         raise StateError(
             f"the recorded segment at {address:#x} ({total} bytes) does not fit on the device "
             f"({free} of {dev_total} bytes free, or the address is already in use)")
-    pool = alloc.small_blocks if seg.get("segment_type") == "small" else alloc.large_blocks
+    pool = _pool(alloc, seg)
     stats = alloc.stats
     i = pool.stat_index
     alloc.total_allocated_memory += total
@@ -85,6 +88,21 @@ def _install(alloc: CachingAllocator, seg: Mapping[str, Any]) -> None:
         for block in blocks:
             if not block.allocated and block.event_count == 0:
                 stats.on_inactive_split(i, 1, block.size)
+
+
+def _pool(alloc: CachingAllocator, seg: Mapping[str, Any]) -> BlockPool:
+    """The segment's pool: the default's, or its private pool's (``segment_pool_id``), created
+    with one use (spec §5; ``PrivatePool``'s ``cudaMalloc_count`` counts the segment)."""
+    small = seg.get("segment_type") == "small"
+    pid = seg.get("segment_pool_id")
+    if not pid or tuple(pid) == (0, 0):
+        return alloc.small_blocks if small else alloc.large_blocks
+    pid = tuple(pid)
+    if pid not in alloc.graph_pools:
+        alloc._create_or_incref(pid)
+    pp = alloc.graph_pools[pid]
+    pp.cuda_malloc_count += 1
+    return pp.small_blocks if small else pp.large_blocks
 
 
 def _chain(alloc: CachingAllocator, seg: Mapping[str, Any], pool: BlockPool, stream: int,

@@ -9,13 +9,13 @@ mapped page by page, so only the rules that hold for them too are applied to the
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from .messages import Invalid, SnapshotError, brief, printable
+from .messages import Invalid, brief, printable
 
 __all__ = ["KNOWN_ACTIONS", "RESERVED_STREAMS", "check_requested", "check_segment", "check_settings",
-           "refuse_private_pools", "stream_error"]
+           "stream_error"]
 
 MiB = 1 << 20
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: every block size is a multiple (spec §2, §4)
@@ -91,17 +91,3 @@ def check_settings(settings: Mapping[str, Any] | None) -> None:
     if len(conf) > 4096:
         raise Invalid(f"allocator_settings.PYTORCH_CUDA_ALLOC_CONF is {len(conf):,} characters long "
                       f"({printable(conf, 40)!r}...)")
-
-
-def refuse_private_pools(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]]) -> None:
-    """Recordings with private pools (CUDA graphs, ``torch.cuda.MemPool``) are refused: their
-    trace does not say when a capture or ``use_mem_pool`` began and ended, nor when a graph or
-    MemPool died (``beginAllocateToPool``, ``releasePool`` leave no trace entry), and those decide
-    which pool each request used and when a pool's memory may be freed."""
-    pid = next((s["segment_pool_id"] for s in segments if s.get("segment_pool_id", (0, 0)) != (0, 0)), None)
-    if pid is None:
-        pid = next((e["pool_id"] for e in trace if e.get("pool_id", (0, 0)) != (0, 0)), None)
-    if pid is not None:
-        raise SnapshotError(f"this recording uses a private memory pool {tuple(pid)} (a CUDA graph or "
-                            "torch.cuda.MemPool): vram cannot replay private pools yet (the trace does not "
-                            "record when captures begin and end or when pools are released)")

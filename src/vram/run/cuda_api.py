@@ -211,7 +211,32 @@ def patch_torch_cuda(props: list[DeviceProperties]) -> Callable[[], None]:
     put(torch._C, "_host_emptyCache", lambda: None)  # torch.cuda.graph's entry: pinned host memory
     for name, fn in _accelerator().items():
         put(torch._C, name, fn)
+    put(torch, "device", _device_type(torch.device))
     return restore
+
+
+def _device_type(real: type) -> type:
+    """``torch.device`` accepting an index alone: ``torch.device(0)`` is the current accelerator's
+    device 0 (``THPDevice_pynew``, torch/csrc/Device.cpp, ``at::getAccelerator``), CUDA on a GPU
+    build, a refusal on a CPU one (FSDP1's ``_get_compute_device`` does it for a root without
+    parameters). Instances are the real ``torch.device``; ``isinstance`` checks still hold."""
+
+    class DeviceType(type):
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, real)
+
+        def __subclasscheck__(cls, sub: Any) -> bool:
+            return issubclass(sub, real)
+
+        def __getattr__(cls, name: str) -> Any:
+            return getattr(real, name)
+
+        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            if len(args) == 1 and not kwargs and isinstance(args[0], int) and not isinstance(args[0], bool):
+                return real("cuda", args[0])
+            return real(*args, **kwargs)
+
+    return DeviceType("device", (), {"__module__": "torch", "__doc__": real.__doc__})
 
 
 def attribute_patches() -> tuple[Callable[[Any, str, Any], None], Callable[[], None]]:
@@ -249,6 +274,9 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     * ``torch._has_compatible_shallow_copy_type`` says a host tensor and a simulated one are
       compatible (CPU and CUDA are, to a GPU run), so ``Module._apply`` moves Parameters in place
       with ``param.data = moved`` instead of making new ones (see ``vram.run.modes.FunctionMode._set_data``);
+    * ``Tensor.record_stream`` of a simulated tensor goes to `function_mode` (which records the
+      stream on its block): C++'s argument parser rejects a simulated Stream before any mode
+      sees the call ("unknown parameter type"; FSDP1's ``_free_unsharded_flat_param``);
     * ``UntypedStorage.resize_`` (not an aten op, so invisible to dispatch modes; FSDP frees
       parameters with ``resize_(0)``) reports the storage to `resized` afterwards;
     * the autograd engine (``torch.autograd._engine_run_backward``, behind ``backward()`` and
@@ -269,6 +297,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     original_clear, original_compile = torch.clear_autocast_cache, torch.compile
     original_step = GradScaler._maybe_opt_step
     original_resize = torch.UntypedStorage.resize_
+    original_record = torch.Tensor.record_stream
     original_engine = autograd_graph._engine_run_backward
     original_hooks_init = autograd_graph.saved_tensors_hooks.__init__
     original_compatible = torch._has_compatible_shallow_copy_type
@@ -307,6 +336,12 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
         resized(self)
         return out
 
+    def record_stream(self: Any, stream: Any) -> None:
+        if simulated(self):
+            function_mode.__torch_function__(original_record, (), (self, stream), {})
+        else:
+            original_record(self, stream)
+
     def under_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             if function_mode in _get_current_function_mode_stack():
@@ -324,6 +359,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     torch._has_compatible_shallow_copy_type = compatible
     torch.compile = compile  # type: ignore[assignment]
     torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign,assignment]
     GradScaler._maybe_opt_step = maybe_opt_step  # type: ignore[method-assign]
 
     def restore() -> None:
@@ -332,6 +368,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
         torch.compile = original_compile
         GradScaler._maybe_opt_step = original_step  # type: ignore[method-assign]
         torch.UntypedStorage.resize_ = original_resize  # type: ignore[method-assign]
+        torch.Tensor.record_stream = original_record  # type: ignore[method-assign]
         torch.autograd._engine_run_backward = autograd_graph._engine_run_backward = original_engine
         autograd_graph.saved_tensors_hooks.__init__ = original_hooks_init  # type: ignore[method-assign]
 

@@ -286,9 +286,10 @@ class FunctionMode(TorchFunctionMode):
                 return b0.ptr + t0.storage_offset() * t0.element_size() if b0.ptr else 0
             if name == "get_device":
                 return b0.device
-            if name == "record_stream" and len(args) > 1 and b0.ptr:
-                _memory.get_allocator(b0.device).record_stream(b0.ptr, args[1].cuda_stream)
-                return None
+            if name == "record_stream" and len(args) > 1:  # an empty storage has no block: nothing
+                if b0.ptr:  # to do (CUDACachingAllocator.cpp, recordStream); never C++'s, which
+                    _memory.get_allocator(b0.device).record_stream(b0.ptr, args[1].cuda_stream)
+                return None  # rejects a simulated Stream (FSDP1's _free_unsharded_flat_param)
         elif t0 is not None and sim.host.live and sim.host.of(t0) is not None:
             if name in _CPU_COPY or name in _SCALAR or name in _HOST_READS:
                 return self._host_read(func, name, t0, args, kwargs)

@@ -7,6 +7,8 @@
   vram's. Rendezvous (``env://``, ``tcp://``) keeps PyTorch's parsing, checks and messages
   (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` must be set) but its store is an
   in-process ``HashStore``: no rank waits for another, since each is simulated on its own.
+* ``ProcessGroupGloo`` (``"gloo"``, the ``cpu`` half of ``"cpu:gloo,cuda:nccl"``) is
+  `gloo.SimProcessGroupGloo`: host tensors, values as if every rank held this rank's.
 * `vram.run.distributed.launcher` is ``torchrun`` for simulated GPUs (``vram run
   --nproc-per-node N``): one process per rank, the torchrun environment, a per-rank summary.
 """
@@ -35,15 +37,19 @@ def current_sim() -> SimState:
 
 def install(sim: SimState) -> Callable[[], None]:
     """Make ``torch.distributed``'s ``nccl`` backend vram's; returns the function that undoes it."""
+    import torch
     import torch.distributed as dist
+    import torch.distributed.c10d_logger as c10d_logger
     import torch.distributed.distributed_c10d as c10d
     import torch.distributed.rendezvous  # noqa: F401 - the module; the package's name is a function
     from torch.distributed import HashStore
 
     from .ddp import verify_params_across_processes
     from .functional import overrides
+    from .gloo import SimProcessGroupGloo
     from .process_group import SimProcessGroup
     from .rank import stage_snapshots
+    from .wrappers import make_wrapper_subclass
 
     rdzv = sys.modules["torch.distributed.rendezvous"]
 
@@ -56,12 +62,18 @@ def install(sim: SimState) -> Callable[[], None]:
         return HashStore()
 
     put(c10d, "ProcessGroupNCCL", SimProcessGroup)
+    put(c10d, "ProcessGroupGloo", SimProcessGroupGloo)   # would wait for the other ranks' processes
+    put(dist, "ProcessGroupGloo", SimProcessGroupGloo)
+    # c10d_logger's exception wrapper builds a debug-log dict that asks a CPU build for its NCCL
+    # version, and the AttributeError buries the collective's own error: log without it
+    put(c10d_logger, "_get_msg_dict", lambda func_name, *args, **kwargs: {"func_name": func_name})
     put(dist, "ProcessGroupNCCL", SimProcessGroup)
     put(c10d, "is_nccl_available", lambda: True)
     put(dist, "is_nccl_available", lambda: True)
     put(c10d, "_NCCL_AVAILABLE", True)
     put(rdzv, "_create_c10d_store", create_store)
     put(dist, "_verify_params_across_processes", verify_params_across_processes)
+    put(torch.Tensor, "_make_wrapper_subclass", make_wrapper_subclass(torch.Tensor._make_wrapper_subclass))
     staged = stage_snapshots(_memory._dump_snapshot)  # a launched rank: dumps wait for the launcher
     if staged is not None:
         import torch.cuda.memory

@@ -8,10 +8,13 @@ local_elastic_agent.py``, static rendezvous): ``RANK``, ``LOCAL_RANK``, ``WORLD_
 ``TORCHELASTIC_*``, and ``OMP_NUM_THREADS=1`` when unset and N > 1 (``torch/distributed/run.py``).
 A rank sees every GPU of its node (``device_count() == N``); ``cuda:LOCAL_RANK`` is its own.
 
-No rank waits for another (see `vram.run.distributed.process_group`), so ranks run side by side,
-``jobs`` at a time. ``ranks`` picks which ranks to simulate: the others are not run and the
-summary says so — for ranks whose programs are identical (plain data parallel), one simulated
-rank stands for all; ranks that differ (pipeline stages, uneven shards) must each be simulated.
+No collective waits for another rank (see `vram.run.distributed.process_group`), so ranks run
+side by side, ``jobs`` at a time; only a point-to-point receive waits for its sender
+(`vram.run.distributed.p2p`: pipeline stages exchange metadata), and when every running rank
+waits, the next pending rank starts beyond ``jobs``. ``ranks`` picks which ranks to simulate: the
+others are not run and the summary says so — for ranks whose programs are identical (plain data
+parallel), one simulated rank stands for all; ranks that differ (pipeline stages, uneven shards)
+must each be simulated.
 
 Output lines are prefixed ``[rankR]:``. At the end a per-rank table gives each rank's own GPU:
 peak allocated, peak reserved, peak reserved + CUDA context, OOMs and exit status. Snapshot dumps
@@ -28,18 +31,21 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from vram.units import format_size
 
+from .p2p import MAILBOX_ENV, SIMULATED_ENV, deadlock_marker, exited_marker, waiting_marker
 from .rank import RESULT_ENV, STAGING_ENV
 
 __all__ = ["Launch", "parse_ranks", "launch", "torchrun_env"]
 
 MASTER_ADDR = "127.0.0.1"   # torchrun's --master-addr default
 MASTER_PORT = 29500         # torchrun's --master-port default (static rendezvous)
+DEADLOCK_S = 2.0            # every rank waiting for a message this long: a deadlock
 
 
 @dataclass
@@ -128,12 +134,15 @@ def launch(spec: Launch, vram_args: Sequence[str], script: str, script_args: Seq
     try:
         pending = list(ranks)
         running: list[tuple[int, subprocess.Popen[bytes], list[threading.Thread]]] = []
+        stuck_since: float | None = None
         while pending or running:
-            while pending and len(running) < jobs:
+            # a rank waiting for a point-to-point message (`.p2p`) may need one not started yet
+            while pending and (len(running) < jobs or _all_waiting(work, running)):
                 rank = pending.pop(0)
                 env = torchrun_env(spec, rank)
                 env[RESULT_ENV] = os.path.join(work, f"rank{rank}.json")
-                env[STAGING_ENV] = work
+                env[STAGING_ENV] = env[MAILBOX_ENV] = work
+                env[SIMULATED_ENV] = ",".join(map(str, ranks))
                 cmd = [sys.executable, "-m", "vram", "run", *vram_args, script, *script_args]
                 proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                 assert proc.stdout is not None and proc.stderr is not None
@@ -142,11 +151,22 @@ def launch(spec: Launch, vram_args: Sequence[str], script: str, script_args: Seq
                 for t in threads:
                     t.start()
                 running.append((rank, proc, threads))
-            rank, proc, threads = running.pop(0)
-            status = proc.wait()
-            for t in threads:
-                t.join()
-            results[rank] = _read_result(os.path.join(work, f"rank{rank}.json"), rank, status)
+            done = [job for job in running if job[1].poll() is not None]
+            if not done:
+                stuck = not pending and _all_waiting(work, running)
+                stuck_since = (stuck_since or time.monotonic()) if stuck else None
+                if stuck_since is not None and time.monotonic() - stuck_since > DEADLOCK_S:
+                    open(deadlock_marker(work), "w").close()   # every waiting rank raises
+                time.sleep(0.01)
+                continue
+            for job in done:
+                running.remove(job)
+                rank, proc, threads = job
+                status = proc.wait()
+                for t in threads:
+                    t.join()
+                open(exited_marker(work, rank), "w").close()
+                results[rank] = _read_result(os.path.join(work, f"rank{rank}.json"), rank, status)
         moved = _place_snapshots(results)
         out.write(summary(spec, ranks, results, moved))
         out.flush()
@@ -154,6 +174,10 @@ def launch(spec: Launch, vram_args: Sequence[str], script: str, script_args: Seq
         shutil.rmtree(work, ignore_errors=True)
     failed = [results[r].status for r in ranks if results[r].status != 0]
     return failed[0] if failed else 0
+
+
+def _all_waiting(work: str, running: Sequence[tuple[int, Any, Any]]) -> bool:
+    return bool(running) and all(os.path.exists(waiting_marker(work, r)) for r, _, _ in running)
 
 
 def _read_result(path: str, rank: int, status: int) -> RankResult:

@@ -44,6 +44,7 @@ from vram.frontend import memory as _memory
 
 from .. import known
 from ..storages import SimState
+from .p2p import post, take
 
 __all__ = ["Options", "SimProcessGroup", "SimWork"]
 
@@ -310,10 +311,15 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         return self._collective(list(ins) or outputs, outputs, _async(opts))
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> SimWork:
+        """``pointToPoint``; under the launcher the known values go to `dst` (`.p2p`)."""
+        post(self, tensors, dst)
         return self._collective(tensors, [], True)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> SimWork:
-        return self._collective([], tensors, True)
+        """``pointToPoint``; under the launcher the values are what `src` sent (`.p2p`)."""
+        work = self._collective([], tensors, True)
+        take(self, tensors, src)
+        return work
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> SimWork:
         return self._collective([], tensors, True)
