@@ -38,7 +38,7 @@ from .pool_replay import PoolRouter, plan_pools
 from .rewind import rewind
 from .safe_pickle import gc_paused
 from .state import import_segments
-from .validate import KNOWN_ACTIONS, RESERVED_STREAMS
+from .validate import KNOWN_ACTIONS, RESERVED_STREAMS, private_pool
 
 #: capacity of the replay GPU when none is given: large enough for any recording
 UNLIMITED = 1 << 40
@@ -559,8 +559,8 @@ class _Checks:
         maps = _matched(self.trace, "segment_map", dev.maps)
         unmaps = _matched(self.trace, "segment_unmap", dev.unmaps)
         mine = snapshot_segments(alloc)
-        want_segs = {(s["address"], s["total_size"], tuple(s.get("segment_pool_id") or (0, 0))) for s in final}
-        have_segs = {(s["address"], s["total_size"], tuple(s.get("segment_pool_id") or (0, 0))) for s in mine}
+        want_segs = {(s["address"], s["total_size"], private_pool(s.get("segment_pool_id"))) for s in final}
+        have_segs = {(s["address"], s["total_size"], private_pool(s.get("segment_pool_id"))) for s in mine}
         want_blocks = {_block_key(s, b) for s in final for b in _with_addresses(s)}
         have_blocks = {_block_key(s, b) for s in mine for b in _with_addresses(s)}
         missing = sorted(want_blocks - have_blocks)[:5]

@@ -31,8 +31,8 @@ from typing import Any
 from vram.allocator.caching import CachingAllocator
 
 from .messages import SnapshotError
+from .validate import private_pool
 
-DEFAULT = (0, 0)
 _MALLOC = frozenset(("alloc", "oom"))
 _RELEASE = frozenset(("segment_free", "segment_unmap"))  # a run of them is one empty_cache()
 
@@ -101,11 +101,11 @@ def plan_pools(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[st
     """The pools of a recording's requests and segment frees; None when it uses no private pool.
     Raises `SnapshotError` where the recording does not tell a pool that matters."""
     with_ids = False
-    private = any(s.get("segment_pool_id") and tuple(s["segment_pool_id"]) != DEFAULT for s in segments)
+    private = any(private_pool(s.get("segment_pool_id")) for s in segments)
     for e in trace:
         if "pool_id" in e:
             with_ids = True
-            if e["pool_id"] and tuple(e["pool_id"]) != DEFAULT:
+            if private_pool(e["pool_id"]):
                 private = True
                 break
     if not private:
@@ -135,11 +135,7 @@ def _pools_by_id(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[
                  device: int) -> list[tuple[int, int] | None]:
     """Each entry's own ``pool_id`` (an entry without one is the default pool's: vram writes the
     key for private pools only)."""
-    out: list[tuple[int, int] | None] = []
-    for e in trace:
-        pid = e.get("pool_id")
-        out.append(None if not pid or tuple(pid) == DEFAULT else tuple(pid))
-    return out
+    return [private_pool(e.get("pool_id")) for e in trace]
 
 
 def _pools_by_address(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
@@ -151,8 +147,7 @@ def _pools_by_address(segments: Sequence[Mapping[str, Any]], trace: Sequence[Map
     starts: list[int] = []
     segs: dict[int, tuple[int, Any]] = {}  # address -> (end, pool)
     for s in segments:
-        pid = s.get("segment_pool_id")
-        segs[s["address"]] = (s["address"] + s["total_size"], tuple(pid) if pid and pid != DEFAULT else None)
+        segs[s["address"]] = (s["address"] + s["total_size"], private_pool(s.get("segment_pool_id")))
         insort(starts, s["address"])
     out: list[tuple[int, int] | None] = [None] * len(trace)
     for i in range(len(trace) - 1, -1, -1):

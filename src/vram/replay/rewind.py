@@ -33,6 +33,7 @@ from vram.allocator.caching import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, round_size
 
 from . import ccore
 from .messages import SnapshotError
+from .validate import private_pool
 
 
 class TraceError(SnapshotError):
@@ -102,7 +103,7 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
         segs[seg.address] = seg
         starts.add(seg.address)
         groups.add(seg)
-    private = private_pools or any(seg.pool and tuple(seg.pool) != (0, 0) for seg in segs.values())
+    private = private_pools or any(private_pool(seg.pool) for seg in segs.values())
     walked = None if private else _walk_in_c(segs, trace)
     order: list[int]
     if walked is None:
@@ -394,8 +395,9 @@ def _as_snapshot_segment(seg: _Segment, final_free: Mapping[tuple[int, int], int
     out: dict[str, Any] = {"address": seg.address, "total_size": seg.total_size, "stream": seg.stream,
            "segment_type": seg.segment_type, "is_expandable": seg.expandable, "frames": seg.frames,
            "blocks": blocks}
-    if seg.pool and tuple(seg.pool) != (0, 0):
-        out["segment_pool_id"] = tuple(seg.pool)
+    pool = private_pool(seg.pool)
+    if pool is not None:
+        out["segment_pool_id"] = pool
     if seg.expandable:
         out["expandable_base"] = lowest.get((seg.stream, seg.segment_type), seg.address)
     return out

@@ -24,7 +24,7 @@ from vram.allocator.block import Block, BlockPool
 from vram.allocator.caching import CachingAllocator
 from vram.allocator.expandable import K_SMALL_BUFFER, ExpandableSegment
 
-from .validate import RESERVED_STREAMS
+from .validate import RESERVED_STREAMS, private_pool
 
 ALLOCATED_STATES = ("active_allocated", "active_pending_free")
 #: streams on which the events of blocks pending at the start wait, one stream per block (so each
@@ -94,10 +94,9 @@ def _pool(alloc: CachingAllocator, seg: Mapping[str, Any]) -> BlockPool:
     """The segment's pool: the default's, or its private pool's (``segment_pool_id``), created
     with one use (spec §5; ``PrivatePool``'s ``cudaMalloc_count`` counts the segment)."""
     small = seg.get("segment_type") == "small"
-    pid = seg.get("segment_pool_id")
-    if not pid or tuple(pid) == (0, 0):
+    pid = private_pool(seg.get("segment_pool_id"))
+    if pid is None:
         return alloc.small_blocks if small else alloc.large_blocks
-    pid = tuple(pid)
     if pid not in alloc.graph_pools:
         alloc._create_or_incref(pid)
     pp = alloc.graph_pools[pid]

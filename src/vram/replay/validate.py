@@ -15,9 +15,10 @@ from typing import Any
 from .messages import Invalid, brief, printable
 
 __all__ = ["KNOWN_ACTIONS", "RESERVED_STREAMS", "check_requested", "check_segment", "check_settings",
-           "stream_error"]
+           "private_pool", "stream_error"]
 
 MiB = 1 << 20
+DEFAULT_POOL = (0, 0)  # ``segment_pool_id`` / ``pool_id`` of the default pools
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: every block size is a multiple (spec §2, §4)
 K_SMALL_SIZE = MiB  # kSmallSize: large-pool blocks are bigger (spec §5, §8)
 K_SMALL_BUFFER = 2 * MiB  # kSmallBuffer: every small segment, and the small-pool page (spec §6, §14)
@@ -91,3 +92,13 @@ def check_settings(settings: Mapping[str, Any] | None) -> None:
     if len(conf) > 4096:
         raise Invalid(f"allocator_settings.PYTORCH_CUDA_ALLOC_CONF is {len(conf):,} characters long "
                       f"({printable(conf, 40)!r}...)")
+
+
+def private_pool(pid: Any) -> tuple[int, int] | None:
+    """A ``segment_pool_id`` / ``pool_id`` as a private pool's id (a CUDA graph's or a MemPool's),
+    or None for the default pools: absent, empty or ``(0, 0)`` (``memory_snapshot.cpp`` writes the
+    default as ``(0, 0)``; vram's own snapshots leave it out)."""
+    if not pid:
+        return None
+    pid = tuple(pid)
+    return None if pid == DEFAULT_POOL else pid
