@@ -27,7 +27,7 @@ _CPU_COPY = frozenset({"cpu", "numpy", "tolist", "__array__", "__repr__", "__for
                        "allclose", "__complex__"})
 _SCALAR = frozenset({"item", "__bool__", "__int__", "__float__", "__index__"})
 _HOST_READS = frozenset({"data_ptr", "__array__", "__dlpack__", "tobytes"})  # host bytes, read directly
-_DATA_ERRORS = ("meta tensor", "meta device", "no data", "data-dependent", "data dependent",
+DATA_ERRORS = ("meta tensor", "meta device", "no data", "data-dependent", "data dependent",
                 "register_meta", "Meta tensors", "has no data")
 
 _META = torch.device("meta")
@@ -99,9 +99,9 @@ class DispatchMode(TorchDispatchMode):
         try:
             out = func(*host.on_meta(args), **host.on_meta(kwargs)) if lazy else func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
-            if lazy and any(s in str(e) for s in _DATA_ERRORS) and sim.target is None:
+            if lazy and any(s in str(e) for s in DATA_ERRORS) and sim.target is None:
                 return host.run_real(func, args, kwargs)  # a data-dependent op: on real bytes
-            if any(s in str(e) for s in _DATA_ERRORS) and any(sim.block_of(t) for t in inputs):
+            if any(s in str(e) for s in DATA_ERRORS) and any(sim.block_of(t) for t in inputs):
                 computed, computed_assumed = self._data_dependent(func, args, kwargs)
                 if computed is None:
                     what = describe(sim.call) if sim.call is not None else f"{func}"
@@ -362,7 +362,7 @@ class FunctionMode(TorchFunctionMode):
                             b.value = host.untyped_storage()
             return out
         except (RuntimeError, NotImplementedError) as e:
-            if (isinstance(e, torch.OutOfMemoryError) or not any(s in str(e) for s in _DATA_ERRORS)
+            if (isinstance(e, torch.OutOfMemoryError) or not any(s in str(e) for s in DATA_ERRORS)
                     or not any(sim.block_of(t) for t in tree_leaves((args, kwargs or {})))):
                 raise
             raise value_error(describe(func)) from None

@@ -15,10 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
-from ..modes import DispatchMode, FunctionMode
+from .. import known
+from ..modes import DATA_ERRORS, DispatchMode, FunctionMode
 from ..storages import ChargedStorage, SimState
+from ..values import describe, value_error
 from .storage import new_storage
 
 #: PrivateUse1's name in a process that ran the engine (``torch.utils.rename_privateuse1_backend``)
@@ -43,9 +45,37 @@ def register() -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     _setup_privateuseone_for_python_backend(NAME)
+    known.SIMULATED_DEVICE_TYPES.add(NAME)
     lib = torch.library.Library("_", "IMPL")  # noqa: TOR901 - a fallback for every namespace
     lib.fallback(_fallback, "PrivateUse1")
     _LIB.append(lib)
+    _LIB.append(_structured_kernels())
+
+
+def _structured_kernels() -> Any:
+    """Send each structured op whole to `_fallback`, as CUDA's own structured kernel runs it.
+
+    A backend without kernels gets structured ops (``add``, ``addmm``, ``mse_loss``…) through
+    their ``CompositeExplicitAutogradNonFunctional`` wrappers, which allocate an output and call
+    the ``out=`` overload (``mse_loss``: an input-sized ``empty``, then ``resize_`` to a scalar),
+    an allocation order CUDA never has: its generated wrapper allocates each output once, with the
+    meta function's sizes (torchgen ``gen_structured``). Registering the fallback for those ops
+    at PrivateUse1 runs their meta function whole instead."""
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::") or not torch._C._dispatch_has_kernel_for_dispatch_key(
+                qualified, "CompositeExplicitAutogradNonFunctional"):
+            continue
+        name, _, overload = qualified[len("aten::"):].partition(".")
+        op = getattr(getattr(torch.ops.aten, name), overload or "default")
+        lib.impl(qualified[len("aten::"):], _whole(op), "PrivateUse1")
+    return lib
+
+
+def _whole(op: Any) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return _fallback(op, *args, **kwargs)
+    return kernel
 
 
 def _raw_device(t: torch.Tensor) -> torch.device:
@@ -72,6 +102,15 @@ class BackendState(SimState):
             base = t.data_ptr() - t.storage_offset() * t.element_size()
         idx = d.index or 0
         return self.blocks.get((idx, base)) or self._empty[idx]
+
+    def storage_block(self, storage: Any) -> ChargedStorage | None:
+        if storage.device.type != NAME:
+            return None
+        return self.blocks.get((storage.device.index or 0, torch._C.StorageBase.data_ptr(storage)))
+
+    def new_storage(self, nbytes: int, idx: int) -> Any:
+        t = self.new(torch.empty(nbytes, dtype=torch.uint8, device=_META), idx)
+        return t.untyped_storage(), self.block_of(t)
 
     def new(self, meta: torch.Tensor, idx: int) -> torch.Tensor:
         """A PrivateUse1 tensor like `meta` over a new storage charged to device `idx`."""
@@ -123,12 +162,24 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     if not _STATE:
         raise RuntimeError(f"vram: a {NAME} tensor outside a simulated run")
     sim = _STATE[-1]
-    if op is _COPY_FROM:  # copy_ across devices into a simulated tensor: no values to move
+    if op is _COPY_FROM:  # copy_ across devices: the values, where they are known
+        _copy_values(sim, args[0], args[1])
         return args[1]
     if op in _SET_SOURCE:  # onto another simulated storage: the CPU kernel, which allocates nothing
         return op._op_dk(_CPU, *args, **kwargs)
     margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
-    out = op(*margs, **mkwargs)
+    computed, computed_assumed = None, False
+    try:
+        out = op(*margs, **mkwargs)
+    except (RuntimeError, NotImplementedError) as e:
+        if not any(s in str(e) for s in DATA_ERRORS):
+            raise
+        # an output shape that depends on values (nonzero, boolean masks): from the CPU copies
+        computed, computed_assumed = sim._blas._data_dependent(op, args, kwargs)
+        if computed is None:
+            what = describe(sim.call) if sim.call is not None else f"{op}"
+            raise value_error(what, f"{op} has no meta kernel" if "no fake impl" in str(e) else "") from None
+        out = known.meta_outputs(computed)
     single = not isinstance(out, tuple)
     outs = [out] if single else list(out)
     schema = op._schema
@@ -148,7 +199,39 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
             results[i] = _AS_STRIDED._op_dk(_CPU, src, o.shape, o.stride(), o.storage_offset())
     idx = _device(args, kwargs)
     _charge(sim, op, idx, margs, mkwargs, outs, results)
-    return results[0] if single else tuple(results)
+    final = results[0] if single else tuple(results)
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    known.propagate(sim, op, args, kwargs, final, inputs, computed, computed_assumed)
+    return final
+
+
+def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``_copy_from(src, dst)`` between the host and a simulated GPU (``copy_impl`` in
+    ``ATen/native/Copy.cpp`` hands cross-device copies of PrivateUse1 tensors to it): a simulated
+    `dst` learns `src`'s values when they are known (else they become unknown); a host `dst`
+    gets them, or a placeholder recorded as a read."""
+    if sim.block_of(dst) is not None:
+        value = known.cpu_value(sim, src)
+        if value is None or known.assumed(sim, src):
+            b = sim.block_of(dst)
+            if b is not None:
+                b.value = None
+            if value is None:
+                return
+        known.define(sim, dst, value.to(dst.dtype).expand(dst.shape), known.assumed(sim, src))
+        return
+    used: list[bool] = []
+    try:
+        value = known.to_cpu_assuming(sim, src, used)
+    except known.Unknown:
+        if sim.strict_values:
+            raise value_error(describe(sim.call) if sim.call is not None else "a copy to the host") from None
+        value = known.placeholder(src)
+        used.append(True)
+    if used:
+        what = describe(sim.call) if sim.call is not None else "a copy to the host"
+        sim.report.record(what, f"zeros {list(src.shape)}", derived=known.known(sim, src))
+    dst.copy_(value)
 
 
 def _charge(sim: BackendState, op: Any, idx: int, margs: Any, mkwargs: Any, outs: list[Any],
@@ -198,7 +281,9 @@ def _materialise(sim: BackendState, alias: Any, outs: list[Any], results: list[A
         if b is not None and o.untyped_storage().nbytes() > b.nbytes:
             _SET._op_dk(_CPU, t, sim.new(o, idx))
         elif (tuple(t.shape), t.stride(), t.storage_offset()) != (tuple(o.shape), o.stride(), o.storage_offset()):
-            torch.ops.aten.as_strided_.default._op_dk(_CPU, t, o.shape, o.stride(), o.storage_offset())
+            # as_strided_'s CPU kernel crashes on these tensors; set_ onto a restrided alias of
+            # the same storage does what a shrinking resize_ does
+            _SET._op_dk(_CPU, t, _AS_STRIDED._op_dk(_CPU, t, o.shape, o.stride(), o.storage_offset()))
 
 
 def _blas(sim: BackendState, idx: int, name: str, margs: Any, mkwargs: Any, results: list[Any]) -> None:
