@@ -91,6 +91,12 @@ __all__ = ["BACKENDS", "DataDependentError", "simulated_cuda", "run_script", "ac
 #: the engines of a simulated run: meta tensors under two modes (default), or the experimental
 #: Python PrivateUse1 backend (`vram.run.backend`, issue 12)
 BACKENDS = ("meta", "privateuse1")
+if os.environ.get("VRAM_RUN_BACKEND") == "privateuse1":
+    # before the process's first backward: the autograd engine sizes its per-device queues once
+    # (engine.cpp ``device_ready_queues_``), so a device type registered later cannot backward
+    from . import backend as _early_backend
+
+    _early_backend.register()
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _VRAM_DIR = _history.PACKAGE_DIR

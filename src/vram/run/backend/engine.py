@@ -33,6 +33,9 @@ _COPY_FROM = torch.ops.aten._copy_from.default
 _SET_SOURCE = frozenset(getattr(torch.ops.aten.set_, o) for o in ("source_Tensor", "source_Storage",
                                                                    "source_Storage_storage_offset",
                                                                    "source_Tensor_storage_offset"))
+#: composite ops that reach ``*_overrideable`` kernels on a backend other than CPU/CUDA
+_OVERRIDEABLE = frozenset({"aten::convolution", "aten::convolution_backward", "aten::_convolution",
+                           "aten::_convolution_double_backward"})
 _STATE: list[BackendState] = []  # the running simulations, innermost last
 _LIB: list[Any] = []
 
@@ -53,21 +56,28 @@ def register() -> None:
 
 
 def _structured_kernels() -> Any:
-    """Send each structured op whole to `_fallback`, as CUDA's own structured kernel runs it.
+    """Send each op with a composite kernel below autograd whole to `_fallback`, as CUDA's own
+    kernel and the default engine's dispatch mode see it.
 
-    A backend without kernels gets structured ops (``add``, ``addmm``, ``mse_loss``…) through
-    their ``CompositeExplicitAutogradNonFunctional`` wrappers, which allocate an output and call
-    the ``out=`` overload (``mse_loss``: an input-sized ``empty``, then ``resize_`` to a scalar),
-    an allocation order CUDA never has: its generated wrapper allocates each output once, with the
-    meta function's sizes (torchgen ``gen_structured``). Registering the fallback for those ops
-    at PrivateUse1 runs their meta function whole instead."""
+    A backend without kernels gets those ops through their ``CompositeExplicitAutograd`` or
+    ``CompositeExplicitAutogradNonFunctional`` kernels, where CUDA has its own. Structured ops
+    (``add``, ``addmm``, ``mse_loss``…) then allocate an output and call the ``out=`` overload
+    (``mse_loss``: an input-sized ``empty``, then ``resize_`` to a scalar), an order CUDA never
+    has (its generated wrapper allocates each output once, with the meta function's sizes: torchgen
+    ``gen_structured``), and ``convolution`` reaches ``convolution_overrideable``, which no backend
+    here implements. Registered at PrivateUse1, they run whole on meta instead. (Every
+    ``CompositeExplicitAutograd`` op is too many: views, ``detach`` and factories must stay as
+    they are for the script's tensors.)"""
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
     for qualified in torch._C._dispatch_get_all_op_names():
-        if not qualified.startswith("aten::") or not torch._C._dispatch_has_kernel_for_dispatch_key(
-                qualified, "CompositeExplicitAutogradNonFunctional"):
+        if not qualified.startswith("aten::") or not (
+                qualified in _OVERRIDEABLE or torch._C._dispatch_has_kernel_for_dispatch_key(
+                    qualified, "CompositeExplicitAutogradNonFunctional")):
             continue
         name, _, overload = qualified[len("aten::"):].partition(".")
         op = getattr(getattr(torch.ops.aten, name), overload or "default")
+        if op is _COPY_FROM or op in _SET_SOURCE:
+            continue
         lib.impl(qualified[len("aten::"):], _whole(op), "PrivateUse1")
     return lib
 
@@ -199,6 +209,9 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
             results[i] = _AS_STRIDED._op_dk(_CPU, src, o.shape, o.stride(), o.storage_offset())
     idx = _device(args, kwargs)
     _charge(sim, op, idx, margs, mkwargs, outs, results)
+    for i, o in enumerate(outs):  # outputs the kernel's plan leaves out live on the host (SDPA's
+        if results[i] is o and isinstance(o, torch.Tensor):  # philox seed and offset)
+            results[i] = torch.zeros(o.shape, dtype=o.dtype)
     final = results[0] if single else tuple(results)
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     known.propagate(sim, op, args, kwargs, final, inputs, computed, computed_assumed)
