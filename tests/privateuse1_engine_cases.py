@@ -102,3 +102,32 @@ def test_recorded_programs_reproduce_their_recordings(tmp_path, monkeypatch, nam
     r = _recorded(tmp_path, monkeypatch, name)
     assert (r.a.peak_allocated, r.a.peak_reserved) == (r.b.peak_allocated, r.b.peak_reserved)
     assert r.identical, render(r)
+
+
+def test_known_values_and_data_dependent_shapes() -> None:
+    """What the default engine knows (tests/test_known_values.py), this one knows: values built
+    from factories and host data are exact, and nothing is left to a placeholder."""
+    from vram.run.runtime import active_sim
+
+    with sim():
+        x = torch.ones(4, device="cuda")
+        assert bool(x.all()) and x.sum().item() == 4.0
+        ids = torch.tensor([1, 2, 3]).cuda()
+        assert ids.tolist() == [1, 2, 3] and tuple((ids == 2).nonzero().shape) == (1, 1)
+        m = torch.arange(6, device="cuda").reshape(2, 3)
+        assert m[m > 2].tolist() == [3, 4, 5]
+        assert not active_sim().report.sites
+
+
+def test_structured_ops_allocate_once_as_cuda_does() -> None:
+    """``mse_loss`` (structured, ``native/Loss.cpp``): its scalar output, then the unreduced loss,
+    freed on return; the default-backend wrapper's input-sized ``empty`` + ``resize_`` is gone."""
+    import torch.nn.functional as F
+
+    with sim():
+        a, b = torch.randn(128, 256, device="cuda"), torch.randn(128, 256, device="cuda")
+        torch.cuda.memory._record_memory_history()
+        F.mse_loss(a, b)
+        events = torch.cuda.memory._snapshot()["device_traces"][0]
+    assert [(e["action"], e["size"]) for e in events if e["action"] in ("alloc", "free_requested")] == [
+        ("alloc", 4), ("alloc", 131072), ("free_requested", 131072), ("free_requested", 4)]
