@@ -270,6 +270,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise OSError(f"can't find '__main__' module in {args.script!r} (a directory, not a script)")
     elif not os.path.isfile(args.script):
         raise OSError(f"can't open file {args.script!r}: no such file")
+    if args.backend is not None:  # the environment carries it to a launcher's ranks too
+        os.environ["VRAM_RUN_BACKEND"] = args.backend
     if args.nproc_per_node is not None:
         return _launch(args)
     status = run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
@@ -425,6 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "answer it with zeros and list every such read on stderr at the end)")
     p.add_argument("--value-report", metavar="FILE.json",
                    help="write the reads answered with placeholder values as JSON")
+    p.add_argument("--backend", choices=["meta", "privateuse1"], default=None,
+                   help="the simulation engine (default: $VRAM_RUN_BACKEND, else meta). privateuse1 is "
+                        "EXPERIMENTAL (issue 12): tensors on a Python PrivateUse1 device, no dispatch mode, so "
+                        "backward takes the GPU's in-place formulas; it covers device answers, CUDA moves, "
+                        "kernel scratch, cuBLAS workspaces, autocast, SDPA, torch.cuda memory answers and "
+                        "snapshots, not yet known values (.item() gives placeholders), lazy host tensors, "
+                        "several GPUs or torch.distributed (docs/design.md)")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="as torchrun: N processes (ranks) per node, one simulated GPU each")
     p.add_argument("--nnodes", type=int, default=1, metavar="M", help="nodes, with --nproc-per-node (default 1)")

@@ -114,6 +114,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     if plan is None:
         plan = _reductions.reduction_plan(name, args, outs, sms, max_threads_sm)
     if plan is None:
+        plan = loss_plan(name, args, outs, sms, max_threads_sm)
+    if plan is None:
         plan = bmm_plan(name, args, outs)
     if plan is None:
         plan = mm_plan(name, args, outs)
@@ -123,6 +125,42 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         if base:
             plan += [("tmp", base), ("free", 0)]
     return plan
+
+
+#: pointwise losses whose reduced forms compute the unreduced loss into a temporary first
+#: (``native/Loss.cpp``): structured ones allocate their output before it, huber_loss after
+_LOSSES = {"mse_loss": True, "smooth_l1_loss": True, "huber_loss": False}
+
+
+def loss_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
+              max_threads_sm: int) -> list[tuple[str, Any]] | None:
+    """A reduced pointwise loss (``native/Loss.cpp``). ``mse_loss_out``/``smooth_l1_loss_out``
+    (structured: the output first) build the unreduced loss as a ``TensorIterator`` output
+    (``Tensor loss; borrowing_binary_op(loss, input, target)``; smooth_l1 with ``beta == 0``:
+    ``l1_loss_out``'s ``at::sub``) and ``mean_out``/``sum_out`` it into the output;
+    ``huber_loss`` makes ``loss = at::empty_like(input)`` and returns ``loss.mean()``/``.sum()``
+    (the output after it). The reduction's own staging follows `reduction_plan`; the
+    temporary is freed when the function returns. None for other ops and for ``reduction=none``."""
+    if name not in _LOSSES or len(args) < 2 or len(outs) != 1:
+        return None
+    x, target = args[0], args[1]
+    reduction = args[2] if len(args) > 2 else 1  # at::Reduction::Mean
+    if not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor) or reduction == 0:
+        return None
+    if _LOSSES[name]:
+        shape = torch.broadcast_shapes(x.shape, target.shape)
+        dtype = torch.result_type(x, target)
+    else:
+        shape, dtype = x.shape, x.dtype
+    loss = torch.empty(shape, dtype=dtype, device="meta")
+    inner = _reductions.reduction_plan("mean" if reduction == 1 else "sum", (loss,), outs, sms, max_threads_sm)
+    if inner is None:
+        inner = [("out", 0)]
+    shifted = [(step, arg + 1 if step == "free" else arg) for step, arg in inner]
+    if _LOSSES[name]:  # the output exists before the reduction runs into it
+        shifted = [s for s in shifted if s != ("out", 0)]
+        return [("out", 0), ("tmp", loss.numel() * loss.element_size()), *shifted, ("free", 0)]
+    return [("tmp", loss.numel() * loss.element_size()), *shifted, ("free", 0)]
 
 
 def _batch_operand_copy(t: Any, transpose_result: bool, m: int, n: int) -> int:

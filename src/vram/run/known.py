@@ -37,6 +37,10 @@ _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
                             "empty_permuted", "resize_", "set_"})
 
 
+#: device types that stand for a simulated GPU (meta; `vram.run.backend` adds its own)
+SIMULATED_DEVICE_TYPES = {"meta"}
+
+
 class Unknown(Exception):
     """Internal: an input whose values are not known."""
 
@@ -69,7 +73,7 @@ def to_cpu(sim: SimState, x: Any) -> Any:
         if v is None:
             raise Unknown
         return v
-    if isinstance(x, torch.device) and x.type == "meta":
+    if isinstance(x, torch.device) and x.type in SIMULATED_DEVICE_TYPES:
         return _CPU
     return x
 
@@ -112,6 +116,11 @@ def to_cpu_assuming(sim: SimState, x: Any, used: list[bool]) -> Any:
     return to_cpu(sim, x)
 
 
+def _out_arguments(func: Any, kwargs: Any) -> list[Any]:
+    """The tensors an ``out=`` overload writes whole (their old contents do not matter)."""
+    return [kwargs[a.name] for a in func._schema.arguments if a.is_out and a.name in kwargs]
+
+
 def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[bool]) -> Any:
     """`func` on the CPU copies of its inputs (`to_cpu_assuming`: small unknown inputs become
     placeholders, noted in `used`, unless the run is strict; else `Unknown`). The tensor
@@ -122,7 +131,15 @@ def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[bool
         if sim.block_of(args[0]) is None or args[0].numel() > VALUE_LIMIT:
             raise Unknown
         first, rest = [placeholder(args[0])], args[1:]
-    cpu_args, cpu_kwargs = tree_map(lambda x: to_cpu_assuming(sim, x, used), (rest, kwargs))
+    outs = {id(t) for t in tree_leaves(_out_arguments(func, kwargs)) if isinstance(t, torch.Tensor)}
+
+    def value(x: Any) -> Any:
+        if id(x) in outs and not known(sim, x):
+            if sim.block_of(x) is None or x.numel() > VALUE_LIMIT:
+                raise Unknown
+            return placeholder(x)
+        return to_cpu_assuming(sim, x, used)
+    cpu_args, cpu_kwargs = tree_map(value, (rest, kwargs))
     cpu_args = (*first, *cpu_args)
     with torch._C.DisableTorchFunction():
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
@@ -149,9 +166,10 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
 
     `computed` is the op's CPU result when the caller already has it (data-dependent ops)."""
     if computed is None:
-        skip = args[0] if overwrites(func) and args else None
+        skip = {id(args[0])} if overwrites(func) and args else set()
+        skip.update(id(t) for t in tree_leaves(_out_arguments(func, kwargs)))
         for t in inputs:  # the common case (a large activation is unknown): return at once
-            if t is skip:
+            if id(t) in skip:
                 continue
             if not known(sim, t) and (sim.strict_values or t.numel() > VALUE_LIMIT or sim.block_of(t) is None):
                 _forget([], _written(sim, func, inputs))  # new outputs start unknown already

@@ -27,7 +27,7 @@ _CPU_COPY = frozenset({"cpu", "numpy", "tolist", "__array__", "__repr__", "__for
                        "allclose", "__complex__"})
 _SCALAR = frozenset({"item", "__bool__", "__int__", "__float__", "__index__"})
 _HOST_READS = frozenset({"data_ptr", "__array__", "__dlpack__", "tobytes"})  # host bytes, read directly
-_DATA_ERRORS = ("meta tensor", "meta device", "no data", "data-dependent", "data dependent",
+DATA_ERRORS = ("meta tensor", "meta device", "no data", "data-dependent", "data dependent",
                 "register_meta", "Meta tensors", "has no data")
 
 _META = torch.device("meta")
@@ -99,9 +99,9 @@ class DispatchMode(TorchDispatchMode):
         try:
             out = func(*host.on_meta(args), **host.on_meta(kwargs)) if lazy else func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
-            if lazy and any(s in str(e) for s in _DATA_ERRORS) and sim.target is None:
+            if lazy and any(s in str(e) for s in DATA_ERRORS) and sim.target is None:
                 return host.run_real(func, args, kwargs)  # a data-dependent op: on real bytes
-            if any(s in str(e) for s in _DATA_ERRORS) and any(sim.block_of(t) for t in inputs):
+            if any(s in str(e) for s in DATA_ERRORS) and any(sim.block_of(t) for t in inputs):
                 computed, computed_assumed = self._data_dependent(func, args, kwargs)
                 if computed is None:
                     what = describe(sim.call) if sim.call is not None else f"{func}"
@@ -247,9 +247,16 @@ def parse_device(value: Any) -> tuple[str, int | None] | None:
 class FunctionMode(TorchFunctionMode):
     """Sends CUDA to meta, plays the CUDA tensor to the script, routes SDPA, applies autocast."""
 
+    #: large CPU factories become lazy host tensors (needs `DispatchMode`)
+    lazy_host = True
+
     def __init__(self, sim: SimState) -> None:
         super().__init__()
         self.sim = sim
+
+    def device_for(self, idx: int) -> torch.device:
+        """Where a tensor the script puts on ``cuda:idx`` lives: meta (`vram.run.backend`: its own device)."""
+        return _META
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -323,12 +330,12 @@ class FunctionMode(TorchFunctionMode):
         if "device" in kwargs:
             d = parse_device(kwargs["device"])
             if d is not None and d[0] == "cuda":
-                kwargs = dict(kwargs, device=_META)
+                kwargs = dict(kwargs, device=self.device_for(d[1]))
                 target = d[1]
             elif d is not None and d[0] == "meta":
                 explicit_meta = True
-        if (target is None and not explicit_meta and name in LAZY_FACTORIES and "out" not in kwargs
-                and func in _device_constructors()):  # a CPU factory: lazy if large (vram.run.lazy_host)
+        if (self.lazy_host and target is None and not explicit_meta and name in LAZY_FACTORIES
+                and "out" not in kwargs and func in _device_constructors()):  # a CPU factory: lazy if large
             kwargs, host_factory = dict(kwargs, device=_META), True
         if name == "to" and t0 is not None:
             if b0 is not None and self._to_host(args, kwargs):
@@ -355,7 +362,7 @@ class FunctionMode(TorchFunctionMode):
                             b.value = host.untyped_storage()
             return out
         except (RuntimeError, NotImplementedError) as e:
-            if (isinstance(e, torch.OutOfMemoryError) or not any(s in str(e) for s in _DATA_ERRORS)
+            if (isinstance(e, torch.OutOfMemoryError) or not any(s in str(e) for s in DATA_ERRORS)
                     or not any(sim.block_of(t) for t in tree_leaves((args, kwargs or {})))):
                 raise
             raise value_error(describe(func)) from None
@@ -485,8 +492,8 @@ class FunctionMode(TorchFunctionMode):
         if len(args) > 2:
             extra["non_blocking"] = args[2]
         copy = b is not None or self.sim.host.of(t) is not None  # meta to meta would alias
-        return self._call(torch.Tensor.cuda, lambda: torch.Tensor.to(t, _META, copy=copy, **extra),
-                          idx, False)
+        to = self.device_for(idx)
+        return self._call(torch.Tensor.cuda, lambda: torch.Tensor.to(t, to, copy=copy, **extra), idx, False)
 
     def _to(self, t: torch.Tensor, b: ChargedStorage | None, args: Any, kwargs: Any,
             target: int | None) -> tuple[Any, Any, int | None]:
@@ -504,7 +511,7 @@ class FunctionMode(TorchFunctionMode):
             if d is None:
                 continue
             if d[0] == "cuda":
-                new[i], target = _META, d[1]
+                new[i], target = self.device_for(d[1]), d[1]
             elif d[0] == "cpu" and b is not None:
                 raise value_error("Tensor.to('cpu')")
         kd = parse_device(kwargs.get("device")) if "device" in kwargs else None

@@ -69,7 +69,7 @@ import runpy
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -87,7 +87,16 @@ from .modes import DispatchMode, FunctionMode
 from .storages import SimState
 from .values import DataDependentError
 
-__all__ = ["DataDependentError", "simulated_cuda", "run_script", "active_sim"]
+__all__ = ["BACKENDS", "DataDependentError", "simulated_cuda", "run_script", "active_sim"]
+#: the engines of a simulated run: meta tensors under two modes (default), or the experimental
+#: Python PrivateUse1 backend (`vram.run.backend`, issue 12)
+BACKENDS = ("meta", "privateuse1")
+if os.environ.get("VRAM_RUN_BACKEND") == "privateuse1":
+    # before the process's first backward: the autograd engine sizes its per-device queues once
+    # (engine.cpp ``device_ready_queues_``), so a device type registered later cannot backward
+    from . import backend as _early_backend
+
+    _early_backend.register()
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _VRAM_DIR = _history.PACKAGE_DIR
@@ -111,7 +120,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
                    device_count: int = 1, *, arch: str | None = None, name: str | None = None,
                    major: int | None = None, minor: int | None = None,
                    multi_processor_count: int | None = None, strict_values: bool = False,
-                   **simulate_kwargs: Any) -> Iterator[list[Any]]:
+                   backend: str | None = None, **simulate_kwargs: Any) -> Iterator[list[Any]]:
     """Run PyTorch code inside as if on `device_count` CUDA GPUs of `gpu` bytes each.
 
     `gpu` is a size ("24GiB", bytes) or a card (``"A100-80GB"``: its name, CUDA's total memory,
@@ -122,9 +131,14 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     which decides cuBLAS's workspace size, and `multi_processor_count` flash attention's split
     heuristic. A read of a value the simulation does not know gets a placeholder, recorded in
     ``active_sim().report`` (`vram.run.values.ValueReport`); `strict_values` makes it raise
-    `DataDependentError` instead. Yields the `vram.SimulatedDevice` list; the simulator's state
+    `DataDependentError` instead. `backend` is the engine: "meta" (the default; meta tensors under
+    two modes) or "privateuse1" (experimental: `vram.run.backend`); None reads
+    ``VRAM_RUN_BACKEND``. Yields the `vram.SimulatedDevice` list; the simulator's state
     (``vram.memory_summary()`` etc.) remains readable after the block.
     """
+    backend = backend or os.environ.get("VRAM_RUN_BACKEND") or "meta"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown vram run backend {backend!r} (one of {', '.join(BACKENDS)})")
     define_torchvision_ops()  # a CUDA build of torchvision next to a CPU torch: importable
     spec = resolve_gpu(gpu, arch)
     name = spec.name if name is None else name
@@ -133,9 +147,19 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     sms = spec.multi_processor_count if multi_processor_count is None else multi_processor_count
     total = spec.total_memory
     devices = _memory.simulate(total, context, device_count, conf, name=name, **simulate_kwargs)
-    sim = SimState([DeviceProperties(name, total, major, minor, sms) for _ in range(device_count)])
+    props = [DeviceProperties(name, total, major, minor, sms) for _ in range(device_count)]
+    dispatch: Any
+    if backend == "privateuse1":
+        from . import backend as _backend
+
+        _backend.register()
+        sim: SimState = _backend.BackendState(props)
+        dispatch, function = nullcontext(), _backend.BackendFunctionMode(sim)
+        _backend.engine.push(sim)  # type: ignore[arg-type]
+    else:
+        sim = SimState(props)
+        dispatch, function = DispatchMode(sim), FunctionMode(sim)
     sim.strict_values = strict_values
-    dispatch, function = DispatchMode(sim), FunctionMode(sim)
     restore = patch_torch_cuda(sim.props)
     restore_extras = patch_torch_extras(sim.autocast_cache.clear, lambda t: sim.block_of(t) is not None,
                                         sim.storage_resized, function)
@@ -161,6 +185,8 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
         sim.autocast_cache.clear()
         sim.active = False  # storages that outlive the block no longer touch the allocator
         sim.live.clear()
+        if backend == "privateuse1":
+            _backend.engine.pop(sim)  # type: ignore[arg-type]
 
 
 def _print_exception(e: BaseException) -> None:

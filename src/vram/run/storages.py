@@ -145,6 +145,15 @@ class SimState:
         if old:
             _memory.get_allocator(b.device).free(old)
 
+    def storage_block(self, storage: Any) -> ChargedStorage | None:
+        """The charged storage behind an ``UntypedStorage`` object, None for others."""
+        return self.live.get(storage._cdata)
+
+    def new_storage(self, nbytes: int, idx: int) -> Any:
+        """A new ``UntypedStorage`` of `nbytes` charged to device `idx`, and its block."""
+        moved = torch.UntypedStorage(nbytes, device=_META)
+        return moved, self.track(moved, idx)
+
     def storage_resized(self, storage: Any) -> None:
         b = self.live.get(storage._cdata)
         if b is not None:
@@ -153,7 +162,7 @@ class SimState:
     def storage_address(self, storage: Any) -> int | None:
         """A simulated storage's simulated address; a lazy host storage's real one (its bytes
         are computed: whoever asks for a host pointer reads through it)."""
-        b = self.live.get(storage._cdata)
+        b = self.storage_block(storage)
         if b is not None:
             return b.ptr
         ls = self.host.storage(storage)
@@ -162,7 +171,7 @@ class SimState:
     def storage_location(self, storage: Any) -> str | None:
         """``torch.serialization.location_tag`` of a simulated ("cuda:N") or lazy host ("cpu")
         storage; None for others."""
-        b = self.live.get(storage._cdata)
+        b = self.storage_block(storage)
         if b is not None:
             return f"cuda:{b.device}"
         return "cpu" if self.host.storage(storage) is not None else None
@@ -172,7 +181,7 @@ class SimState:
         to copy; a host storage's known contents come along); to the host (``torch.save``,
         ``storage.cpu()``), a copy of its known contents, else zeros recorded as placeholders
         (or `DataDependentError` when strict about values)."""
-        b = self.live.get(storage._cdata)
+        b = self.storage_block(storage)
         ls = self.host.storage(storage) if b is None else None
         if ls is not None and device.type == "cpu":
             return self.host.materialize(ls)
@@ -180,8 +189,7 @@ class SimState:
             idx = _memory._device_index(device)
             if b is not None and b.device == idx:
                 return storage
-            moved = torch.UntypedStorage(storage.nbytes(), device=_META)
-            nb = self.track(moved, idx)
+            moved, nb = self.new_storage(storage.nbytes(), idx)
             if b is None and storage.device.type == "cpu" and storage.nbytes() <= VALUE_LIMIT * 4:
                 nb.value = storage.clone()
             return moved

@@ -1,0 +1,323 @@
+"""The PrivateUse1 engine's fallback, state and function mode (see `vram.run.backend`).
+
+Every aten op on a PrivateUse1 tensor reaches `_fallback` (a boxed fallback,
+``torch.library.Library("_", "IMPL").fallback(fn, "PrivateUse1")``; PyTorch's
+test/test_privateuseone_python_backend.py registers its ops the same way). It runs the op on meta
+views of its inputs; outputs that alias an input (``alias_info`` in the op's schema) view that
+input's storage, new ones get a new storage (`vram.run.backend.storage`) charged in the order of
+the CUDA kernel's allocations (`vram.run.kernels.op_plan`, with the cuBLAS workspaces of
+`vram.run.modes.DispatchMode`). A block is found from a tensor's data pointer (the storage's
+address *is* the simulated address), never from ``untyped_storage()``, whose Python object would
+pin the storage (issue 12, cause 3).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .. import known
+from ..modes import DATA_ERRORS, DispatchMode, FunctionMode
+from ..storages import ChargedStorage, SimState
+from ..values import describe, value_error
+from .storage import new_storage
+
+#: PrivateUse1's name in a process that ran the engine (``torch.utils.rename_privateuse1_backend``)
+NAME = "vramsim"
+_META = torch.device("meta")
+_CPU = torch._C.DispatchKey.CPU
+_AS_STRIDED = torch.ops.aten.as_strided.default
+_SET = torch.ops.aten.set_.source_Tensor
+_COPY_FROM = torch.ops.aten._copy_from.default
+_SET_SOURCE = frozenset(getattr(torch.ops.aten.set_, o) for o in ("source_Tensor", "source_Storage",
+                                                                   "source_Storage_storage_offset",
+                                                                   "source_Tensor_storage_offset"))
+#: composite ops that reach ``*_overrideable`` kernels on a backend other than CPU/CUDA
+_OVERRIDEABLE = frozenset({"aten::convolution", "aten::convolution_backward", "aten::_convolution",
+                           "aten::_convolution_double_backward"})
+_STATE: list[BackendState] = []  # the running simulations, innermost last
+_LIB: list[Any] = []
+
+
+def register() -> None:
+    """Set PrivateUse1 up as a Python backend named `NAME` with `_fallback` for every op; once
+    per process (PyTorch cannot undo it; it changes nothing for other devices)."""
+    if _LIB:
+        return
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend(NAME)
+    known.SIMULATED_DEVICE_TYPES.add(NAME)
+    lib = torch.library.Library("_", "IMPL")  # noqa: TOR901 - a fallback for every namespace
+    lib.fallback(_fallback, "PrivateUse1")
+    _LIB.append(lib)
+    _LIB.append(_structured_kernels())
+
+
+def _structured_kernels() -> Any:
+    """Send each op with a composite kernel below autograd whole to `_fallback`, as CUDA's own
+    kernel and the default engine's dispatch mode see it.
+
+    A backend without kernels gets those ops through their ``CompositeExplicitAutograd`` or
+    ``CompositeExplicitAutogradNonFunctional`` kernels, where CUDA has its own. Structured ops
+    (``add``, ``addmm``, ``mse_loss``…) then allocate an output and call the ``out=`` overload
+    (``mse_loss``: an input-sized ``empty``, then ``resize_`` to a scalar), an order CUDA never
+    has (its generated wrapper allocates each output once, with the meta function's sizes: torchgen
+    ``gen_structured``), and ``convolution`` reaches ``convolution_overrideable``, which no backend
+    here implements. Registered at PrivateUse1, they run whole on meta instead. (Every
+    ``CompositeExplicitAutograd`` op is too many: views, ``detach`` and factories must stay as
+    they are for the script's tensors.)"""
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::") or not (
+                qualified in _OVERRIDEABLE or torch._C._dispatch_has_kernel_for_dispatch_key(
+                    qualified, "CompositeExplicitAutogradNonFunctional")):
+            continue
+        name, _, overload = qualified[len("aten::"):].partition(".")
+        op = getattr(getattr(torch.ops.aten, name), overload or "default")
+        if op is _COPY_FROM or op in _SET_SOURCE:
+            continue
+        lib.impl(qualified[len("aten::"):], _whole(op), "PrivateUse1")
+    return lib
+
+
+def _whole(op: Any) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return _fallback(op, *args, **kwargs)
+    return kernel
+
+
+def _raw_device(t: torch.Tensor) -> torch.device:
+    with torch._C.DisableTorchFunction():
+        return t.device
+
+
+class BackendState(SimState):
+    """`SimState` whose charged storages are PrivateUse1 storages, found by (device, address)."""
+
+    def __init__(self, props: list[Any]) -> None:
+        super().__init__(props)
+        self.blocks: dict[tuple[int, int], ChargedStorage] = {}
+        self._empty = [ChargedStorage(0, 0, i, None) for i in range(len(props))]  # type: ignore[arg-type]
+        self._blas = DispatchMode(self)  # its cuBLAS workspace helpers; never entered
+
+    def block_of(self, t: Any) -> ChargedStorage | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        with torch._C.DisableTorchFunction():
+            d = t.device
+            if d.type != NAME:
+                return None
+            base = t.data_ptr() - t.storage_offset() * t.element_size()
+        idx = d.index or 0
+        return self.blocks.get((idx, base)) or self._empty[idx]
+
+    def storage_block(self, storage: Any) -> ChargedStorage | None:
+        if storage.device.type != NAME:
+            return None
+        return self.blocks.get((storage.device.index or 0, torch._C.StorageBase.data_ptr(storage)))
+
+    def new_storage(self, nbytes: int, idx: int) -> Any:
+        t = self.new(torch.empty(nbytes, dtype=torch.uint8, device=_META), idx)
+        return t.untyped_storage(), self.block_of(t)
+
+    def new(self, meta: torch.Tensor, idx: int) -> torch.Tensor:
+        """A PrivateUse1 tensor like `meta` over a new storage charged to device `idx`."""
+        nbytes = meta.untyped_storage().nbytes()
+        ptr = self.malloc(idx, nbytes) if nbytes else 0
+        if ptr:
+            self.blocks[(idx, ptr)] = ChargedStorage(ptr, nbytes, idx, None)  # type: ignore[arg-type]
+        return new_storage(meta, idx, ptr, self._died)
+
+    def _died(self, idx: int, ptr: int) -> None:
+        b = self.blocks.pop((idx, ptr), None)
+        if b is not None:
+            self._free(b)
+
+    def close(self) -> None:
+        self.active = False
+        self.blocks.clear()
+
+
+def _on_meta(t: Any) -> Any:
+    if isinstance(t, torch.device) and t.type == NAME:
+        return _META
+    if isinstance(t, torch.Tensor) and t.device.type == NAME:
+        return torch.empty(0, dtype=t.dtype, device=_META).as_strided(t.shape, t.stride(), t.storage_offset())
+    return t
+
+
+def _device(args: Any, kwargs: dict[str, Any]) -> int:
+    for a in list(args) + list(kwargs.values()):
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor) and t.device.type == NAME:
+                return t.device.index or 0
+    d = kwargs.get("device")
+    if isinstance(d, torch.device) and d.type == NAME:
+        return d.index or 0
+    from vram.frontend import memory as _memory
+
+    return _memory.current_device()
+
+
+def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run `op` on meta; charge its new outputs and scratch to the simulated allocator. Without
+    the function mode: an op may run where it is on the stack (the autograd engine's threads)."""
+    with torch._C.DisableTorchFunction():
+        return _run(op, args, kwargs)
+
+
+def _run(op: Any, args: Any, kwargs: Any) -> Any:
+    if not _STATE:
+        raise RuntimeError(f"vram: a {NAME} tensor outside a simulated run")
+    sim = _STATE[-1]
+    if op is _COPY_FROM:  # copy_ across devices: the values, where they are known
+        _copy_values(sim, args[0], args[1])
+        return args[1]
+    if op in _SET_SOURCE:  # onto another simulated storage: the CPU kernel, which allocates nothing
+        return op._op_dk(_CPU, *args, **kwargs)
+    margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
+    computed, computed_assumed = None, False
+    try:
+        out = op(*margs, **mkwargs)
+    except (RuntimeError, NotImplementedError) as e:
+        if not any(s in str(e) for s in DATA_ERRORS):
+            raise
+        # an output shape that depends on values (nonzero, boolean masks): from the CPU copies
+        computed, computed_assumed = sim._blas._data_dependent(op, args, kwargs)
+        if computed is None:
+            what = describe(sim.call) if sim.call is not None else f"{op}"
+            raise value_error(what, f"{op} has no meta kernel" if "no fake impl" in str(e) else "") from None
+        out = known.meta_outputs(computed)
+    single = not isinstance(out, tuple)
+    outs = [out] if single else list(out)
+    schema = op._schema
+    values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
+    results: list[Any] = list(outs)
+    for i, (ret, o) in enumerate(zip(schema.returns, outs)):
+        alias = ret.alias_info
+        if alias is None or not isinstance(o, (torch.Tensor, list)):
+            continue
+        src = next(v for a, v in zip(schema.arguments, values)
+                   if a.alias_info is not None and set(a.alias_info.before_set) & set(alias.before_set))
+        if alias.is_write:
+            results[i] = src
+        elif isinstance(o, list):
+            results[i] = [_AS_STRIDED._op_dk(_CPU, src, m.shape, m.stride(), m.storage_offset()) for m in o]
+        else:
+            results[i] = _AS_STRIDED._op_dk(_CPU, src, o.shape, o.stride(), o.storage_offset())
+    idx = _device(args, kwargs)
+    _charge(sim, op, idx, margs, mkwargs, outs, results)
+    for i, o in enumerate(outs):  # outputs the kernel's plan leaves out live on the host (SDPA's
+        if results[i] is o and isinstance(o, torch.Tensor):  # philox seed and offset)
+            results[i] = torch.zeros(o.shape, dtype=o.dtype)
+    final = results[0] if single else tuple(results)
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    known.propagate(sim, op, args, kwargs, final, inputs, computed, computed_assumed)
+    return final
+
+
+def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``_copy_from(src, dst)`` between the host and a simulated GPU (``copy_impl`` in
+    ``ATen/native/Copy.cpp`` hands cross-device copies of PrivateUse1 tensors to it): a simulated
+    `dst` learns `src`'s values when they are known (else they become unknown); a host `dst`
+    gets them, or a placeholder recorded as a read."""
+    if sim.block_of(dst) is not None:
+        value = known.cpu_value(sim, src)
+        if value is None or known.assumed(sim, src):
+            b = sim.block_of(dst)
+            if b is not None:
+                b.value = None
+            if value is None:
+                return
+        known.define(sim, dst, value.to(dst.dtype).expand(dst.shape), known.assumed(sim, src))
+        return
+    used: list[bool] = []
+    try:
+        value = known.to_cpu_assuming(sim, src, used)
+    except known.Unknown:
+        if sim.strict_values:
+            raise value_error(describe(sim.call) if sim.call is not None else "a copy to the host") from None
+        value = known.placeholder(src)
+        used.append(True)
+    if used:
+        what = describe(sim.call) if sim.call is not None else "a copy to the host"
+        sim.report.record(what, f"zeros {list(src.shape)}", derived=known.known(sim, src))
+    dst.copy_(value)
+
+
+def _charge(sim: BackendState, op: Any, idx: int, margs: Any, mkwargs: Any, outs: list[Any],
+            results: list[Any]) -> None:
+    from vram.frontend import memory as _memory
+
+    from .. import kernels as _k
+
+    name = op.overloadpacket.__name__
+    props = sim.props[idx]
+    plan = _k.op_plan(name, margs, outs, props.multi_processor_count, props.max_threads_per_multi_processor)
+    blas = name in _k.CUBLAS_OPS
+    tmps: list[int] = []
+    try:
+        for step, arg in plan:
+            if step == "tmp":
+                tmps.append(sim.malloc(idx, arg))
+            elif step == "free":
+                _memory.get_allocator(idx).free(tmps[arg])
+                tmps[arg] = 0
+            elif step == "blas":
+                _blas(sim, idx, name, margs, mkwargs, results)
+                blas = False
+            elif arg < len(outs):
+                _materialise(sim, op._schema.returns[arg].alias_info, outs, results, arg, idx)
+        if blas:
+            _blas(sim, idx, name, margs, mkwargs, results)
+    except torch.OutOfMemoryError:
+        for p in tmps:
+            if p:
+                _memory.get_allocator(idx).free(p)
+        raise
+
+
+def _materialise(sim: BackendState, alias: Any, outs: list[Any], results: list[Any], i: int, idx: int) -> None:
+    """Give return `i` its storage: new outputs a new one; an output written in place (``out=``,
+    ``resize_``) whose meta storage grew a new one too, as CUDA's ``resize_`` allocates anew."""
+    o = outs[i]
+    if alias is None:
+        if isinstance(o, torch.Tensor):
+            results[i] = sim.new(o, idx)
+        elif isinstance(o, list):
+            results[i] = [sim.new(m, idx) if isinstance(m, torch.Tensor) else m for m in o]
+    elif alias.is_write and isinstance(o, torch.Tensor):
+        t = results[i]
+        b = sim.block_of(t)
+        if b is not None and o.untyped_storage().nbytes() > b.nbytes:
+            _SET._op_dk(_CPU, t, sim.new(o, idx))
+        elif (tuple(t.shape), t.stride(), t.storage_offset()) != (tuple(o.shape), o.stride(), o.storage_offset()):
+            # as_strided_'s CPU kernel crashes on these tensors; set_ onto a restrided alias of
+            # the same storage does what a shrinking resize_ does
+            _SET._op_dk(_CPU, t, _AS_STRIDED._op_dk(_CPU, t, o.shape, o.stride(), o.storage_offset()))
+
+
+def _blas(sim: BackendState, idx: int, name: str, margs: Any, mkwargs: Any, results: list[Any]) -> None:
+    out = results[0]
+    if isinstance(out, torch.Tensor):
+        sim._blas._cublas_if_device(idx, name, margs, mkwargs, out)
+
+
+class BackendFunctionMode(FunctionMode):
+    """The default engine's function mode with ``cuda:N`` sent to PrivateUse1 device N."""
+
+    lazy_host = False
+
+    def device_for(self, idx: int) -> torch.device:
+        return torch.device(NAME, idx)
+
+
+def push(sim: BackendState) -> None:
+    _STATE.append(sim)
+
+
+def pop(sim: BackendState) -> None:
+    _STATE.remove(sim)
+    sim.close()

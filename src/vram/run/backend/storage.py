@@ -1,0 +1,80 @@
+"""Storages on the Python PrivateUse1 backend, made through DLPack so that no storage Python object
+exists (a ``StorageImpl``'s PyObject keeps it alive and stops in-place gradient accumulation, see
+``tests/test_subclass_formulas.py``) and each storage's death is reported.
+
+NumPy exports a ``uint8`` array over the simulated address (never read) as a DLPack capsule; the
+capsule's ``DLTensor`` gets device ``kDLExtDev`` (12: PrivateUse1 in ``aten/src/ATen/DLConvertor.cpp``)
+and the tensor's dtype, and ``torch.utils.dlpack.from_dlpack`` wraps it. When PyTorch frees the
+storage it calls NumPy's DLPack deleter (C, under the GIL), which drops the array; the array's
+buffer holds a `_Block` whose finaliser reports the address. CPython runs finalisers with a
+pending error set aside, so a storage that dies while C++ unwinds a Python exception is safe (a
+ctypes callback is not: it breaks the error state and crashes at interpreter exit).
+"""
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+
+_CPU = torch._C.DispatchKey.CPU
+_AS_STRIDED = torch.ops.aten.as_strided.default
+#: kDLExtDev (dlpack.h): DLPack's device type for PrivateUse1
+EXT_DEV = 12
+#: DLPack (code, bits) by dtype (dlpack.h: kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4,
+#: kDLComplex 5, kDLBool 6)
+CODES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.float64: (2, 64), torch.bfloat16: (4, 16),
+         torch.int64: (0, 64), torch.int32: (0, 32), torch.int16: (0, 16), torch.int8: (0, 8),
+         torch.uint8: (1, 8), torch.uint16: (1, 16), torch.uint32: (1, 32),
+         torch.uint64: (1, 64), torch.bool: (6, 8), torch.complex64: (5, 64), torch.complex128: (5, 128)}
+#: the address a zero-byte storage gets (never read, never charged)
+EMPTY = 1 << 40
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+_GET_POINTER = ctypes.pythonapi.PyCapsule_GetPointer
+_GET_POINTER.restype, _GET_POINTER.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+
+
+class _Block:
+    """Lives exactly as long as one storage; its finaliser reports the storage's death."""
+
+    __slots__ = ("address", "device", "died")
+
+    def __init__(self, address: int, device: int, died: Callable[[int, int], None]) -> None:
+        self.address, self.device, self.died = address, device, died
+
+    def __del__(self) -> None:
+        self.died(self.device, self.address)
+
+
+def new_storage(meta: torch.Tensor, device: int, address: int, died: Callable[[int, int], None]) -> torch.Tensor:
+    """A PrivateUse1 tensor viewed as `meta` (sizes, strides, offset, dtype) over a new storage of
+    ``meta``'s storage size at `address` on `device`; ``died(device, address)`` when it is freed."""
+    import numpy as np
+
+    if meta.dtype not in CODES:
+        raise NotImplementedError(f"vram run --backend privateuse1: no DLPack code for {meta.dtype} yet")
+    size = meta.element_size()
+    words = max(meta.untyped_storage().nbytes() // size, 1)
+    memory = (ctypes.c_uint8 * (words * size)).from_address(address or EMPTY)
+    memory.block = _Block(address, device, died)  # type: ignore[attr-defined]
+    capsule = np.frombuffer(memory, dtype=np.uint8).__dlpack__()
+    dl = _DLTensor.from_address(_GET_POINTER(capsule, b"dltensor"))
+    code, bits = CODES[meta.dtype]
+    dl.device, dl.dtype, dl.shape[0] = _DLDevice(EXT_DEV, device), _DLDataType(code, bits, 1), words
+    base = torch.utils.dlpack.from_dlpack(capsule)
+    return _AS_STRIDED._op_dk(_CPU, base, meta.shape, meta.stride(), meta.storage_offset())
