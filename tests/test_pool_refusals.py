@@ -17,6 +17,8 @@ from vram.allocator.hashset import PoolIdSet
 from vram.allocator.history import ALL
 from vram.views.snapshot import segments
 
+from test_pool_replay import CASES  # noqa: E402
+
 MiB = 1 << 20
 S = 7
 G = (1, 0)
@@ -171,3 +173,45 @@ def test_snapshot_of_one_pool_skips_expandable_runs_that_do_not_start_their_segm
     a.empty_cache()                          # unmaps x's page: y's run now follows an unmapped block
     assert [s["address"] for s in segments(a)] == [y]
     assert segments(a, G) == []              # get_private_pool_head_blocks: y has a prev
+
+
+# -- replay of recordings with expandable segments in private pools ------------------------------
+def es_capture(a: CachingAllocator) -> None:
+    x = a.malloc(3 * MiB)
+    a.begin_allocate_to_pool(G, S)
+    t = [a.malloc(n, S) for n in (4 * MiB, 600, 12 * MiB, 3000, 30 * MiB)]
+    a.free(t[0])
+    a.free(t[3])
+    t.append(a.malloc(2 * MiB, S))
+    a.end_allocate_to_pool(G)
+    a.free(x)
+    a.malloc(3 * MiB, S)
+    a.malloc(500)
+    for p in t[1:]:
+        if p != t[3]:
+            a.free(p)
+    a.release_pool(G)
+    a.empty_cache()                       # unmaps the default run and both of G's segments
+    a.malloc(7 * MiB)
+
+
+@pytest.mark.parametrize("case", [es_capture, *CASES], ids=lambda c: c.__name__)
+def test_expandable_private_pool_recordings_replay_exactly(case):
+    import pickle
+
+    from vram.replay.engine import replay
+    from vram.replay.loader import load_snapshot
+    from vram.views.snapshot import snapshot
+
+    a = alloc("4GiB", "expandable_segments:True")
+    case(a)
+    snap = load_snapshot(pickle.dumps(snapshot([a])))
+    assert any(e.get("pool_id") and e["action"] in ("segment_map", "segment_unmap") for e in snap["device_traces"][0]) \
+        or any(s.get("segment_pool_id") and s["is_expandable"] for s in snap["segments"])
+    r = replay(snap, verify=True, gpu="4GiB")   # the recording's GPU: its reserve size (docs/replay.md)
+    v = r.verification
+    assert all(v[k]["matched"] == v[k]["total"] for k in
+               ("segment_maps", "segment_unmaps", "alloc_addresses", "final_segments", "final_blocks"))
+    assert not v["divergences"] and not v["notes"]
+    want = sorted((s["address"], s.get("segment_pool_id") or (0, 0)) for s in snap["segments"])
+    assert sorted((s["address"], s["segment_pool_id"]) for s in segments(r.allocator)) == want
