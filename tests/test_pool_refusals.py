@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import pytest
 
+from test_pool_replay import CASES  # noqa: E402
 from vram import CachingAllocator, SimulatedDevice
 from vram.allocator.hashset import PoolIdSet
 from vram.allocator.history import ALL
 from vram.views.snapshot import segments
-
-from test_pool_replay import CASES  # noqa: E402
 
 MiB = 1 << 20
 S = 7
