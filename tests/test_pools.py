@@ -238,15 +238,6 @@ def test_trace_entries_of_private_pools_carry_the_pool_id():
                           ("free_requested", 1000, None), ("free_completed", 1000, None)]
 
 
-def test_expandable_segments_with_a_private_pool_are_refused():
-    a = alloc(conf="expandable_segments:True")
-    a.begin_allocate_to_pool(G, S)
-    before = state(a)
-    with pytest.raises(RuntimeError, match="^vram does not simulate private memory pools .* expandable_segments:True$"):
-        a.malloc(1000, S)
-    assert state(a) == before
-
-
 @pytest.mark.parametrize("call, message", [
     (lambda a: a.end_allocate_to_pool((5, 0)), r"^endAllocatePool: not currently recording to mempool_id \(5, 0\)$"),
     (lambda a: a.begin_allocate_to_pool(G, S), r"^beginAllocateToPool: already recording to mempool_id \(1, 0\)$"),
@@ -255,7 +246,6 @@ def test_expandable_segments_with_a_private_pool_are_refused():
     (lambda a: a.release_pool((0, 9)), r"^releasePool: memory pool \(0, 9\) was already released$"),
     (lambda a: a.begin_allocate_to_pool((0, 9), S), r"^memory pool \(0, 9\) was released"),
     (lambda a: a.create_pool((0, 9)), r"^memory pool \(0, 9\) was released"),
-    (lambda a: a.create_pool((0, 8), use_on_oom=True), r"^vram does not simulate several use_on_oom"),
     (lambda a: a.pool_use_count((0, 0)), r"^memory pool id \(0, 0\) is the default pool"),
     (lambda a: a.begin_allocate_to_pool((1, 2, 3)), r"^a memory pool id is a tuple of two ints"),
     (lambda a: a.begin_allocate_to_pool(G, -1), r"^stream must be a stream handle"),

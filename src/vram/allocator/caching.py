@@ -8,7 +8,6 @@ on other streams, waits for events first.
 """
 from __future__ import annotations
 
-import operator
 import sys
 import threading
 import types
@@ -20,6 +19,7 @@ from typing import Any, NoReturn
 from vram.devices.base import Device, Event
 
 from .block import SIZE_SHIFT, STREAM_SHIFT, Block, BlockPool, try_merge_blocks
+from .checks import STREAM_MAX, Checked, check_ptr, check_size, check_stream
 from .config import (
     AllocatorConfig,
     ConfigError,
@@ -69,49 +69,6 @@ def allocation_size(size: int, large_segment_size: int = 20971520) -> int:
     if size < K_MIN_LARGE_ALLOC:
         return large_segment_size
     return (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
-
-
-def _check_ptr(ptr: Any) -> int:
-    if isinstance(ptr, bool) or not isinstance(ptr, int):
-        raise TypeError(f"pointer must be an int, got {type(ptr).__name__}")
-    return int(ptr)
-
-
-def _check_size(size: Any) -> int:
-    if isinstance(size, bool):
-        raise TypeError("allocation size must be an int number of bytes, got bool")
-    if not isinstance(size, int):
-        try:
-            size = operator.index(size)
-        except TypeError:
-            raise TypeError(f"allocation size must be an int number of bytes, got {type(size).__name__}") from None
-    if size < 0:
-        raise ValueError(f"allocation size must not be negative, got {size}")
-    return size
-
-
-#: A parameter its method validates itself, with PyTorch's messages (a size may be any integer
-#: type, a stream a `vram.Stream`): typed Any so that the compiled build (`vram.allocator.native`)
-#: does not refuse it first with mypyc's own check of the annotation.
-Checked = Any
-
-#: A stream is a ``cudaStream_t`` handle; PyTorch's Python bindings take it as an int64.
-STREAM_MAX = 2**63 - 1
-
-
-def _check_stream(stream: Any) -> int:
-    """A stream handle: an int in [0, 2**63) or an object with such a ``cuda_stream``."""
-    # bool before int, each time: compiled (vram.allocator.native), a value narrowed to int is
-    # unboxed, so True would pass as 1.
-    if isinstance(stream, bool):
-        raise TypeError("stream must be a vram.Stream or an int, got bool")
-    s = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
-    if isinstance(s, bool) or not isinstance(s, int):
-        raise TypeError(f"stream must be a vram.Stream or an int, got {type(stream).__name__}")
-    if not 0 <= s <= STREAM_MAX:
-        shown = str(s) if -(2**64) < s < 2**64 else f"an int of {s.bit_length()} bits"
-        raise ValueError(f"stream must be a stream handle in [0, 2**63), got {shown}")
-    return int(s)
 
 
 def _native(config: AllocatorConfig) -> AllocatorConfig:
@@ -202,9 +159,9 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
     def malloc(self, size: Checked, stream: Checked = 0) -> int:
         """Allocate `size` bytes on `stream`; returns the block address (0 for 0 bytes) (spec §9)."""
         if type(size) is not int or size < 0:
-            size = _check_size(size)
+            size = check_size(size)
         if type(stream) is not int or not 0 <= stream <= STREAM_MAX:
-            stream = _check_stream(stream)
+            stream = check_stream(stream)
         if size >= ONE_EB:
             raise OutOfMemoryError(EB_MESSAGE)
         if size == 0:
@@ -233,13 +190,15 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
         alloc_size = allocation_size(rounded, config.large_segment_size)
         if self.captures:  # a graph capture or MemPool context is under way (vram.allocator.pools)
             return self._malloc_routed(size, rounded, alloc_size, stream, frames)
-        if self.cuda_events:
+        if self.cuda_events or self.deferred_frees:
             self.process_events(frames)
         pool = self.small_blocks if rounded <= K_SMALL_SIZE else self.large_blocks
-        block = self._get_free_block(pool, stream, rounded)
+        es = config.expandable_segments
+        block = self._get_free_block(pool, stream, rounded, es)
         if block is None:
-            block, pool = self._new_block(pool, stream, rounded, alloc_size, frames)
-        return self._alloc_found_block(block, pool, stream, rounded, size, frames)
+            block, found = self._new_block(pool, stream, rounded, alloc_size, frames)
+            es, pool = es and found is pool, found  # (a ``use_on_oom`` pool's block: not expandable)
+        return self._alloc_found_block(block, pool, stream, rounded, size, frames, es)
 
     def _new_block(self, pool: BlockPool, stream: int, size: int, alloc_size: int,
                    frames: Any) -> tuple[Block, BlockPool]:
@@ -262,8 +221,9 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
             self._raise_oom(pool, stream, size, alloc_size, frames)
         return block, pool
 
-    def _get_free_block(self, pool: BlockPool, stream: int, size: int) -> Block | None:
-        """Best fit (spec §7): smallest free block of this stream ≥ size, lowest address on ties."""
+    def _get_free_block(self, pool: BlockPool, stream: int, size: int, es: bool) -> Block | None:
+        """Best fit (spec §7): smallest free block of this stream ≥ size, lowest address on ties;
+        `es`: ``AllocParams::is_expandable_segments_active`` (else expandable blocks are passed over)."""
         config = self.config
         if self.allowed_memory_maximum is not None and config.garbage_collection_threshold > 0.0:
             pool.get_free_blocks_call_count += 1
@@ -273,7 +233,7 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
             return None
         block = pool.blocks[key]
         if block.expandable_segment is not None:
-            if config.expandable_segments:
+            if es:
                 # Best fit by the size a block can grow to: pass over a block that fronts the
                 # unmapped tail of its segment when a smaller candidate follows (spec §7.3).
                 xsize = block.size + unmapped_next_size(block)
@@ -329,13 +289,13 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
         return block
 
     def _alloc_found_block(self, block: Block, pool: BlockPool, stream: int, size: int,
-                           orig_size: int, frames: Any) -> int:
+                           orig_size: int, frames: Any, es: bool) -> int:
         """Split (spec §8), mark allocated, update stats (spec §16), trace ``alloc``."""
         stats = self.stats
         i = pool.stat_index
         remaining = block.size - size
         config = self.config
-        if pool.is_small or config.expandable_segments:
+        if pool.is_small or es:  # ``should_split``
             split = remaining >= K_MIN_BLOCK_SIZE
         else:
             split = size < config.max_split_size and remaining > K_SMALL_SIZE
@@ -404,7 +364,7 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
     def free(self, ptr: Checked) -> None:
         """The last reference to the block at `ptr` died (spec §10.1)."""
         if type(ptr) is not int:
-            ptr = _check_ptr(ptr)
+            ptr = check_ptr(ptr)
         if ptr == 0:
             return
         with self.lock:
@@ -479,9 +439,6 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
         block = self.active.get(ptr)
         if block is None or not block.allocated:
             raise RuntimeError(f"invalid device pointer: {ptr:#x}")
-        if block.stream_uses and self.captures:  # (PyTorch defers it to the capture's end)
-            raise RuntimeError("vram does not simulate freeing a block used on other streams (record_stream) "
-                               "while a CUDA graph capture or MemPool context is under way")
         history = self.history
         frames = history.gather(ALL) if history.context >= ALL else None
         block.allocated = False
@@ -493,10 +450,12 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
                            frames if frames is not None else block.frames, block.pool.trace_id)
         if bsize >= self.config.max_split_size:
             stats.oversize_allocations.decrease(1)
-        if block.stream_uses:
-            self._insert_events(block)
-        else:
+        if not block.stream_uses:
             self._free_block(block, frames)
+        elif self.captures:  # ``needs_events_deferred_until_no_capture``: no events during capture
+            self.deferred_frees.append(block)
+        else:
+            self._insert_events(block)
 
     def _free_block(self, block: Block, frames: Any) -> None:
         """Free completion (spec §10.2): merge with free neighbours, back into the pool, stats."""
@@ -529,8 +488,8 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
     # -- streams and events (spec §10.1, §10.3, §10.4) -----------------------------------------
     def record_stream(self, ptr: Checked, stream: Checked) -> None:
         """``Tensor.record_stream``: the block is in use on `stream` too; its free waits for it."""
-        stream = _check_stream(stream)
-        ptr = _check_ptr(ptr)
+        stream = check_stream(stream)
+        ptr = check_ptr(ptr)
         with self.operation():
             if self.caching_disabled:
                 return
@@ -542,6 +501,8 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
             if block.stream_uses is None:
                 block.stream_uses = set()
             block.stream_uses.add(stream)
+            if self.captures:  # ``block_to_cudagraph_stream_uses``
+                self.graph_stream_uses.setdefault(block, set()).add(stream)
 
     def _insert_events(self, block: Block) -> None:
         uses = sorted(block.stream_uses or ())
@@ -553,6 +514,7 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
 
     def process_events(self, frames: Any = None) -> None:
         """Free blocks whose events have all completed; per stream, stop at the first pending one."""
+        self._insert_deferred_events(frames)
         query = self.device.query_event
         for stream in list(self.cuda_events):
             queue = self.cuda_events[stream]
@@ -570,6 +532,7 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
     def synchronize_and_free_events(self, frames: Any = None) -> None:
         """Wait for every outstanding event and free its block (spec §10.4)."""
         self.stats.num_sync_all_streams += 1
+        self._insert_deferred_events(frames)
         sync = self.device.synchronize_event
         events, self.cuda_events = self.cuda_events, {}
         for queue in events.values():
@@ -614,5 +577,5 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
             out += list(pp.small_blocks.blocks.values()) + list(pp.large_blocks.blocks.values())
         return out + list(self.active.values())
 
-    def record_snapshot_entry(self, total_active: int) -> None:
-        self.history.record("snapshot", 0, total_active, 0, None)
+    def record_snapshot_entry(self, total_active: int, pool_id: tuple[int, int] | None = None) -> None:
+        self.history.record("snapshot", 0, total_active, 0, None, pool_id)

@@ -53,16 +53,22 @@ class ExpandableSegment:
         self.mapped_pages += end - begin
         return start, length
 
-    def unmap(self, ptr: int, size: int) -> tuple[int, int]:
-        """Unmap the pages lying entirely inside [ptr, ptr+size); (ptr, 0) if there are none."""
+    def unmap_range(self, ptr: int, size: int) -> tuple[int, int]:
+        """The whole pages inside [ptr, ptr+size), as (start, length); (ptr, 0) if there are none."""
         page = self.page_size
         begin = -(-(ptr - self.ptr) // page)
         end = (ptr + size - self.ptr) // page
         if end <= begin:
             return ptr, 0
-        start, length = self.ptr + begin * page, (end - begin) * page
+        return self.ptr + begin * page, (end - begin) * page
+
+    def unmap(self, ptr: int, size: int) -> tuple[int, int]:
+        """Unmap the pages lying entirely inside [ptr, ptr+size); (ptr, 0) if there are none."""
+        start, length = self.unmap_range(ptr, size)
+        if length == 0:
+            return ptr, 0
         self.device.unmap(start, length)
-        self.mapped_pages -= end - begin
+        self.mapped_pages -= length // self.page_size
         return start, length
 
 
@@ -157,7 +163,7 @@ class ExpandableSegmentsMixin:
         stats = self.stats
         stats.on_segment(pool.stat_index, 0, mapped)  # reserved bytes only: no `segment` change
         stats.num_device_alloc += 1
-        self.history.record("segment_map", ptr, mapped, to_map.stream, frames)
+        self.history.record("segment_map", ptr, mapped, to_map.stream, frames, pool.trace_id)
         if to_map.prev is None and to_map.segment_frames is None:
             to_map.segment_frames = frames
         return True
@@ -175,16 +181,23 @@ class ExpandableSegmentsMixin:
                 return None
             candidate = nxt
         pool.remove(candidate)
+        if pool.owner is not None:  # one count per successful ``alloc_block``, however many maps
+            pool.owner.cuda_malloc_count += 1
         return candidate
 
     def _unmap_block(self, block: Block, frames: Any) -> None:
         """Unmap the whole pages inside free block `block` (spec §14, release); partial-page pieces
         stay mapped and free. A segment left entirely unmapped gives back its virtual range."""
         es: ExpandableSegment = block.expandable_segment
+        pool = block.pool
+        if pool.owner is not None and pool.owner.cuda_malloc_count <= 0 and es.unmap_range(block.ptr, block.size)[1]:
+            # PyTorch counts one per ``alloc_block`` and one down per unmap: a private pool that
+            # unmaps more runs than it allocated fails its internal assert here.
+            raise RuntimeError("INTERNAL ASSERT FAILED: block->pool->owner_PrivatePool->cudaMalloc_count > 0 "
+                               "(unmap_block in a private memory pool with expandable segments)")
         ptr, size = es.unmap(block.ptr, block.size)
         if size == 0:
             return
-        pool = block.pool
         pool.remove(block)
         before = ptr - block.ptr
         if before > 0:
@@ -209,7 +222,9 @@ class ExpandableSegmentsMixin:
         stats = self.stats
         stats.on_segment(pool.stat_index, 0, -size)
         stats.num_device_free += 1
-        self.history.record("segment_unmap", ptr, size, block.stream, frames)
+        if pool.owner is not None:
+            pool.owner.cuda_malloc_count -= 1
+        self.history.record("segment_unmap", ptr, size, block.stream, frames, pool.trace_id)
         if block.prev is None and block.next is None:
             pool.remove_unmapped(block)
             self.expandable_segments.remove(es)

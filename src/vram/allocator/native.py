@@ -43,7 +43,7 @@ else:
         return lambda cls: cls
 
 #: the modules the compiled build replaces, in import order
-COMPILED = ("stats", "block", "history", "expandable", "release", "pools", "caching")
+COMPILED = ("stats", "block", "history", "checks", "expandable", "release", "pools", "caching")
 ENV = "VRAM_NATIVE"
 HERE = Path(__file__).resolve().parent
 DEFAULT_DIR = HERE / "_native"

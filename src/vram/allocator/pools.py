@@ -23,6 +23,7 @@ from typing import Any
 from vram.devices.base import Event
 
 from .block import Block, BlockPool
+from .hashset import PoolIdSet
 from .native import mypyc_attr, trait
 from .release import ReleaseMixin
 
@@ -64,6 +65,7 @@ class PrivatePoolsMixin(ReleaseMixin):
 
     # State owned by `CachingAllocator` (declared for the type checker; more in ReleaseMixin).
     cuda_events: dict[int, deque[tuple[Event, Block]]]
+    active: dict[int, Block]
     #: ``graph_pools``: every private pool alive, by id
     graph_pools: dict[tuple[int, int], PrivatePool]
     #: ``graph_pools_freeable``: pools no graph or MemPool uses any more, in the order they
@@ -71,14 +73,22 @@ class PrivatePoolsMixin(ReleaseMixin):
     freeable_pools: dict[tuple[int, int], PrivatePool]
     #: ``captures_underway``: (pool id, stream routed or -1, thread routed or -1), oldest first
     captures: list[tuple[tuple[int, int], int, int]]
-    #: ``use_on_oom_pools``
-    oom_pools: list[tuple[int, int]]
+    #: ``use_on_oom_pools``, in the iteration order of PyTorch's hash set
+    oom_pools: PoolIdSet
+    #: ``needs_events_deferred_until_no_capture``: blocks used on other streams freed during a
+    #: capture, in the order freed
+    deferred_frees: list[Block]
+    #: ``block_to_cudagraph_stream_uses``: streams a block was recorded on during a capture
+    graph_stream_uses: dict[Block, set[int]]
 
     # Implemented by the allocator's other parts (declared for the type checker and mypyc).
     def _operation(self, mutates: bool) -> Any:
         raise NotImplementedError
 
-    def _get_free_block(self, pool: BlockPool, stream: int, size: int) -> Block | None:
+    def _get_free_block(self, pool: BlockPool, stream: int, size: int, es: bool) -> Block | None:
+        raise NotImplementedError
+
+    def _insert_events(self, block: Block) -> None:
         raise NotImplementedError
 
     def _free_block(self, block: Block, frames: Any) -> None:
@@ -89,14 +99,16 @@ class PrivatePoolsMixin(ReleaseMixin):
         raise NotImplementedError
 
     def _alloc_found_block(self, block: Block, pool: BlockPool, stream: int, size: int,
-                           orig_size: int, frames: Any) -> int:
+                           orig_size: int, frames: Any, es: bool) -> int:
         raise NotImplementedError
 
     def _init_pools(self) -> None:
         self.graph_pools = {}
         self.freeable_pools = {}
         self.captures = []
-        self.oom_pools = []
+        self.oom_pools = PoolIdSet()
+        self.deferred_frees = []
+        self.graph_stream_uses = {}
 
     # -- the public API (``CUDAAllocator``'s pool methods) -----------------------------------
     def create_pool(self, pool_id: Any, use_on_oom: bool = False, no_split: bool = False) -> None:
@@ -106,12 +118,9 @@ class PrivatePoolsMixin(ReleaseMixin):
             pp = self.graph_pools.get(pool_id)
             if pp is not None and pp.use_count == 0:
                 raise RuntimeError(f"memory pool {pool_id} was released: its id cannot be used again")
-            if use_on_oom and pool_id not in self.oom_pools and self.oom_pools:
-                raise RuntimeError("vram does not simulate several use_on_oom memory pools on one device: "
-                                   "PyTorch tries them in the order of a hash set")
             self._create_or_incref(pool_id)
-            if use_on_oom and pool_id not in self.oom_pools:
-                self.oom_pools.append(pool_id)
+            if use_on_oom:  # ``setUseOnOOM``
+                self.oom_pools.add(pool_id)
             if no_split:
                 pool = self.graph_pools[pool_id]
                 pool.small_blocks.no_split = pool.large_blocks.no_split = True
@@ -161,8 +170,7 @@ class PrivatePoolsMixin(ReleaseMixin):
             pp.use_count -= 1
             if pp.use_count == 0:
                 self.freeable_pools[pool_id] = pp
-                if pool_id in self.oom_pools:  # (PyTorch would assert at its next OOM fallback)
-                    self.oom_pools.remove(pool_id)
+                self.oom_pools.discard(pool_id)  # (PyTorch would assert at its next OOM fallback)
 
     def pool_use_count(self, pool_id: Any) -> int:
         """``getPoolUseCount`` (``MemPool.use_count()``)."""
@@ -205,28 +213,38 @@ class PrivatePoolsMixin(ReleaseMixin):
         the pool from `_route`; no event processing, and no emptying of the cache as the last
         resort before the OOM (`CachingAllocator._new_block`)."""
         pool = self._route(size, stream)
-        private = pool.owner is not None
-        if private and self.config.expandable_segments:
-            raise RuntimeError("vram does not simulate private memory pools (CUDA graphs, MemPool) with "
-                               "expandable_segments:True")
-        block = self._get_free_block(pool, stream, size)
+        es = self.config.expandable_segments  # (active in private pools too: spec §14)
+        block = self._get_free_block(pool, stream, size, es)
         if block is None:
-            block, pool = self._new_block(pool, stream, size, alloc_size, frames)
-        return self._alloc_found_block(block, pool, stream, size, orig_size, frames)
+            block, found = self._new_block(pool, stream, size, alloc_size, frames)
+            es, pool = es and found is pool, found
+        return self._alloc_found_block(block, pool, stream, size, orig_size, frames, es)
 
     def _mempool_fallback(self, stream: int, size: int) -> tuple[Block, BlockPool] | None:
         """``try_mempool_fallback``: a cached block of the ``use_on_oom`` MemPool, when a request
         for the default pool found neither a cached block nor a new segment (never a new
-        segment for the MemPool; best fit with expandable segments off)."""
-        if self.config.expandable_segments:
-            raise RuntimeError("vram does not simulate a use_on_oom memory pool with expandable_segments:True")
+        segment for the MemPool; best fit as with expandable segments off: ``AllocParams(...,
+        false)``, so expandable blocks are passed over and the found block splits by the rule of
+        ordinary segments)."""
         for pool_id in self.oom_pools:
             pp = self.graph_pools[pool_id]
             pool = pp.small_blocks if size <= K_SMALL_SIZE else pp.large_blocks
-            block = self._get_free_block(pool, stream, size)
+            block = self._get_free_block(pool, stream, size, False)
             if block is not None:
                 return block, pool
         return None
+
+    def pool_head_blocks(self, pool_id: tuple[int, int]) -> list[Block]:
+        """``get_private_pool_head_blocks``: the first block of each segment of the pool, its
+        active ones first, then its free mapped ones ([] for no such pool). An expandable run
+        that does not start its segment has an unmapped block before it, so it is not a head."""
+        pp = self.graph_pools.get(pool_id)
+        if pp is None:
+            return []
+        heads = [b for b in self.active.values() if b.pool.owner is pp and b.prev is None]
+        for pool in (pp.small_blocks, pp.large_blocks):
+            heads += [b for b in pool.blocks.values() if b.prev is None]
+        return heads
 
     def _private_pool_free(self) -> int:
         """Bytes of free cached blocks in private pools (the OOM message's "allocated in private
@@ -272,6 +290,7 @@ class PrivatePoolsMixin(ReleaseMixin):
     def _sync_pool_events(self, pp: PrivatePool, frames: Any) -> None:
         """``synchronize_and_free_events(context, pool)``: wait only for the events of blocks of `pp`."""
         self.stats.num_sync_all_streams += 1
+        self._insert_deferred_events(frames)
         for stream in list(self.cuda_events):
             queue = self.cuda_events[stream]
             keep: deque[tuple[Event, Block]] = deque()
@@ -287,3 +306,21 @@ class PrivatePoolsMixin(ReleaseMixin):
                 self.cuda_events[stream] = keep
             else:
                 del self.cuda_events[stream]
+
+    def _insert_deferred_events(self, frames: Any) -> None:
+        """``insert_events_deferred_until_no_capture`` (first thing in ``process_events`` and
+        ``synchronize_and_free_events``, which run only with no capture under way): the frees
+        deferred during a capture get their events now, on the streams recorded before the
+        capture only (``remove_cudagraph_stream_uses``: the graph orders the others); a block
+        with none left is freed at once. In the order freed (PyTorch ≤ 2.8 keeps a vector; later
+        ones a hash map keyed by the block's address, whose order no recording shows)."""
+        if not self.deferred_frees:
+            return
+        blocks, self.deferred_frees = self.deferred_frees, []
+        for block in blocks:
+            during = self.graph_stream_uses.pop(block, None)
+            if during is not None and block.stream_uses:
+                block.stream_uses = {s for s in block.stream_uses if s not in during}
+            self._insert_events(block)
+            if block.event_count == 0:
+                self._free_block(block, frames)

@@ -135,9 +135,10 @@ class MemPool:
 
     def __init__(self, allocator: Any = None, use_on_oom: bool = False, no_split: bool = False) -> None:
         self._alloc: Any = None
-        if allocator is not None:
-            raise NotImplementedError("vram does not simulate a MemPool with a custom allocator "
-                                      "(its cudaMalloc is the allocator's own)")
+        if allocator is not None:  # (docs/replay.md, "Limits": why this is refused)
+            raise NotImplementedError("MemPool(allocator=...) is not simulated: a custom allocator's "
+                                      "alloc/free are its own C functions, which only a real GPU runs, "
+                                      "and they decide where and whether each segment is allocated")
         pool_id = (0, next(_uid))
         alloc = _memory.get_allocator()
         alloc.create_pool(pool_id, use_on_oom, no_split)

@@ -19,6 +19,7 @@ from typing import Any
 from vram.allocator.caching import CachingAllocator
 from vram.allocator.config import parse_alloc_conf
 from vram.allocator.history import ALL, ALLOC, NEVER, STATE
+from vram.allocator.pools import check_pool_id
 from vram.devices.simulated import SimulatedDevice
 from vram.units import GiB
 from vram.views.snapshot import dump_snapshot, segments, snapshot
@@ -426,8 +427,13 @@ def _record_memory_history_legacy(enabled: bool, record_context: bool = True,
 
 
 def memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, Any]]:
-    """``torch.cuda.memory_snapshot``: the segments of every device (spec §18.3)."""
-    return _snapshot()["segments"]
+    """``torch.cuda.memory_snapshot``: the segments of every device (spec §18.3); given a private
+    pool's id, only that pool's (``_cuda_memorySnapshot((id[0], id[1], include_traces))``:
+    ``snapshot(mempool_id)`` on each device, in device order)."""
+    if mempool_id is None or tuple(mempool_id) == (0, 0):
+        return _snapshot()["segments"]
+    pool_id = check_pool_id(tuple(mempool_id))
+    return [s for a in sorted(_rt().allocators, key=lambda a: a.device.index) for s in segments(a, pool_id)]
 
 
 def _snapshot(device: Any = None) -> dict[str, Any]:

@@ -105,7 +105,7 @@ def unsupported(alloc: CachingAllocator, dev: TraceDevice, *, skip_cycles: bool,
         return "caching is disabled (PYTORCH_NO_CUDA_MEMORY_CACHING)"
     if alloc.history.enabled:
         return "history recording is on"
-    if alloc.cuda_events:
+    if alloc.cuda_events or alloc.deferred_frees:
         return "blocks pending on events at the start"
     if alloc.graph_pools or getattr(dev, "pool_router", None) is not None:
         return "private memory pools (CUDA graphs, MemPool)"

@@ -246,30 +246,35 @@ def _walk(segs: dict[int, _Segment], starts: SortedKeys, groups: _Groups, trace:
             _map_back(e, at(i), add, drop, segs, starts)
 
 
+def _group(seg: _Segment) -> tuple[int, str | None, Any]:
+    """An expandable run's (stream, small/large pool, private pool id): one segment each."""
+    return seg.stream, seg.segment_type, private_pool(seg.pool)
+
+
 class _Groups:
     """Expandable runs per (stream, pool): how many exist, and the lowest address their current
     expandable segment has been seen to map (its base is at or below it)."""
 
     def __init__(self) -> None:
-        self.count: dict[tuple[int, str | None], int] = {}
-        self.lowest: dict[tuple[int, str | None], int] = {}
+        self.count: dict[tuple[int, str | None, Any], int] = {}
+        self.lowest: dict[tuple[int, str | None, Any], int] = {}
 
     def add(self, seg: _Segment) -> None:
         if seg.expandable:
-            key = (seg.stream, seg.segment_type)
+            key = _group(seg)
             self.count[key] = self.count.get(key, 0) + 1
             if seg.address < self.lowest.get(key, seg.address + 1):
                 self.lowest[key] = seg.address
 
     def drop(self, seg: _Segment) -> None:
         if seg.expandable:
-            key = (seg.stream, seg.segment_type)
+            key = _group(seg)
             self.count[key] -= 1
 
     def created(self, seg: _Segment) -> None:
         """Backwards past a map that left its pool no run: that map created the expandable
         segment; runs seen earlier belong to another one."""
-        key = (seg.stream, seg.segment_type)
+        key = _group(seg)
         if not self.count.get(key):
             self.lowest.pop(key, None)
 
@@ -308,6 +313,7 @@ def _unmap_back(e: Mapping[str, Any], seg: _Segment, where: str, add: _Edit, dro
             part.live = {a: v for a, v in seg.live.items() if lo <= a < hi}
             part.bound = {a: b for a, b in seg.bound.items() if lo <= a < hi}
             part.unknown = [a for a in seg.unknown if lo <= a < hi]
+            part.pool = seg.pool
             add(part)
     groups.created(seg)
 
@@ -322,11 +328,14 @@ def _map_back(e: Mapping[str, Any], where: str, add: _Edit, drop: _Edit, segs: M
     k = starts.floor_below(addr)
     left = segs[k] if k is not None and segs[k].end == addr else None
     right = segs.get(addr + size)
-    parts = [p for p in (left, right) if p is not None and p.expandable and p.stream == stream]
+    pool = private_pool(e.get("pool_id"))
+    parts = [p for p in (left, right) if p is not None and p.expandable and p.stream == stream
+             and (pool is None or private_pool(p.pool) in (None, pool))]
     types = {p.segment_type for p in parts} - {None}
     if len(types) > 1:
         raise TraceError(f"{where}: the unmapped range joins runs of both pools")
     run = _Segment(addr, size, stream, types.pop() if types else None, [], True)
+    run.pool = pool if pool is not None else next((p.pool for p in parts if private_pool(p.pool)), None)
     for p in parts:
         drop(p)
         run.live.update(p.live)
@@ -374,7 +383,7 @@ def _stale_requested(final_free: Mapping[tuple[int, int], int], addr: int, end: 
 
 
 def _as_snapshot_segment(seg: _Segment, final_free: Mapping[tuple[int, int], int],
-                         lowest: Mapping[tuple[int, str | None], int]) -> dict[str, Any]:
+                         lowest: Mapping[tuple[int, str | None, Any], int]) -> dict[str, Any]:
     blocks = []
     addr = seg.address
     end = seg.end
@@ -399,5 +408,5 @@ def _as_snapshot_segment(seg: _Segment, final_free: Mapping[tuple[int, int], int
     if pool is not None:
         out["segment_pool_id"] = pool
     if seg.expandable:
-        out["expandable_base"] = lowest.get((seg.stream, seg.segment_type), seg.address)
+        out["expandable_base"] = lowest.get(_group(seg), seg.address)
     return out

@@ -24,8 +24,10 @@ def _state(block: Block) -> str:
     return "inactive"
 
 
-def segments(alloc: CachingAllocator) -> list[dict[str, Any]]:
-    """One dict per segment (per contiguous mapped run for expandable segments), by address.
+def segments(alloc: CachingAllocator, mempool_id: tuple[int, int] = (0, 0)) -> list[dict[str, Any]]:
+    """One dict per segment (per contiguous mapped run for expandable segments), by address;
+    with a private pool's id, only that pool's segments (``snapshot(mempool_id)``: the pool's
+    head blocks, `CachingAllocator.pool_head_blocks`).
 
     Also records a ``snapshot`` trace entry whose size is the total active bytes (spec §18.2).
     Frame lists are fresh copies, one per distinct list (blocks that share a stack share the
@@ -46,7 +48,8 @@ def segments(alloc: CachingAllocator) -> list[dict[str, Any]]:
         return got
 
     with alloc.operation(mutates=False):
-        for head in alloc.all_blocks():
+        private = mempool_id != (0, 0)
+        for head in alloc.pool_head_blocks(mempool_id) if private else alloc.all_blocks():
             if head.prev is not None and head.prev.mapped:
                 continue
             blocks = []
@@ -72,7 +75,7 @@ def segments(alloc: CachingAllocator) -> list[dict[str, Any]]:
                 "frames": frames(head.segment_frames), "blocks": blocks,
             })
         out.sort(key=lambda s: s["address"])
-        alloc.record_snapshot_entry(total_active)
+        alloc.record_snapshot_entry(total_active, mempool_id if private else None)
     return out
 
 
