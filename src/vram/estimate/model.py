@@ -172,7 +172,8 @@ def load_factory(target: str, what: str = "model") -> Any:
 
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"invalid {what} {target!r}: expected MODULE:FUNC, e.g. mymodels:gpt2_small")
+        form = "MODULE:FACTORY, e.g. mymodels:gpt2_small" if what == "model" else "MODULE:FUNC"
+        raise ValueError(f"invalid {what} {target!r}: expected {form}")
     if module_name.endswith(".py"):
         if not os.path.isfile(module_name):
             raise OSError(f"can't open file {module_name!r}: no such file")
