@@ -471,6 +471,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", action="store_true",
                    help="search the largest batch (first dimension of every --input) that fits")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    g = p.add_argument_group("many GPUs (the world size is the product of the degrees; the batch in --input "
+                             "is each rank's micro-batch)")
+    g.add_argument("--ddp", type=int, default=1, metavar="N",
+                   help="data parallel replicas (DDP; with --fsdp: HSDP)")
+    g.add_argument("--fsdp", type=int, default=1, metavar="N",
+                   help="FSDP2 fully_shard over N GPUs (each block, then the root)")
+    g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel degree (needs --tp-plan)")
+    g.add_argument("--tp-plan", metavar="MODULE:FUNC", help="FUNC(model, tp_mesh) calls parallelize_module")
+    g.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages (top-level ModuleList split)")
+    g.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="pipeline micro-batches the --input batch is split into (default: --pp)")
+    g.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe"], help="pipeline schedule (default 1F1B)")
     p.set_defaults(func=cmd_estimate)
 
     help_ = "list the cards --gpu accepts, with what CUDA reports for each"

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from typing import Any
 
 import torch
 
 from vram.estimate.engine import estimate, max_batch
+from vram.estimate.model import load_factory
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "bf16": "bfloat16",
            "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
@@ -40,39 +39,6 @@ def _parse_input(spec: str, default: Any) -> tuple[list[int], Any]:
     return shape, _dtype(dtype_text) if dtype_text else default
 
 
-def _load_factory(target: str) -> Any:
-    """MODULE:FACTORY (or path/to/file.py:FACTORY) -> the callable."""
-    import importlib
-    import importlib.util
-
-    module_name, sep, attr = target.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"invalid model {target!r}: expected MODULE:FACTORY, e.g. mymodels:gpt2_small")
-    if module_name.endswith(".py"):
-        if not os.path.isfile(module_name):
-            raise OSError(f"can't open file {module_name!r}: no such file")
-        spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"cannot import {module_name!r}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ValueError(f"cannot import {module_name!r}: {e}") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"{target} is not callable: FACTORY() must return an nn.Module")
-    return obj
-
-
 def run_estimate(args: argparse.Namespace) -> int:
     """Run ``vram estimate`` for parsed `args`; prints the report (or JSON), returns the status."""
     if not args.input:
@@ -82,7 +48,9 @@ def run_estimate(args: argparse.Namespace) -> int:
               for spec in args.input]
     if args.grad_accum < 1 or args.iterations < 1:
         raise ValueError("--grad-accum and --iterations must be positive")
-    factory = _load_factory(args.model)
+    if (args.ddp, args.fsdp, args.tp, args.pp) != (1, 1, 1, 1) or args.tp_plan or args.microbatches is not None:
+        return _run_layout(args, shapes, model_dtype)
+    factory = load_factory(args.model)
 
     def build() -> Any:
         model = factory()
@@ -118,4 +86,27 @@ def run_estimate(args: argparse.Namespace) -> int:
         else:
             print("batch 1 does not fit; what batch 1 needs:\n")
     print(result)
+    return 0
+
+
+def _run_layout(args: argparse.Namespace, shapes: list[tuple[list[int], Any]], model_dtype: Any) -> int:
+    """``--ddp/--fsdp/--tp/--pp``: every rank of the layout (`vram.estimate.distributed`)."""
+    from vram.estimate.distributed import estimate_layout
+    from vram.estimate.layout import Layout
+
+    layout = Layout(ddp=args.ddp, fsdp=args.fsdp, tp=args.tp, pp=args.pp, tp_plan=args.tp_plan,
+                    microbatches=args.microbatches, schedule=args.schedule)
+    layout.check()
+    if args.pp > 1:
+        micro = layout.n_microbatches
+        if shapes[0][0][0] % micro and not args.max_batch:
+            raise ValueError(f"--pp: the batch {shapes[0][0][0]} does not split into {micro} micro-batches")
+    kw: dict[str, Any] = dict(optimizer=None if args.optimizer == "none" else args.optimizer, amp=args.amp,
+                              checkpoint=args.checkpoint, grad_accum=args.grad_accum,
+                              iterations=args.iterations, gpu=args.gpu, context=args.context, conf=args.conf,
+                              arch=args.arch)
+    inputs = [(shape, str(dt).replace("torch.", "")) for shape, dt in shapes]
+    dtype = str(model_dtype).replace("torch.", "") if model_dtype is not None else None
+    result = estimate_layout(args.model, inputs, layout, dtype=dtype, max_batch=args.max_batch, **kw)
+    print(json.dumps(result.to_json()) if args.json else result)
     return 0

@@ -126,8 +126,14 @@ def _own_gpu() -> Iterator[None]:
 
 def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: Any, amp: Any,
          checkpoint: Any, grad_accum: int, iterations: int, gpu: GpuPreset, context: int, conf: str | None,
-         keep: bool = True) -> _Run:
-    """Run the steps on a simulated GPU; OOM ends the run (recorded), other errors propagate."""
+         keep: bool = True, parallel: Any = None) -> _Run:
+    """Run the steps on a simulated GPU; OOM ends the run (recorded), other errors propagate.
+
+    `parallel` (`vram.estimate.layout.RankPlan`, one rank of a multi-GPU layout): the simulation
+    has its ``devices`` GPUs and the tracked one is its ``device``; ``enter()`` starts the process
+    group, ``place(model, tracker)`` replaces ``model.to("cuda")`` (sharding, wrapping), and its
+    ``step``, when set, replaces the default step (pipeline schedules).
+    """
     if active_sim() is not None:
         raise RuntimeError("vram.estimate cannot run inside simulated_cuda(): it simulates its own GPU")
     amp_dtype = _AMP.get(amp.lower()) if isinstance(amp, str) else amp
@@ -140,16 +146,20 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
     t0 = time.perf_counter()
     tr: Tracker | None = None
     oom = None
-    with _own_gpu(), simulated_cuda(gpu=gpu, context=context, conf=conf):
+    devices = 1 if parallel is None else parallel.devices
+    with _own_gpu(), simulated_cuda(gpu=gpu, context=context, conf=conf, device_count=devices):
         sim = active_sim()
-        tr = Tracker(sim)
+        if parallel is not None:
+            parallel.enter()
+            step = parallel.step if parallel.step is not None else step
+        tr = Tracker(sim, 0, False) if parallel is None else Tracker(sim, parallel.device, True)
         uninstall = tr.install()
         hooks: list[Any] = []
         try:
             try:
                 m = build_model(model, sim)
                 tr.attach(m)
-                m = m.to("cuda")
+                m = m.to("cuda") if parallel is None else parallel.place(m, tr)
                 m.train()
                 for p in m.parameters():
                     tr.mark(p, "parameters")
@@ -214,7 +224,7 @@ def _summarise(run: _Run, gpu: int, context: int, others: int) -> dict[str, Any]
     steady = sorted(((i, order[ph], ph, r) for (i, ph), r in tr.records.items() if i in steady_its),
                     key=lambda x: x[:2])
     first = [r for (i, ph), r in tr.records.items() if i == 1]
-    zero = dict.fromkeys(CATEGORIES, 0)
+    zero = dict.fromkeys(tr.categories, 0)
     cats, mods, peak_at = dict(zero), {}, {"iteration": 0, "phase": "setup"}
     if steady:
         i, _, ph, rec = max(steady, key=lambda x: x[3].peak)  # the first of equal peaks
@@ -238,7 +248,7 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
              optimizer: Any = "adam", loss: Callable[[Any], torch.Tensor] | None = None,
              amp: str | None = None, checkpoint: Any = False, grad_accum: int = 1, iterations: int = 3,
              gpu: int | str = "80GiB", context: int | str = 0, conf: str | None = None,
-             arch: str | None = None) -> EstimateResult:
+             arch: str | None = None, parallel: Any = None) -> EstimateResult:
     """Predict the GPU memory of a training step by running `iterations` steps on a simulated GPU.
 
     `model`: an ``nn.Module`` (CPU or meta; never modified) or a zero-argument factory returning one.
@@ -256,6 +266,7 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
     (the CUDA context nvidia-smi adds), `conf` (``PYTORCH_CUDA_ALLOC_CONF``; None: the
     environment's) and `arch` (compute capability, e.g. "8.0": cuBLAS's workspace size) describe
     the GPU; `gpu` is a size ("24GiB") or a card ("A100-80GB", see `vram.devices.gpus`).
+    `parallel`: one rank of a multi-GPU layout (`vram.estimate.layout.RankPlan`; see `_run`).
 
     If the steps run out of memory on `gpu`, ``fits`` is False, ``oom`` says where, and every
     figure comes from the same steps repeated on an unbounded GPU: what the step would need.
@@ -263,7 +274,7 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
     spec, ctx_b = resolve_gpu(gpu, arch), parse_size(context, "context")
     gpu_b = spec.total_memory
     kw = dict(step=step, optimizer=optimizer, loss=loss, amp=amp, checkpoint=checkpoint,
-              grad_accum=grad_accum, iterations=iterations, conf=conf)
+              grad_accum=grad_accum, iterations=iterations, conf=conf, parallel=parallel)
     run = _run(model, example_inputs, gpu=spec, context=ctx_b, **kw)  # type: ignore[arg-type]
     seconds = run.seconds
     oom = run.oom
@@ -288,7 +299,7 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
                 "gpu_name": spec.name, "arch": f"{spec.major}.{spec.minor}"}
     return EstimateResult(fits=oom is None, gpu=gpu_b, context=ctx_b, other_processes=others,
                           parameters_count=n_params, settings=settings, oom=oom,
-                          trace_seconds=seconds, model_name=type(root).__name__,
+                          trace_seconds=seconds, model_name=tr.types.get("(model)", type(root).__name__),
                           inputs=describe_inputs(example_inputs), **fields)
 
 
@@ -296,7 +307,7 @@ def fits(model: Any, example_inputs: Any, *, gpu: int | str = "80GiB", context: 
          arch: str | None = None, **kwargs: Any) -> bool:
     """Whether `estimate`'s steps run on `gpu` without OOM (one simulated run, no report)."""
     kw = dict(step=None, optimizer="adam", loss=None, amp=None, checkpoint=False, grad_accum=1,
-              iterations=3, conf=None)
+              iterations=3, conf=None, parallel=None)
     unknown = set(kwargs) - set(kw)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
@@ -316,9 +327,12 @@ def max_batch(model: Any, make_inputs: Callable[[int], Any], *, gpu: int | str =
     `kwargs` are `estimate`'s (optimizer, amp, checkpoint, …). Fitting is assumed monotonic in the
     batch size, which allocator rounding can break by a few samples near the boundary.
     """
-    def ok(b: int) -> bool:
-        return fits(model, make_inputs(b), gpu=gpu, context=context, arch=arch, **kwargs)
+    return search_largest(lambda b: fits(model, make_inputs(b), gpu=gpu, context=context, arch=arch, **kwargs),
+                          limit)
 
+
+def search_largest(ok: Callable[[int], bool], limit: int = 1 << 20) -> int:
+    """The largest b in 1..`limit` with ``ok(b)`` (0 if none): doubling, then bisection."""
     if not ok(1):
         return 0
     lo = 1

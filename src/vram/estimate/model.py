@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from collections.abc import Iterable, Mapping
 from contextlib import nullcontext
 from typing import Any
@@ -149,3 +151,49 @@ def describe_inputs(x: Any, prefix: str = "") -> list[str]:
     if isinstance(x, (list, tuple)):
         return [s for v in x for s in describe_inputs(v, prefix)]
     return []
+
+
+def micro_inputs(x: Any, n: int) -> Any:
+    """One of `n` micro-batches of example inputs `x` (meta tensors of the first chunk's shape)."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0 or x.shape[0] % n:
+            raise ValueError(f"the batch ({x.shape[0] if x.dim() else 'a scalar'}) must split into {n} "
+                             "micro-batches of equal size")
+        return torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device="meta")
+    if isinstance(x, (list, tuple)):
+        return tuple(micro_inputs(v, n) for v in x)
+    raise ValueError("pipeline parallel needs tensor inputs (a tensor or a tuple of them)")
+
+
+def load_factory(target: str, what: str = "model") -> Any:
+    """MODULE:FUNC (or path/to/file.py:FUNC) -> the callable; the current directory is searched first."""
+    import importlib
+    import importlib.util
+
+    module_name, sep, attr = target.rpartition(":")
+    if not sep or not module_name or not attr:
+        form = "MODULE:FACTORY, e.g. mymodels:gpt2_small" if what == "model" else "MODULE:FUNC"
+        raise ValueError(f"invalid {what} {target!r}: expected {form}")
+    if module_name.endswith(".py"):
+        if not os.path.isfile(module_name):
+            raise OSError(f"can't open file {module_name!r}: no such file")
+        spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"cannot import {module_name!r}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(f"cannot import {module_name!r}: {e}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{target} is not callable")
+    return obj

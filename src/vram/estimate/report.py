@@ -8,7 +8,9 @@ from vram.units import format_size
 _LABELS = {"parameters": "parameters", "buffers": "buffers", "gradients": "gradients",
            "optimizer_state": "optimizer state", "activations": "activations (saved for backward)",
            "temporaries": "temporaries", "cublas_workspaces": "cuBLAS workspaces",
-           "cache_fragmentation": "cached, unallocated (reserved - allocated)"}
+           "cache_fragmentation": "cached, unallocated (reserved - allocated)",
+           "all_gather_buffers": "all-gather buffers (unsharded parameters)",
+           "reduce_scatter_buffers": "reduce-scatter buffers", "ddp_buckets": "DDP gradient buckets"}
 _PHASE_LABELS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}
 
 
@@ -62,7 +64,8 @@ def render(r: Any, top_modules: int = 10) -> str:
     phase = _PHASE_LABELS.get(at["phase"], at["phase"])
     lines.append(f"at the steady-state peak (iteration {at['iteration']}, {phase}):")
     total = sum(r.categories.values())
-    rows = [[_LABELS[k], format_size(v), f"{100.0 * v / total:.1f}%" if total else "-"]
+    labels = dict(_LABELS, parameters="parameters (this rank's: shards, stage)") if "layout" in s else _LABELS
+    rows = [[labels[k], format_size(v), f"{100.0 * v / total:.1f}%" if total else "-"]
             for k, v in r.categories.items()]
     rows.append(["reserved at that moment", format_size(total), ""])
     lines += _table(rows, ["category", "bytes", "share"])

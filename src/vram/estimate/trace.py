@@ -11,7 +11,8 @@ workspaces from `vram.run.runtime`'s record of them; temporaries, the rest.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,8 +23,13 @@ from vram.frontend import memory as _memory
 #: breakdown keys, in report order; all but the last add up to allocated bytes
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries",
               "cublas_workspaces", "cache_fragmentation")
+#: the communication buffers a multi-GPU layout adds (`vram.estimate.layout`): FSDP2's all-gather
+#: input/output and unsharded parameters, its reduce-scatter input/output (the output that becomes
+#: a sharded gradient counts as gradients), DDP's gradient buckets
+COMM_CATEGORIES = ("all_gather_buffers", "reduce_scatter_buffers", "ddp_buckets")
+CATEGORIES_DISTRIBUTED = CATEGORIES[:-1] + COMM_CATEGORIES + CATEGORIES[-1:]
 _PRIORITY = {"cublas_workspaces": 0, "parameters": 1, "buffers": 2, "gradients": 3,
-             "optimizer_state": 4}
+             "optimizer_state": 4, "all_gather_buffers": 5, "reduce_scatter_buffers": 5, "ddp_buckets": 5}
 
 
 class Phase:
@@ -36,9 +42,11 @@ class Phase:
 class Tracker:
     """Logs every block the simulated allocator hands out or takes back, with phase and module."""
 
-    def __init__(self, sim: Any) -> None:
+    def __init__(self, sim: Any, device: int = 0, distributed: bool = False) -> None:
         self.sim = sim
-        self.alloc = _memory.get_allocator(0)
+        self.alloc = _memory.get_allocator(device)
+        self.site: str | None = None   # the category of what is allocated now (see `allocating_as`)
+        self.categories = CATEGORIES_DISTRIBUTED if distributed else CATEGORIES
         self.stat_a = self.alloc.stats.allocated_bytes[0]
         self.stat_r = self.alloc.stats.reserved_bytes[0]
         self.size: list[int] = []
@@ -89,6 +97,8 @@ class Tracker:
                 self.born.append(self.n)
                 self.died.append(-1)
                 self.module.append(self.stack[-1])
+                if self.site is not None:
+                    self.marks[seq] = self.site
                 if self.recomputing:
                     self.recomputed.add(seq)
                 self.ptr2seq[ptr] = seq
@@ -155,7 +165,17 @@ class Tracker:
         self.set_phase("forward")
 
     # categories
+    @contextmanager
+    def allocating_as(self, category: str) -> Iterator[None]:
+        """Blocks allocated inside are `category` (unless marked with a stronger one later)."""
+        outer, self.site = self.site, category
+        try:
+            yield
+        finally:
+            self.site = outer
+
     def mark(self, t: Any, category: str) -> None:
+        t = getattr(t, "_local_tensor", t)  # a DTensor: this rank's shard
         b = self.sim.block_of(t)
         if b is None or not b.ptr:
             return
@@ -208,7 +228,7 @@ class Tracker:
             seq = self.ptr2seq.get(ptr)
             if seq is not None:
                 self.marks[seq] = "cublas_workspaces"
-        cats = dict.fromkeys(CATEGORIES, 0)
+        cats = dict.fromkeys(self.categories, 0)
         mods: dict[str, int] = {}
         marks, size, died, module = self.marks, self.size, self.died, self.module
         saved = {e[0] for e in self.saved if e[1] <= event and (e[2] < 0 or e[2] >= event)}

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves, tree_map
 
 from vram.frontend import memory as _memory
@@ -354,7 +354,10 @@ class FunctionMode(TorchFunctionMode):
             out = run()
             if target is not None:  # torch.tensor(..., device=) builds its tensor below the modes
                 for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor) and t.is_meta and sim.block_of(t) is None:
+                    # a wrapper subclass (DTensor from empty_like, to_empty) has no storage of its
+                    # own: its inner tensors were charged as they were made
+                    if isinstance(t, torch.Tensor) and t.is_meta and sim.block_of(t) is None \
+                            and not is_traceable_wrapper_subclass(t):
                         b = sim.track(t.untyped_storage(), target)
                         if func in _HOST_DATA and t.numel() <= known.VALUE_LIMIT:
                             with torch._C.DisableTorchFunction():  # the same data, built on the host

@@ -120,10 +120,11 @@ def _forward(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock)
 
 
 def launch(spec: Launch, vram_args: Sequence[str], script: str, script_args: Sequence[str],
-           out: IO[str] | None = None, err: IO[str] | None = None) -> int:
+           out: IO[str] | None = None, err: IO[str] | None = None, command: Sequence[str] | None = None) -> int:
     """Run `script` once per simulated rank (``python -m vram run VRAM_ARGS SCRIPT ARGS`` in each
-    rank's environment), print the per-rank summary; returns 0 when every simulated rank exited
-    0, else the first failing rank's status."""
+    rank's environment; ``python COMMAND`` instead when given, e.g. ``vram estimate``'s ranks),
+    print the per-rank summary; returns 0 when every simulated rank exited 0, else the first
+    failing rank's status."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     ranks = list(range(spec.world_size)) if spec.ranks is None else spec.ranks
@@ -143,7 +144,8 @@ def launch(spec: Launch, vram_args: Sequence[str], script: str, script_args: Seq
                 env[RESULT_ENV] = os.path.join(work, f"rank{rank}.json")
                 env[STAGING_ENV] = env[MAILBOX_ENV] = work
                 env[SIMULATED_ENV] = ",".join(map(str, ranks))
-                cmd = [sys.executable, "-m", "vram", "run", *vram_args, script, *script_args]
+                cmd = [sys.executable, *command] if command is not None else \
+                    [sys.executable, "-m", "vram", "run", *vram_args, script, *script_args]
                 proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                 assert proc.stdout is not None and proc.stderr is not None
                 threads = [threading.Thread(target=_forward, args=(s, o, f"[rank{rank}]:", lock), daemon=True)

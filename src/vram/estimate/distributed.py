@@ -1,0 +1,141 @@
+"""``vram estimate --ddp/--fsdp/--tp/--pp``: a training step's memory on every rank of a layout.
+
+The ranks run as ``vram run --nproc-per-node`` runs them (`vram.run.distributed.launcher`: one
+process per rank, torchrun's environment, vram's simulated NCCL process group, p2p mailbox),
+each executing `vram.estimate.ranks` on its own simulated GPU; only the ranks that
+`Layout.representatives` picks are simulated, and the report says which stood for which.
+
+``max_batch``: without pipeline stages no rank waits for another, so each simulated rank searches
+its own largest per-rank micro-batch (`engine.search_largest`, real runs) and the layout's is the
+smallest; with ``--pp`` the stages exchange activations, so every probe is one launch of all
+simulated ranks.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from vram.run.distributed.launcher import Launch, launch
+from vram.units import format_size
+
+from .engine import EstimateResult, search_largest
+from .layout import Layout
+
+__all__ = ["LayoutEstimate", "estimate_layout"]
+
+
+@dataclass
+class LayoutEstimate:
+    """Per-rank estimates of a layout; ``results`` holds the simulated ranks only."""
+
+    layout: Layout
+    stands_for: dict[int, list[int]]            #: simulated rank -> every rank it stands for
+    results: dict[int, EstimateResult]
+    max_batch: int | None = None
+    coords: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def result_of(self, rank: int) -> EstimateResult:
+        return self.results[next(r for r, rs in self.stands_for.items() if rank in rs)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": self.layout.to_json(), "max_batch": self.max_batch,
+                "ranks": {str(r): {"coords": self.coords[r], "simulated_as": next(
+                    s for s, rs in self.stands_for.items() if r in rs)} for r in sorted(self.coords)},
+                "estimates": {str(r): res.to_json() for r, res in sorted(self.results.items())}}
+
+    def __str__(self) -> str:
+        from .report import render
+
+        lay = self.layout
+        per = ("each data-parallel rank's batch, split into micro-batches" if lay.pp > 1
+               else "each rank's batch")
+        lines = [f"vram estimate on {lay.describe()}; the --input batch is {per}"
+                 + (f"; largest that fits: {self.max_batch}" if self.max_batch is not None else "")]
+        sim = ", ".join(f"rank {s} (for ranks {_ranges(rs)})" for s, rs in self.stands_for.items())
+        lines.append(f"  simulated: {sim}")
+        lines.append(f"  {'rank':>4}  {'mesh coordinates':<40} {'peak allocated':>16} {'peak reserved':>16}  fits")
+        for r in sorted(self.coords):
+            res = self.result_of(r)
+            c = ", ".join(f"{k} {v}" for k, v in self.coords[r].items() if lay.sizes[k] > 1)
+            lines.append(f"  {r:>4}  {c:<40} {format_size(res.peak_allocated):>16} "
+                         f"{format_size(res.peak_reserved):>16}  {'yes' if res.fits else 'NO'}")
+        for s, rs in self.stands_for.items():
+            lines += ["", f"=== rank {s} (stands for ranks {_ranges(rs)}) ===", render(self.results[s])]
+        return "\n".join(lines)
+
+
+def _ranges(ranks: list[int]) -> str:
+    from vram.run.distributed.launcher import _ranges as ranges
+
+    return ranges(ranks)
+
+
+def _launch(layout: Layout, simulated: list[int], config: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """One launch of the simulated ranks; their answers (an ``error`` raises, one line)."""
+    work = tempfile.mkdtemp(prefix="vram-estimate-")
+    try:
+        config = dict(config, out=work)
+        path = os.path.join(work, "config.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        spec = Launch(layout.world_size, ranks=simulated)
+        out, err = io.StringIO(), io.StringIO()
+        launch(spec, [], "", [], out=out, err=err, command=["-m", "vram.estimate.ranks", path])
+        answers: dict[int, dict[str, Any]] = {}
+        for r in simulated:
+            try:
+                with open(os.path.join(work, f"rank{r}.json")) as f:
+                    answers[r] = json.load(f)
+            except (OSError, ValueError):
+                tail = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+                raise RuntimeError(f"rank {r} ended without an answer: {tail[-1] if tail else 'no output'}") from None
+        for r, a in answers.items():
+            if "error" in a:
+                raise (ValueError if "Error" not in a["error"].split(":")[0] else RuntimeError)(
+                    f"rank {r}: {a['error']}")
+        return answers
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def estimate_layout(model: str, inputs: list[tuple[list[int], str]], layout: Layout, *, dtype: str | None = None,
+                    max_batch: bool = False, **kw: Any) -> LayoutEstimate:
+    """Estimate `model` ("MODULE:FACTORY") on every rank of `layout`; `inputs` are (shape, dtype
+    name) with the per-rank micro-batch first; `kw` are `vram.estimate.estimate`'s settings
+    (optimizer, amp, checkpoint, grad_accum, iterations, gpu, context, conf, arch)."""
+    import torch
+
+    from .layout import pipeline_blocks
+    from .model import load_factory
+
+    layout.check()
+    if layout.pp > 1 and (kw.get("amp") or kw.get("grad_accum", 1) != 1):
+        raise ValueError("--pp runs the pipeline schedule's step: --amp and --grad-accum do not apply to it")
+    factory = load_factory(model)
+    with torch.device("meta"):
+        meta = factory()
+    if not isinstance(meta, torch.nn.Module):
+        raise TypeError(f"{model}() returned {type(meta).__name__}, not an nn.Module")
+    stands_for = layout.representatives(meta)
+    if layout.pp > 1:
+        pipeline_blocks(meta)   # refuse a model without a top-level ModuleList before any rank starts
+    simulated = sorted(stands_for)
+    config = {"model": model, "cwd": os.getcwd(), "inputs": inputs, "dtype": dtype, "kw": kw,
+              "layout": {k: v for k, v in layout.to_json().items() if k not in ("world_size", "mesh")},
+              "mode": "estimate", "batch": None}
+    best = None
+    if max_batch:
+        if layout.pp > 1:
+            best = search_largest(lambda b: all(a["fits"] for a in _launch(
+                layout, simulated, dict(config, mode="fits", batch=b)).values()))
+        else:
+            best = min(a["max_batch"] for a in _launch(layout, simulated, dict(config, mode="search")).values())
+    answers = _launch(layout, simulated, dict(config, batch=best if best else None))
+    results = {r: EstimateResult(**a["estimate"]) for r, a in answers.items()}
+    return LayoutEstimate(layout, stands_for, results, best,
+                          {r: layout.coords(r) for r in range(layout.world_size)})
