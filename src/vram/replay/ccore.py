@@ -34,7 +34,7 @@ import tempfile
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vram.allocator.block import Block, SortedKeys
 from vram.allocator.stats import ARRAY_STATS, COUNTERS
@@ -84,6 +84,26 @@ def available() -> str | None:
 def loaded() -> ModuleType | None:
     """The built module when the C core can run here (`available`), else None."""
     return _module if available() is None else None
+
+
+class Scan(NamedTuple):
+    """A trace's events read once, in C (`scan`), for the rewind and the replay loop."""
+
+    ops: bytes  #: one C ``Op`` per event (action, address, size, stream: what both walks act on)
+    segment_allocs: list[tuple[Any, Any]]  #: the (addr, size) of every segment_alloc
+    segment_maps: list[tuple[Any, Any]]  #: ... and of every segment_map
+    first_pool_id: int | None  #: the first event with a ``pool_id`` key (None: no event has one)
+
+
+def scan(trace: Sequence[Mapping[str, Any]]) -> Scan | None:
+    """`trace` read into C (`Scan`), or None where the C core is not used or the trace has an event
+    that is not a dict with a hashable action, or a segment_alloc / _map without addr or size (the
+    Python paths read those, and raise)."""
+    module = loaded()
+    if module is None:
+        return None
+    got = module.scan(trace)
+    return None if got is None else Scan(*got)
 
 
 def unsupported(alloc: CachingAllocator, dev: TraceDevice, *, skip_cycles: bool,
@@ -191,21 +211,24 @@ def _blocks_in(alloc: CachingAllocator, rows: Sequence[_Row]) -> None:
         alloc.active[b.ptr] = b
 
 
-def run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str, Any]], result: Any,
+def run(alloc: CachingAllocator, dev: TraceDevice, events: Scan | None, n: int, result: Any,
         checks: Any, verify: bool, progress: Callable[[int, int], None] | None, live_at_start: set[int],
-        codes: dict[str, int], track_peak: bool = True) -> tuple[str | None, bool]:
-    """Replay `trace` on `alloc` in C, as `vram.replay.engine._run` does; (None, True) when done,
-    else (why not, whether the device was touched: then replay again from a fresh start)."""
+        track_peak: bool = True) -> tuple[str | None, bool]:
+    """Replay the first `n` events of a trace (read by `scan`) on `alloc` in C, as
+    `vram.replay.engine._run` does; (None, True) when done, else (why not, whether the device was
+    touched: then replay again from a fresh start)."""
     module, why = _load()
     if module is None:
         return why, False
+    if events is None:
+        return "an event that is not a dict with a hashable action, or a segment without addr or size", False
     rows = _blocks_out(alloc)
     if rows is None:
         return "a block state the C core does not model", False
     config = alloc.config
     conf = (list(config.roundup_power2_divisions), config.max_split_size, config.max_non_split_rounding,
             config.large_segment_size, alloc.allowed_memory_maximum)
-    got = module.run(trace, codes, conf, rows, _stats_out(alloc), live_at_start, dev.malloc, dev.free,
+    got = module.run(events.ops, n, conf, rows, _stats_out(alloc), live_at_start, dev.malloc, dev.free,
                      verify, progress, result.timeline is not None, track_peak)
     if isinstance(got, str):
         return got, True
@@ -227,7 +250,7 @@ def run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str, 
         result.timeline[0].frombytes(tl_a)
         result.timeline[1].frombytes(tl_r)
     if progress is not None:
-        progress(len(trace), len(trace))
+        progress(n, n)
     return None, True
 
 
