@@ -1219,8 +1219,139 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ the loader's walk of a trace */
+/* loader.py _Walker.entries' loop over one device's trace: every entry of the ordinary kind (a
+ * dict with a short str action other than oom, int addr / size in [0, 2**64), stream in [0,
+ * `streams`) or none, time_us none or in [0, 2**64)) is checked and normalised here; every other one,
+ * a frames list not seen before and a dict referenced twice go back to the walker's Python, which
+ * names the problem.
+ * entries(trace, known_actions, unknown, frame_lists, clean_frames, frames_of, shared, entry, streams)
+ * -> the normalised list, where unknown, frame_lists and clean_frames are the walker's, frames_of(frames,
+ * k) is _Walker._entry_frames, shared(k) raises for a dict referenced twice and entry(e, k) is
+ * _Walker.entry's result */
+static PyObject *s_time_us, *s_oom, *s_zero, *s_one;
+
+/* _Walker._entry_frames: the normalised form of an entry's frames list `fr` (a new reference).
+ * lists / clean: the walker's _frame_lists (id -> normalised list) and _clean_frames (ids of frame
+ * dicts already in normalised form); clean_c: the pointers of the frames found in `clean` so far in
+ * this walk (it only grows, as `clean` does), so that most frames are looked up without making
+ * their id(). A list not in `lists` whose frames are all clean is its own normalised form; it is
+ * not added to `lists` (as the Python walk does), since a later lookup there that misses finds the
+ * same: the list itself. Every other list goes to the Python `frames_of` (`_Walker._entry_frames`). */
+static PyObject *entry_frames(PyObject *fr, PyObject *lists, PyObject *clean, Map *clean_c, PyObject *frames_of,
+                              Py_ssize_t k) {
+    PyObject *key = PyLong_FromVoidPtr(fr);
+    PyObject *got = key ? PyDict_GetItemWithError(lists, key) : NULL;
+    Py_XDECREF(key);
+    if (got || PyErr_Occurred()) return got ? Py_NewRef(got) : NULL;
+    int all_clean = PyList_CheckExact(fr);
+    for (Py_ssize_t j = 0; all_clean && j < PyList_GET_SIZE(fr); j++) {
+        PyObject *f = PyList_GET_ITEM(fr, j);
+        if (map_get(clean_c, (uint64_t)(uintptr_t)f, NULL)) continue;
+        PyObject *fk = PyLong_FromVoidPtr(f);
+        int c = fk ? PySet_Contains(clean, fk) : -1;
+        Py_XDECREF(fk);
+        if (c < 0) return NULL;
+        if (!c) all_clean = 0;
+        else if (map_put(clean_c, (uint64_t)(uintptr_t)f, 1) < 0) return PyErr_NoMemory();
+    }
+    return all_clean ? Py_NewRef(fr) : PyObject_CallFunction(frames_of, "On", fr, k);
+}
+
+static PyObject *walk_entries(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *trace, *known, *unknown, *lists_py, *clean, *frames_of, *shared, *entry;
+    unsigned long long streams;
+    if (!PyArg_ParseTuple(args, "O!OO!O!O!OOOK", &PyList_Type, &trace, &known, &PyDict_Type, &unknown,
+                          &PyDict_Type, &lists_py, &PySet_Type, &clean, &frames_of, &shared, &entry, &streams)
+            || !streams)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(trace);
+    PyObject *out = PyList_New(n), *result = NULL;
+    Map lists = {0}, clean_c = {0};  /* frames list -> its normalised form (a new reference), for this walk */
+    if (!out || map_init(&lists, 256) < 0 || map_init(&clean_c, 256) < 0) { if (out) PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (k >= PyList_GET_SIZE(trace)) { PyErr_SetString(PyExc_RuntimeError, "the trace changed"); goto done; }
+        PyObject *e = PyList_GET_ITEM(trace, k), *got = NULL;
+        if (Py_REFCNT(e) > 1) {  /* (only the list holds an unshared entry) */
+            PyObject *r = PyObject_CallFunction(shared, "n", k);
+            if (!r) goto done;
+            Py_DECREF(r);
+        }
+        Py_INCREF(e);
+        if (PyDict_CheckExact(e)) {
+            PyObject *action = PyDict_GetItemWithError(e, s_action), *addr = NULL, *size = NULL, *stream = NULL;
+            PyObject *t = NULL, *fr = NULL;
+            uint64_t v;
+            if (action) addr = PyDict_GetItemWithError(e, s_addr);
+            if (addr) size = PyDict_GetItemWithError(e, s_size);
+            if (size) stream = PyDict_GetItemWithError(e, s_stream);
+            if (size && !PyErr_Occurred()) t = PyDict_GetItemWithError(e, s_time_us);
+            if (size && !PyErr_Occurred()) fr = PyDict_GetItemWithError(e, s_frames);
+            if (PyErr_Occurred()) { Py_DECREF(e); goto done; }
+            int ok = action && size && PyUnicode_CheckExact(action) && PyUnicode_GET_LENGTH(action) > 0
+                && PyUnicode_GET_LENGTH(action) <= 64 && PyUnicode_Compare(action, s_oom) != 0
+                && as_u64(addr, UINT64_MAX, &v) && as_u64(size, UINT64_MAX, &v)
+                && (!stream || as_u64(stream, streams - 1, &v))
+                && (!t || t == Py_None || as_u64(t, UINT64_MAX, &v));
+            if (PyErr_Occurred()) { Py_DECREF(e); goto done; }
+            if (ok) {
+                int is_known = PySet_Contains(known, action);
+                if (is_known < 0) { Py_DECREF(e); goto done; }
+                if (!is_known) {
+                    PyObject *c = PyDict_GetItemWithError(unknown, action);
+                    PyObject *c1 = c ? PyNumber_Add(c, s_one) : PyErr_Occurred() ? NULL : Py_NewRef(s_one);
+                    if (!c1 || PyDict_SetItem(unknown, action, c1) < 0) { Py_XDECREF(c1); Py_DECREF(e); goto done; }
+                    Py_DECREF(c1);
+                }
+                PyObject *frames;  /* borrowed */
+                uint64_t fp;
+                if (!fr || fr == Py_None) frames = NULL;  /* a new empty list */
+                else if (map_get(&lists, (uint64_t)(uintptr_t)fr, &fp)) frames = (PyObject *)(uintptr_t)fp;
+                else {
+                    frames = entry_frames(fr, lists_py, clean, &clean_c, frames_of, k);
+                    if (!frames || map_put(&lists, (uint64_t)(uintptr_t)fr, (uint64_t)(uintptr_t)frames) < 0) {
+                        if (frames) { Py_DECREF(frames); PyErr_NoMemory(); }
+                        Py_DECREF(e); goto done;
+                    }
+                }
+                if (PyDict_GET_SIZE(e) == 6 && frames && frames == fr && stream && t) got = Py_NewRef(e);
+                else {
+                    int has_pool = PyDict_Contains(e, s_pool_id);
+                    if (has_pool < 0) { Py_DECREF(e); goto done; }
+                    if (!has_pool) {  /* its normalised form, keys in the walker's order */
+                        PyObject *fl = frames ? Py_NewRef(frames) : PyList_New(0);
+                        got = fl ? PyDict_New() : NULL;
+                        if (!got || PyDict_SetItem(got, s_action, action) < 0 || PyDict_SetItem(got, s_addr, addr) < 0
+                                || PyDict_SetItem(got, s_size, size) < 0
+                                || PyDict_SetItem(got, s_stream, stream ? stream : s_zero) < 0
+                                || PyDict_SetItem(got, s_time_us, t ? t : Py_None) < 0
+                                || PyDict_SetItem(got, s_frames, fl) < 0) {
+                            Py_XDECREF(fl); Py_XDECREF(got); Py_DECREF(e); goto done;
+                        }
+                        Py_DECREF(fl);
+                    }
+                }
+            }
+        }
+        if (!got) got = PyObject_CallFunction(entry, "On", e, k);
+        Py_DECREF(e);
+        if (!got) goto done;
+        PyList_SET_ITEM(out, k, got);
+    }
+    result = Py_NewRef(out);
+done:
+    Py_XDECREF(out);
+    if (lists.keys)
+        for (size_t i = 0; i < lists.cap; i++)
+            if (lists.keys[i] != EMPTY) Py_DECREF((PyObject *)(uintptr_t)lists.vals[i]);
+    map_free(&lists); map_free(&clean_c);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_O, "Read every event of a trace once, for rewind and run (see vram.replay.ccore)."},
+    {"entries", walk_entries, METH_VARARGS, "Check and normalise a trace's entries (see vram.replay.loader)."},
     {"run", run, METH_VARARGS, "Replay a trace's events through the caching allocator (see vram.replay.ccore)."},
     {"rewind", rewind_walk, METH_VARARGS, "Walk a trace backwards from the final segments (see vram.replay.rewind)."},
     {NULL, NULL, 0, NULL},
@@ -1234,7 +1365,9 @@ PyMODINIT_FUNC PyInit__ccore(void) {
             || !(s_device_free = PyUnicode_InternFromString("device_free"))
             || !(s_size = PyUnicode_InternFromString("size")) || !(s_stream = PyUnicode_InternFromString("stream"))
             || !(s_frames = PyUnicode_InternFromString("frames")) || !(s_minus_one = PyLong_FromLong(-1))
-            || !(s_pool_id = PyUnicode_InternFromString("pool_id")) || !(action_codes = PyDict_New()))
+            || !(s_pool_id = PyUnicode_InternFromString("pool_id")) || !(action_codes = PyDict_New())
+            || !(s_time_us = PyUnicode_InternFromString("time_us")) || !(s_oom = PyUnicode_InternFromString("oom"))
+            || !(s_zero = PyLong_FromLong(0)) || !(s_one = PyLong_FromLong(1)))
         return NULL;
     for (int k = 0; k < A_OTHER; k++) {
         PyObject *name = PyUnicode_InternFromString(ACTION_NAMES[k]), *code = PyLong_FromLong(k);

@@ -14,8 +14,10 @@ on the way: expandable segments, ``garbage_collection_threshold``, history recor
 ``PYTORCH_NO_CUDA_MEMORY_CACHING``, blocks pending on events at the start, cycle skipping and
 ``empty_cache_at`` (engine options), a free that completes later (held back with an event), a
 ``cudaMalloc`` that fails (the retry and OOM paths), a recorded ``oom`` and values outside 64-bit
-ranges. ``ReplayResult.engine`` says which engine ran, and why not C. The rewind's backward walk
-over the trace runs in C too (``_ccore.rewind``, through `loaded`; see `vram.replay.rewind._walk_in_c`).
+ranges. ``ReplayResult.engine`` says which engine ran, and why not C. Every event's dict is read once (`scan`: an
+array of ops), which the rewind's backward walk over the trace (``_ccore.rewind``, see
+`vram.replay.rewind._walk_in_c`) and the replay loop share. The loader's check of every trace entry
+runs in C too (``_ccore.entries``, see `vram.replay.loader._Walker.entries`).
 
 Built by ``pip install -e .`` / ``pip install .`` when a C compiler is there (``setup.py``: an
 optional extension, so an install without one still works), or in place with ``python3 -m
