@@ -42,6 +42,8 @@ from vram.allocator.block import Block, SortedKeys
 from vram.allocator.stats import ARRAY_STATS, COUNTERS
 from vram.devices.trace import TraceDevice
 
+from .safe_pickle import gc_paused
+
 if TYPE_CHECKING:
     from vram.allocator.caching import CachingAllocator
 
@@ -104,7 +106,8 @@ def scan(trace: Sequence[Mapping[str, Any]]) -> Scan | None:
     module = loaded()
     if module is None:
         return None
-    got = module.scan(trace)
+    with gc_paused():  # it makes a tuple per segment and no garbage cycles (see `gc_paused`)
+        got = module.scan(trace)
     return None if got is None else Scan(*got)
 
 
