@@ -11,13 +11,17 @@ allocator (``python3 -m vram.allocator.native_build`` first); the first line say
    allocated/free 2 MiB blocks per 1000 N), then malloc+free pairs that must search among them
    are timed.
 3. The same scaling workload replayed by the C replay core (`vram.replay.ccore`, when built): the
-   program above is recorded (vram's own history) with and without the timed pairs, both traces
-   are replayed event by event (``skip_cycles=False``), and the difference in ``seconds_replay``
-   is divided by the pairs (each pair is three events: alloc, free_requested, free_completed).
+   program above is recorded (vram's own history) with and without the timed pairs, each
+   snapshot pickled and loaded back with ``load_snapshot`` (as ``vram replay`` gets it: the
+   entries laid out in memory by the unpickler, not among the recording allocator's objects),
+   both replayed event by event (``skip_cycles=False``), and the difference in ``seconds_replay``
+   (the whole replay: reading the events, rewind, the loop) is divided by the pairs (each pair
+   is three events: alloc, free_requested, free_completed).
 """
 from __future__ import annotations
 
 import argparse
+import pickle
 import random
 import sys
 import time
@@ -30,6 +34,7 @@ from vram.allocator import native  # noqa: E402
 from vram.allocator.history import STATE  # noqa: E402
 from vram.replay import ccore  # noqa: E402
 from vram.replay.engine import replay  # noqa: E402
+from vram.replay.loader import load_snapshot  # noqa: E402
 from vram.views.snapshot import snapshot  # noqa: E402
 
 MiB = 1 << 20
@@ -106,7 +111,7 @@ def _scaling_trace(n_free: int, pairs: int) -> dict[str, object]:
 def bench_scaling_ccore(n_free: int, pairs: int, repeat: int = 3) -> tuple[float, int]:
     """µs per malloc+free pair replayed by the C core with `n_free` free blocks cached, and how
     many free blocks were cached."""
-    base, full = _scaling_trace(n_free, 0), _scaling_trace(n_free, pairs)
+    base, full = (load_snapshot(pickle.dumps(_scaling_trace(n_free, k))) for k in (0, pairs))
     times = []
     for snap in (base, full):
         best = float("inf")

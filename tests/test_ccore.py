@@ -158,3 +158,32 @@ def test_recordings(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
     for kw in ({"verify": True, "timeline": True}, {"conf": "max_split_size_mb:64"},
                {"conf": "roundup_power2_divisions:4", "gpu": "80GB"}, {"conf": "expandable_segments:True"}):
         both(monkeypatch, snap, **kw)
+
+
+def test_scan_reads_what_python_reads() -> None:
+    """`ccore.scan`'s segment lists and first pool id are the Python reads of the same trace, and
+    `plan_pools` makes the same plan from its hint (private-pool recordings: ids on some entries,
+    on every entry, on none)."""
+    from test_pool_replay import CASES, recording
+    from vram.replay.pool_replay import plan_pools
+    snaps = [recording(case, style) for case in CASES for style in ("private", "every_entry", "no_ids")]
+    for snap in [*snaps, program(1), load_snapshot(TRACES / "ftcourse-memory-snapshot.pickle")]:
+        trace = snap["device_traces"][0]
+        got = ccore.scan(trace)
+        assert got is not None
+        assert got.segment_allocs == [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
+        assert got.segment_maps == [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_map"]
+        assert got.first_pool_id == next((i for i, e in enumerate(trace) if "pool_id" in e), None)
+        assert _plan(plan_pools, snap["segments"], trace) == _plan(plan_pools, snap["segments"], trace, 0,
+                                                                   got.first_pool_id)
+    assert ccore.scan([{"action": "alloc"}, 3]) is None  # not a dict: the Python paths read it
+    assert ccore.scan([{"action": "segment_alloc", "addr": 0}]) is None  # (Python raises KeyError)
+
+
+def _plan(plan_pools: Any, *args: Any) -> Any:
+    """A pool plan as plain values, or the error that refused it."""
+    try:
+        plan = plan_pools(*args)
+    except Exception as exc:  # noqa: BLE001 - (a recording without ids whose pools cannot be told)
+        return repr(exc)
+    return None if plan is None else (plan.mallocs, plan.runs)

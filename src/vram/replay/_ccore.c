@@ -556,48 +556,124 @@ static int as_i128(PyObject *o, i128 *out) { /* int64 range is all the statistic
 }
 
 /* ------------------------------------------------------------------ the op stream */
-/* engine.py compact_events: (code, address, size, stream) of every event, read from the dicts */
-typedef struct { uint64_t addr, size, stream; int code, ok; } Op;
-/* ok bits: the field is an int usable as such (addr: as a dict key, size and stream: by malloc) */
+/* scan(trace): every event's dict read once, into one array of Op shared by the rewind (walking it
+ * backwards) and the replay loop (forwards), instead of each reading every dict again. What the
+ * readers need of an event that is not a plain number (a free_completed's size and frames, a
+ * segment_free's stream) they take from the event itself, by its index, for the few that last. */
+typedef struct { uint64_t addr, size, stream; uint8_t action, ok; } Op;
+/* actions (A_OTHER: any other hashable action) */
+enum { A_ALLOC, A_FREE_REQUESTED, A_FREE_COMPLETED, A_SEGMENT_ALLOC, A_SEGMENT_FREE, A_SEGMENT_MAP,
+       A_SEGMENT_UNMAP, A_OOM, A_OTHER, N_ACTIONS };
+static const char *const ACTION_NAMES[A_OTHER] = {"alloc", "free_requested", "free_completed", "segment_alloc",
+                                                  "segment_free", "segment_map", "segment_unmap", "oom"};
+/* engine.py _CODES: 0 alloc, 1 free_requested, 2 free_completed, 3 segment_free / unmap (a run of
+ * them is one empty_cache()), 4 oom, 5 anything else */
+static const int ENGINE_CODE[N_ACTIONS] = {0, 1, 2, 5, 3, 5, 3, 4, 5};
+/* ok bits. OK_ADDR: the replay's address (``addr``, else ``device_free``, else 0) is an int in
+ * [0, 2**64-1); ADDR_KEY: it is the ``addr`` key's; OK_SIZE: ``size`` is an int in [0, 2**60);
+ * SIZE_U64: an int in [0, 2**64-1) (then in `size`); HAS_SIZE: the key is there; OK_STREAM: no
+ * ``stream`` or an int in [0, 2**63) */
 #define OK_ADDR 1
 #define OK_SIZE 2
 #define OK_STREAM 4
+#define ADDR_KEY 8
+#define SIZE_U64 16
+#define HAS_SIZE 32
 
-static PyObject *s_action, *s_addr, *s_device_free, *s_size, *s_stream;
+static PyObject *s_action, *s_addr, *s_device_free, *s_size, *s_stream, *s_pool_id, *action_codes;
 
-/* 0 ok, 1 refused (reason in *why), -1 Python error */
-static int read_ops(PyObject *trace, PyObject *codes, Op *ops, Py_ssize_t n, const char **why) {
-    PyObject **items = PySequence_Fast_ITEMS(trace);
+/* the first n Ops of a bytes object made by scan (all of them: exact) */
+static const Op *ops_of(PyObject *ops, Py_ssize_t n, int exact) {
+    Py_ssize_t have = PyBytes_Check(ops) ? PyBytes_GET_SIZE(ops) : -1;
+    if (have < 0 || have % (Py_ssize_t)sizeof(Op) || n < 0 || n > have / (Py_ssize_t)sizeof(Op)
+            || (exact && n != have / (Py_ssize_t)sizeof(Op))) {
+        PyErr_SetString(PyExc_ValueError, "ops must be scan()'s bytes for this trace");
+        return NULL;
+    }
+    const Op *o = (const Op *)(void *)PyBytes_AS_STRING(ops);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (o[i].action >= N_ACTIONS) { PyErr_SetString(PyExc_ValueError, "ops: not made by scan()"); return NULL; }
+    return o;
+}
+
+/* scan(trace) -> None (an event that is not a dict, without a hashable action, or a segment_alloc
+ * / segment_map without addr or size: the Python paths read such traces) or (ops, segment_allocs,
+ * segment_maps, first_pool_id): ops the Op array as bytes; segment_allocs / segment_maps the
+ * (addr, size) of every segment_alloc / segment_map (engine.py's `recorded`, `recorded_maps`);
+ * first_pool_id the index of the first event with a ``pool_id`` key, or None */
+static PyObject *scan(PyObject *self, PyObject *trace) {
+    (void)self;
+    PyObject *fast = PySequence_Fast(trace, "trace must be a sequence"), *bytes = NULL, *result = NULL;
+    PyObject *segs[2] = {PyList_New(0), PyList_New(0)};
+    if (!fast || !segs[0] || !segs[1]) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), first_pool_id = -1;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    bytes = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(Op));
+    if (!bytes) goto done;
+    Op *ops = (Op *)(void *)PyBytes_AS_STRING(bytes);
+    int refused = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *e = items[i];
-        if (!PyDict_Check(e)) { *why = "an event that is not a dict"; return 1; }
+        if (!PyDict_Check(e)) { refused = 1; break; }
         PyObject *action = PyDict_GetItemWithError(e, s_action);
-        if (!action) { if (PyErr_Occurred()) return -1; *why = "an event without an action"; return 1; }
-        PyObject *code = PyDict_GetItemWithError(codes, action);
-        if (!code && PyErr_Occurred()) { PyErr_Clear(); *why = "an unhashable action"; return 1; }
+        if (!action) { if (PyErr_Occurred()) goto done; refused = 1; break; }
+        PyObject *code = PyDict_GetItemWithError(action_codes, action);
+        if (!code && PyErr_Occurred()) { PyErr_Clear(); refused = 1; break; }  /* unhashable */
         Op *op = &ops[i];
-        op->code = code ? (int)PyLong_AsLong(code) : 5;
+        op->action = code ? (uint8_t)PyLong_AsLong(code) : A_OTHER;
         op->ok = 0;
-        PyObject *addr = PyDict_GetItemWithError(e, s_addr);
-        if (!addr) {
-            if (PyErr_Occurred()) return -1;
-            addr = PyDict_GetItemWithError(e, s_device_free);
-            if (!addr && PyErr_Occurred()) return -1;
-        }
-        PyObject *size = PyDict_GetItemWithError(e, s_size);
-        if (!size) { if (PyErr_Occurred()) return -1; *why = "an event without a size"; return 1; }
-        PyObject *stream = PyDict_GetItemWithError(e, s_stream);
-        if (!stream && PyErr_Occurred()) return -1;
         op->addr = op->size = op->stream = 0;
+        PyObject *addr_key = PyDict_GetItemWithError(e, s_addr), *addr = addr_key;
+        if (addr) op->ok |= ADDR_KEY;
+        else {
+            if (PyErr_Occurred()) goto done;
+            addr = PyDict_GetItemWithError(e, s_device_free);
+            if (!addr && PyErr_Occurred()) goto done;
+        }
         if (!addr || as_u64(addr, EMPTY - 1, &op->addr)) op->ok |= OK_ADDR;
-        if (as_u64(size, ONE_EB - 1, &op->size)) op->ok |= OK_SIZE;
+        else op->ok &= ~ADDR_KEY;
+        PyObject *size = PyDict_GetItemWithError(e, s_size);
+        if (size) {
+            op->ok |= HAS_SIZE;
+            if (as_u64(size, EMPTY - 1, &op->size)) op->ok |= op->size < ONE_EB ? SIZE_U64 | OK_SIZE : SIZE_U64;
+        } else if (PyErr_Occurred()) goto done;
+        PyObject *stream = PyDict_GetItemWithError(e, s_stream);
+        if (!stream && PyErr_Occurred()) goto done;
         if (!stream || as_u64(stream, STREAM_MAX, &op->stream)) op->ok |= OK_STREAM;
-        if (op->code == 4) { *why = "the trace has an oom event (replayed in Python)"; return 1; }
-        if (op->code <= 2 && !(op->ok & OK_ADDR)) { *why = "an address that is not an int in [0, 2**64-1)"; return 1; }
-        if (op->code == 0 && !(op->ok & OK_SIZE)) { *why = "an alloc size that is not an int in [0, 2**60)"; return 1; }
-        if (op->code == 0 && !(op->ok & OK_STREAM)) { *why = "a stream that is not an int in [0, 2**63)"; return 1; }
+        if (first_pool_id < 0) {
+            if (PyDict_GetItemWithError(e, s_pool_id)) first_pool_id = i;
+            else if (PyErr_Occurred()) goto done;
+        }
+        if (op->action == A_SEGMENT_ALLOC || op->action == A_SEGMENT_MAP) {
+            if (!addr_key || !size) { refused = 1; break; }
+            PyObject *t = PyTuple_Pack(2, addr_key, size);
+            if (!t || PyList_Append(segs[op->action == A_SEGMENT_MAP], t) < 0) { Py_XDECREF(t); goto done; }
+            Py_DECREF(t);
+        }
     }
-    return 0;
+    if (PyErr_Occurred()) goto done;
+    if (refused) { result = Py_NewRef(Py_None); goto done; }
+    PyObject *fp = first_pool_id < 0 ? Py_NewRef(Py_None) : PyLong_FromSsize_t(first_pool_id);
+    if (fp)
+        result = PyTuple_Pack(4, bytes, segs[0], segs[1], fp);
+    Py_XDECREF(fp);
+done:
+    Py_XDECREF(fast); Py_XDECREF(bytes); Py_XDECREF(segs[0]); Py_XDECREF(segs[1]);
+    return result;
+}
+
+/* the replay loop's refusals, in read order (engine.py replays these traces in Python) */
+static const char *refusal(const Op *ops, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Op *op = &ops[i];
+        int code = ENGINE_CODE[op->action];
+        if (!(op->ok & HAS_SIZE)) return "an event without a size";
+        if (code == 4) return "the trace has an oom event (replayed in Python)";
+        if (code <= 2 && !(op->ok & OK_ADDR)) return "an address that is not an int in [0, 2**64-1)";
+        if (code == 0 && !(op->ok & OK_SIZE)) return "an alloc size that is not an int in [0, 2**60)";
+        if (code == 0 && !(op->ok & OK_STREAM)) return "a stream that is not an int in [0, 2**63)";
+    }
+    return NULL;
 }
 
 /* ------------------------------------------------------------------ state in and out */
@@ -721,23 +797,25 @@ typedef struct { Py_ssize_t i; int kind; uint64_t expected, actual; } Note; /* k
 #define MAX_NOTES 10
 
 /* engine.py _run without cycle skipping, held-back frees or OOMs (refused: see the module doc).
- * run(trace, codes, config, blocks, stats, live_at_start, dev_malloc, dev_free, verify, progress,
+ * run(ops, n, config, blocks, stats, live_at_start, dev_malloc, dev_free, verify, progress,
  *     timeline, track_peak) -> str (refused: the reason; nothing of the allocator was changed) or
  * (blocks, stats, reserved_peak_event, allocated_at_reserved_peak, largest_free_at_reserved_peak,
  *  allocs_total, allocs_matched, notes, timeline_allocated, timeline_reserved) */
 static PyObject *run(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *trace, *codes, *config, *blocks, *stats, *live_obj, *dev_malloc, *dev_free, *progress;
+    PyObject *ops_obj, *config, *blocks, *stats, *live_obj, *dev_malloc, *dev_free, *progress;
+    Py_ssize_t n;
     int verify, timeline, track_peak;
-    if (!PyArg_ParseTuple(args, "OO!O!OOOOOpOpp", &trace, &PyDict_Type, &codes, &PyTuple_Type, &config,
+    if (!PyArg_ParseTuple(args, "OnO!OOOOOpOpp", &ops_obj, &n, &PyTuple_Type, &config,
                           &blocks, &stats, &live_obj, &dev_malloc, &dev_free, &verify, &progress,
                           &timeline, &track_peak))
         return NULL;
+    const Op *ops = ops_of(ops_obj, n, 0);
+    if (!ops) return NULL;
     Alloc a;
     memset(&a, 0, sizeof(a));
     const char *why = NULL;
-    PyObject *result = NULL, *fast = NULL, *notes_list = NULL;
-    Op *ops = NULL;
+    PyObject *result = NULL, *notes_list = NULL;
     Note notes[MAX_NOTES];
     int nnotes = 0;
     int64_t *tl_a = NULL, *tl_r = NULL;
@@ -780,14 +858,8 @@ static PyObject *run(PyObject *self, PyObject *args) {
         Py_DECREF(it);
         if (why || PyErr_Occurred()) goto done;
     }
-    fast = PySequence_Fast(trace, "trace must be a sequence");
-    if (!fast) goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    ops = PyMem_Malloc((n ? n : 1) * sizeof(Op));
-    if (!ops) { PyErr_NoMemory(); goto done; }
-    int r = read_ops(fast, codes, ops, n, &why);
-    if (r) goto done;
-    r = import_blocks(&a, blocks, &why);
+    if ((why = refusal(ops, n))) goto done;
+    int r = import_blocks(&a, blocks, &why);
     if (r) goto done;
     if (timeline) {
         tl_a = PyMem_Malloc((n ? n : 1) * sizeof(int64_t));
@@ -810,9 +882,10 @@ static PyObject *run(PyObject *self, PyObject *args) {
             next_progress = i + 0x10000;
         }
         const Op *op = &ops[i];
+        const int code = ENGINE_CODE[op->action];
         Py_ssize_t nxt = i + 1;
-        if (op->code != 3) in_empty_cache = 0;
-        if (op->code == 0) {  /* alloc */
+        if (code != 3) in_empty_cache = 0;
+        if (code == 0) {  /* alloc */
             uint64_t p = 0;
             if (op->size && do_malloc(&a, op->size, op->stream, &p) < 0) goto done;
             if (map_put(&ptr_of, op->addr, p) < 0) { PyErr_NoMemory(); goto done; }
@@ -830,7 +903,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
                     peak_steps += steps;
                 }
             }
-        } else if (op->code == 1) {  /* free_requested */
+        } else if (code == 1) {  /* free_requested */
             uint64_t p, bp;
             int known = map_pop(&ptr_of, op->addr, &p);
             if (!known) {  /* not allocated in the trace: live at the start, or unknown */
@@ -840,18 +913,18 @@ static PyObject *run(PyObject *self, PyObject *args) {
             Block *block = known && p && map_get(&a.active, p, &bp) ? (Block *)(uintptr_t)bp : NULL;
             if (!block) {  /* (`active` holds only allocated blocks here) */
                 if (known && p && verify && nnotes < MAX_NOTES) notes[nnotes++] = (Note){i, 1, 0, 0};
-            } else if (nxt < n && ops[nxt].code == 2 && ops[nxt].addr == op->addr) {
+            } else if (nxt < n && ENGINE_CODE[ops[nxt].action] == 2 && ops[nxt].addr == op->addr) {
                 if (do_free(&a, block) < 0) goto done;  /* completes at once: the next event is its free_completed */
                 nxt++;
             } else {
                 why = "a free that completes later (held back with an event: replayed in Python)";
                 goto done;
             }
-        } else if (op->code == 2) {  /* free_completed */
+        } else if (code == 2) {  /* free_completed */
             uint64_t bp;
             if (map_pop(&live, op->addr, NULL) && map_get(&a.active, op->addr, &bp))
                 if (do_free(&a, (Block *)(uintptr_t)bp) < 0) goto done;
-        } else if (op->code == 3) {  /* a run of segment_free / segment_unmap: one empty_cache() */
+        } else if (code == 3) {  /* a run of segment_free / segment_unmap: one empty_cache() */
             if (!in_empty_cache) {
                 if (release_cached_blocks(&a) < 0) goto done;
                 in_empty_cache = 1;
@@ -891,8 +964,7 @@ done:
         result = PyUnicode_FromString(why);
     }
     Py_XDECREF(notes_list);
-    Py_XDECREF(fast);
-    PyMem_Free(ops); PyMem_Free(tl_a); PyMem_Free(tl_r);
+    PyMem_Free(tl_a); PyMem_Free(tl_r);
     map_free(&ptr_of); map_free(&live);
     alloc_clear(&a);
     return result;
@@ -906,14 +978,15 @@ done:
 typedef struct RSeg {
     uint64_t address, total, nlive;
     Py_ssize_t index;            /* in the segments given, or -1: restored by a segment_free */
-    PyObject *stream;            /* (index -1) the segment_free's stream, owned */
+    Py_ssize_t event;            /* (index -1) the segment_free that restored it: its stream */
     uint64_t *unknown; size_t nunk, capunk;  /* sorted addresses of live blocks of unknown size */
     PyObject *live;              /* (the result) its live blocks, owned */
     struct RSeg *next_all;       /* every RSeg made, for freeing */
 } RSeg;
 
-/* size NULL: -1 (unknown); frames NULL: a new empty list; pending: state == rewind.py's PENDING */
-typedef struct { PyObject *size, *requested, *frames, *state; int pending; RSeg *seg; } Live;
+/* size NULL: -1 (unknown); frames NULL: a new empty list; pending: state == rewind.py's PENDING;
+ * event >= 0: restored by that free_completed, whose size is `requested` and frames `frames` */
+typedef struct { PyObject *size, *requested, *frames, *state; int pending; RSeg *seg; Py_ssize_t event; } Live;
 
 static PyObject *s_frames, *s_minus_one;
 static PyObject *minus_one(void) { return s_minus_one; }
@@ -959,19 +1032,21 @@ static int unknown_add(RSeg *g, uint64_t addr) {
     return 0;
 }
 
-/* rewind(segments, trace, actions, allocated, pending) -> None (walk it in Python) or
+/* rewind(segments, ops, trace, allocated, pending) -> None (walk it in Python) or
  * [(index, address, total_size, stream, live, bound)] in address order: index into `segments`
  * ((address, total_size, live dict) each) or -1 with the stream of the segment_free that restored it */
 static PyObject *rewind_walk(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *segments, *trace, *actions, *allocated, *pending;
-    if (!PyArg_ParseTuple(args, "O!OO!OO", &PyList_Type, &segments, &trace, &PyDict_Type, &actions,
+    PyObject *segments, *ops_obj, *trace, *allocated, *pending;
+    if (!PyArg_ParseTuple(args, "O!OO!OO", &PyList_Type, &segments, &ops_obj, &PyList_Type, &trace,
                           &allocated, &pending))
         return NULL;
+    const Op *ops = ops_of(ops_obj, PyList_GET_SIZE(trace), 1);
+    if (!ops) return NULL;
     Set starts = {0};
     Map live = {0}, bound = {0};
     RSeg *all = NULL;
-    PyObject *fast = NULL, *result = NULL;
+    PyObject *result = NULL;
     int refused = 0;
     if (map_init(&live, 1024) < 0 || map_init(&bound, 64) < 0) { PyErr_NoMemory(); goto done; }
 #define REFUSE do { refused = 1; goto done; } while (0)
@@ -1007,6 +1082,7 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
             l->state = Py_NewRef(PyTuple_GET_ITEM(val, 3));
             l->pending = eq;
             l->seg = g;
+            l->event = -1;
             g->nlive++;
         }
     }
@@ -1020,20 +1096,17 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
                 first = 0; end = g->address + g->total;
             }
     }
-    fast = PySequence_Fast(trace, "trace must be a sequence");
-    if (!fast) goto done;
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(fast) - 1; i >= 0; i--) {
-        PyObject *e = items[i];
-        if (!PyDict_Check(e)) REFUSE;
-        PyObject *action = PyDict_GetItemWithError(e, s_action);
-        if (!action) { if (PyErr_Occurred()) goto done; REFUSE; }
-        PyObject *code_obj = PyDict_GetItemWithError(actions, action);
-        if (!code_obj) { if (PyErr_Occurred()) { PyErr_Clear(); REFUSE; } continue; }  /* an action it ignores */
-        long code = PyLong_AsLong(code_obj);
+    PyObject **items = PySequence_Fast_ITEMS(trace);  /* (a list: the events of ops, by index) */
+    /* as rewind.py _walk acts: 0 alloc, 1 free_completed, 2 free_requested, 3 segment_alloc,
+     * 4 segment_free, 5 segment_map / unmap (walked in Python only), -1 ignored */
+    static const int REWIND_CODE[N_ACTIONS] = {0, 2, 1, 3, 4, 5, 5, -1, -1};
+    for (Py_ssize_t i = PyList_GET_SIZE(trace) - 1; i >= 0; i--) {
+        const Op *op = &ops[i];
+        int code = REWIND_CODE[op->action];
+        if (code < 0) continue;  /* an action it ignores */
         if (code >= 5) REFUSE;  /* segment_map / segment_unmap */
-        uint64_t addr;
-        if (!as_u64(PyDict_GetItemWithError(e, s_addr), EMPTY - 1, &addr)) { if (PyErr_Occurred()) goto done; REFUSE; }
+        if (!(op->ok & ADDR_KEY)) REFUSE;
+        uint64_t addr = op->addr;
         if (code == 0) {  /* alloc: its block was not there before */
             RSeg *g = rseg_at(&starts, addr);
             uint64_t lp;
@@ -1055,19 +1128,12 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
             }
         } else if (code == 1) {  /* free_completed: live before, size unknown, pending */
             RSeg *g = rseg_at(&starts, addr);
-            if (!g || map_get(&live, addr, NULL)) REFUSE;
-            PyObject *size = PyDict_GetItemWithError(e, s_size);
-            if (!size) { if (PyErr_Occurred()) goto done; REFUSE; }
-            PyObject *frames = PyDict_GetItemWithError(e, s_frames);
-            if (!frames && PyErr_Occurred()) goto done;
-            int truth = frames ? PyObject_IsTrue(frames) : 0;
-            if (truth < 0) goto done;
+            if (!g || map_get(&live, addr, NULL) || !(op->ok & HAS_SIZE)) REFUSE;
             Live *l = PyMem_Calloc(1, sizeof(Live));
             if (!l || unknown_add(g, addr) < 0 || map_put(&live, addr, (uint64_t)(uintptr_t)l) < 0) {
                 PyMem_Free(l); PyErr_NoMemory(); goto done;
             }
-            l->requested = Py_NewRef(size);
-            l->frames = truth ? Py_NewRef(frames) : NULL;
+            l->event = i;  /* its size and frames: read from the event if it lasts to the first one */
             l->state = Py_NewRef(pending);
             l->pending = 1;
             l->seg = g;
@@ -1081,22 +1147,16 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
             if (!g || g->address != addr || g->nlive) REFUSE;
             set_remove(&starts, addr);
         } else {  /* segment_free: an empty segment existed before */
-            uint64_t size;
-            PyObject *stream = PyDict_GetItemWithError(e, s_stream);
-            if (!stream && PyErr_Occurred()) goto done;
-            if (!as_u64(PyDict_GetItemWithError(e, s_size), EMPTY - 1 - addr, &size)) {
-                if (PyErr_Occurred()) goto done;
-                REFUSE;
-            }
+            uint64_t size = op->size;
+            if (!(op->ok & SIZE_U64) || size > EMPTY - 1 - addr) REFUSE;
             RSeg *below = size ? (RSeg *)(void *)set_floor(&starts, addr + size - 1) : NULL;
             if (size == 0 || size % K_MIN_BLOCK_SIZE || (below && below->address + below->total > addr)
                     || rseg_at(&starts, addr))
                 REFUSE;
             RSeg *g;
             NEWSEG(g);
-            g->index = -1; g->address = addr; g->total = size;
-            g->stream = stream ? Py_NewRef(stream) : PyLong_FromLong(0);
-            if (!g->stream || set_insert(&starts, addr, (Block *)(void *)g) < 0) { PyErr_NoMemory(); goto done; }
+            g->index = -1; g->address = addr; g->total = size; g->event = i;
+            if (set_insert(&starts, addr, (Block *)(void *)g) < 0) { PyErr_NoMemory(); goto done; }
         }
     }
     for (size_t c = 0; c < starts.n; c++)  /* a live dict per segment, filled in one scan of the map */
@@ -1105,6 +1165,17 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
     for (size_t s = 0; s < live.cap; s++) {
         if (live.keys[s] == EMPTY) continue;
         Live *l = (Live *)(uintptr_t)live.vals[s];
+        if (l->event >= 0) {  /* a free_completed's size, and its frames if any */
+            PyObject *e = items[l->event];
+            PyObject *size = PyDict_GetItemWithError(e, s_size), *frames = size ? PyDict_GetItemWithError(e, s_frames) : NULL;
+            if (!size) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "trace changed"); goto done; }
+            if (!frames && PyErr_Occurred()) goto done;
+            int truth = frames ? PyObject_IsTrue(frames) : 0;
+            if (truth < 0) goto done;
+            l->requested = Py_NewRef(size);
+            l->frames = truth ? Py_NewRef(frames) : NULL;
+            l->event = -1;
+        }
         PyObject *k = PyLong_FromUnsignedLongLong(live.keys[s]);
         PyObject *fr = l->frames ? Py_NewRef(l->frames) : PyList_New(0);
         PyObject *v = k && fr ? PyTuple_Pack(4, l->size ? l->size : minus_one(), l->requested, fr, l->state) : NULL;
@@ -1116,8 +1187,12 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
     for (size_t c = 0; out && c < starts.n; c++)
         for (int j = 0; out && j < starts.chunks[c]->n; j++) {
             RSeg *g = (RSeg *)(void *)starts.chunks[c]->vals[j];
-            PyObject *bd = PyDict_New(), *t = NULL;
-            int ok = bd != NULL;
+            PyObject *bd = PyDict_New(), *t = NULL, *stream = NULL;
+            if (g->index < 0) {  /* the segment_free's stream (0 without one) */
+                stream = PyDict_GetItemWithError(items[g->event], s_stream);
+                stream = stream ? Py_NewRef(stream) : PyErr_Occurred() ? NULL : PyLong_FromLong(0);
+            }
+            int ok = bd != NULL && (g->index >= 0 || stream);
             for (size_t s = 0; ok && s < g->nunk; s++) {
                 uint64_t b;
                 if (!map_get(&bound, g->unknown[s], &b)) continue;
@@ -1126,26 +1201,157 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
                 Py_XDECREF(k); Py_XDECREF(v);
             }
             if (ok) t = Py_BuildValue("(nKKOOO)", g->index, (unsigned long long)g->address,
-                                      (unsigned long long)g->total, g->stream ? g->stream : Py_None, g->live, bd);
+                                      (unsigned long long)g->total, stream ? stream : Py_None, g->live, bd);
             if (!t || PyList_Append(out, t) < 0) Py_CLEAR(out);
-            Py_XDECREF(t); Py_XDECREF(bd);
+            Py_XDECREF(t); Py_XDECREF(bd); Py_XDECREF(stream);
         }
     result = out;
 #undef REFUSE
 #undef NEWSEG
 done:
     if (refused && !PyErr_Occurred()) { Py_CLEAR(result); result = Py_NewRef(Py_None); }
-    Py_XDECREF(fast);
     if (live.keys)
         for (size_t s = 0; s < live.cap; s++)
             if (live.keys[s] != EMPTY) live_del((Live *)(uintptr_t)live.vals[s]);
     map_free(&live); map_free(&bound);
     set_free(&starts);
-    while (all) { RSeg *g = all; all = g->next_all; Py_XDECREF(g->stream); Py_XDECREF(g->live); PyMem_Free(g->unknown); PyMem_Free(g); }
+    while (all) { RSeg *g = all; all = g->next_all; Py_XDECREF(g->live); PyMem_Free(g->unknown); PyMem_Free(g); }
+    return result;
+}
+
+/* ------------------------------------------------------------------ the loader's walk of a trace */
+/* loader.py _Walker.entries' loop over one device's trace: every entry of the ordinary kind (a
+ * dict with a short str action other than oom, int addr / size in [0, 2**64), stream in [0,
+ * `streams`) or none, time_us none or in [0, 2**64)) is checked and normalised here; every other one,
+ * a frames list not seen before and a dict referenced twice go back to the walker's Python, which
+ * names the problem.
+ * entries(trace, known_actions, unknown, frame_lists, clean_frames, frames_of, shared, entry, streams)
+ * -> the normalised list, where unknown, frame_lists and clean_frames are the walker's, frames_of(frames,
+ * k) is _Walker._entry_frames, shared(k) raises for a dict referenced twice and entry(e, k) is
+ * _Walker.entry's result */
+static PyObject *s_time_us, *s_oom, *s_zero, *s_one;
+
+/* _Walker._entry_frames: the normalised form of an entry's frames list `fr` (a new reference).
+ * lists / clean: the walker's _frame_lists (id -> normalised list) and _clean_frames (ids of frame
+ * dicts already in normalised form); clean_c: the pointers of the frames found in `clean` so far in
+ * this walk (it only grows, as `clean` does), so that most frames are looked up without making
+ * their id(). A list not in `lists` whose frames are all clean is its own normalised form; it is
+ * not added to `lists` (as the Python walk does), since a later lookup there that misses finds the
+ * same: the list itself. Every other list goes to the Python `frames_of` (`_Walker._entry_frames`). */
+static PyObject *entry_frames(PyObject *fr, PyObject *lists, PyObject *clean, Map *clean_c, PyObject *frames_of,
+                              Py_ssize_t k) {
+    PyObject *key = PyLong_FromVoidPtr(fr);
+    PyObject *got = key ? PyDict_GetItemWithError(lists, key) : NULL;
+    Py_XDECREF(key);
+    if (got || PyErr_Occurred()) return got ? Py_NewRef(got) : NULL;
+    int all_clean = PyList_CheckExact(fr);
+    for (Py_ssize_t j = 0; all_clean && j < PyList_GET_SIZE(fr); j++) {
+        PyObject *f = PyList_GET_ITEM(fr, j);
+        if (map_get(clean_c, (uint64_t)(uintptr_t)f, NULL)) continue;
+        PyObject *fk = PyLong_FromVoidPtr(f);
+        int c = fk ? PySet_Contains(clean, fk) : -1;
+        Py_XDECREF(fk);
+        if (c < 0) return NULL;
+        if (!c) all_clean = 0;
+        else if (map_put(clean_c, (uint64_t)(uintptr_t)f, 1) < 0) return PyErr_NoMemory();
+    }
+    return all_clean ? Py_NewRef(fr) : PyObject_CallFunction(frames_of, "On", fr, k);
+}
+
+static PyObject *walk_entries(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *trace, *known, *unknown, *lists_py, *clean, *frames_of, *shared, *entry;
+    unsigned long long streams;
+    if (!PyArg_ParseTuple(args, "O!OO!O!O!OOOK", &PyList_Type, &trace, &known, &PyDict_Type, &unknown,
+                          &PyDict_Type, &lists_py, &PySet_Type, &clean, &frames_of, &shared, &entry, &streams)
+            || !streams)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(trace);
+    PyObject *out = PyList_New(n), *result = NULL;
+    Map lists = {0}, clean_c = {0};  /* frames list -> its normalised form (a new reference), for this walk */
+    if (!out || map_init(&lists, 256) < 0 || map_init(&clean_c, 256) < 0) { if (out) PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (k >= PyList_GET_SIZE(trace)) { PyErr_SetString(PyExc_RuntimeError, "the trace changed"); goto done; }
+        PyObject *e = PyList_GET_ITEM(trace, k), *got = NULL;
+        if (Py_REFCNT(e) > 1) {  /* (only the list holds an unshared entry) */
+            PyObject *r = PyObject_CallFunction(shared, "n", k);
+            if (!r) goto done;
+            Py_DECREF(r);
+        }
+        Py_INCREF(e);
+        if (PyDict_CheckExact(e)) {
+            PyObject *action = PyDict_GetItemWithError(e, s_action), *addr = NULL, *size = NULL, *stream = NULL;
+            PyObject *t = NULL, *fr = NULL;
+            uint64_t v;
+            if (action) addr = PyDict_GetItemWithError(e, s_addr);
+            if (addr) size = PyDict_GetItemWithError(e, s_size);
+            if (size) stream = PyDict_GetItemWithError(e, s_stream);
+            if (size && !PyErr_Occurred()) t = PyDict_GetItemWithError(e, s_time_us);
+            if (size && !PyErr_Occurred()) fr = PyDict_GetItemWithError(e, s_frames);
+            if (PyErr_Occurred()) { Py_DECREF(e); goto done; }
+            int ok = action && size && PyUnicode_CheckExact(action) && PyUnicode_GET_LENGTH(action) > 0
+                && PyUnicode_GET_LENGTH(action) <= 64 && PyUnicode_Compare(action, s_oom) != 0
+                && as_u64(addr, UINT64_MAX, &v) && as_u64(size, UINT64_MAX, &v)
+                && (!stream || as_u64(stream, streams - 1, &v))
+                && (!t || t == Py_None || as_u64(t, UINT64_MAX, &v));
+            if (PyErr_Occurred()) { Py_DECREF(e); goto done; }
+            if (ok) {
+                int is_known = PySet_Contains(known, action);
+                if (is_known < 0) { Py_DECREF(e); goto done; }
+                if (!is_known) {
+                    PyObject *c = PyDict_GetItemWithError(unknown, action);
+                    PyObject *c1 = c ? PyNumber_Add(c, s_one) : PyErr_Occurred() ? NULL : Py_NewRef(s_one);
+                    if (!c1 || PyDict_SetItem(unknown, action, c1) < 0) { Py_XDECREF(c1); Py_DECREF(e); goto done; }
+                    Py_DECREF(c1);
+                }
+                PyObject *frames;  /* borrowed */
+                uint64_t fp;
+                if (!fr || fr == Py_None) frames = NULL;  /* a new empty list */
+                else if (map_get(&lists, (uint64_t)(uintptr_t)fr, &fp)) frames = (PyObject *)(uintptr_t)fp;
+                else {
+                    frames = entry_frames(fr, lists_py, clean, &clean_c, frames_of, k);
+                    if (!frames || map_put(&lists, (uint64_t)(uintptr_t)fr, (uint64_t)(uintptr_t)frames) < 0) {
+                        if (frames) { Py_DECREF(frames); PyErr_NoMemory(); }
+                        Py_DECREF(e); goto done;
+                    }
+                }
+                if (PyDict_GET_SIZE(e) == 6 && frames && frames == fr && stream && t) got = Py_NewRef(e);
+                else {
+                    int has_pool = PyDict_Contains(e, s_pool_id);
+                    if (has_pool < 0) { Py_DECREF(e); goto done; }
+                    if (!has_pool) {  /* its normalised form, keys in the walker's order */
+                        PyObject *fl = frames ? Py_NewRef(frames) : PyList_New(0);
+                        got = fl ? PyDict_New() : NULL;
+                        if (!got || PyDict_SetItem(got, s_action, action) < 0 || PyDict_SetItem(got, s_addr, addr) < 0
+                                || PyDict_SetItem(got, s_size, size) < 0
+                                || PyDict_SetItem(got, s_stream, stream ? stream : s_zero) < 0
+                                || PyDict_SetItem(got, s_time_us, t ? t : Py_None) < 0
+                                || PyDict_SetItem(got, s_frames, fl) < 0) {
+                            Py_XDECREF(fl); Py_XDECREF(got); Py_DECREF(e); goto done;
+                        }
+                        Py_DECREF(fl);
+                    }
+                }
+            }
+        }
+        if (!got) got = PyObject_CallFunction(entry, "On", e, k);
+        Py_DECREF(e);
+        if (!got) goto done;
+        PyList_SET_ITEM(out, k, got);
+    }
+    result = Py_NewRef(out);
+done:
+    Py_XDECREF(out);
+    if (lists.keys)
+        for (size_t i = 0; i < lists.cap; i++)
+            if (lists.keys[i] != EMPTY) Py_DECREF((PyObject *)(uintptr_t)lists.vals[i]);
+    map_free(&lists); map_free(&clean_c);
     return result;
 }
 
 static PyMethodDef methods[] = {
+    {"scan", scan, METH_O, "Read every event of a trace once, for rewind and run (see vram.replay.ccore)."},
+    {"entries", walk_entries, METH_VARARGS, "Check and normalise a trace's entries (see vram.replay.loader)."},
     {"run", run, METH_VARARGS, "Replay a trace's events through the caching allocator (see vram.replay.ccore)."},
     {"rewind", rewind_walk, METH_VARARGS, "Walk a trace backwards from the final segments (see vram.replay.rewind)."},
     {NULL, NULL, 0, NULL},
@@ -1158,8 +1364,17 @@ PyMODINIT_FUNC PyInit__ccore(void) {
     if (!(s_action = PyUnicode_InternFromString("action")) || !(s_addr = PyUnicode_InternFromString("addr"))
             || !(s_device_free = PyUnicode_InternFromString("device_free"))
             || !(s_size = PyUnicode_InternFromString("size")) || !(s_stream = PyUnicode_InternFromString("stream"))
-            || !(s_frames = PyUnicode_InternFromString("frames")) || !(s_minus_one = PyLong_FromLong(-1)))
+            || !(s_frames = PyUnicode_InternFromString("frames")) || !(s_minus_one = PyLong_FromLong(-1))
+            || !(s_pool_id = PyUnicode_InternFromString("pool_id")) || !(action_codes = PyDict_New())
+            || !(s_time_us = PyUnicode_InternFromString("time_us")) || !(s_oom = PyUnicode_InternFromString("oom"))
+            || !(s_zero = PyLong_FromLong(0)) || !(s_one = PyLong_FromLong(1)))
         return NULL;
+    for (int k = 0; k < A_OTHER; k++) {
+        PyObject *name = PyUnicode_InternFromString(ACTION_NAMES[k]), *code = PyLong_FromLong(k);
+        int bad = !name || !code || PyDict_SetItem(action_codes, name, code) < 0;
+        Py_XDECREF(name); Py_XDECREF(code);
+        if (bad) return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m && (PyModule_AddIntConstant(m, "N_STATS", N_STATS) < 0
               || PyModule_AddStringConstant(m, "SOURCE_SHA256", CCORE_SOURCE_SHA256) < 0)) Py_CLEAR(m);

@@ -14,8 +14,10 @@ on the way: expandable segments, ``garbage_collection_threshold``, history recor
 ``PYTORCH_NO_CUDA_MEMORY_CACHING``, blocks pending on events at the start, cycle skipping and
 ``empty_cache_at`` (engine options), a free that completes later (held back with an event), a
 ``cudaMalloc`` that fails (the retry and OOM paths), a recorded ``oom`` and values outside 64-bit
-ranges. ``ReplayResult.engine`` says which engine ran, and why not C. The rewind's backward walk
-over the trace runs in C too (``_ccore.rewind``, through `loaded`; see `vram.replay.rewind._walk_in_c`).
+ranges. ``ReplayResult.engine`` says which engine ran, and why not C. Every event's dict is read once (`scan`: an
+array of ops), which the rewind's backward walk over the trace (``_ccore.rewind``, see
+`vram.replay.rewind._walk_in_c`) and the replay loop share. The loader's check of every trace entry
+runs in C too (``_ccore.entries``, see `vram.replay.loader._Walker.entries`).
 
 Built by ``pip install -e .`` / ``pip install .`` when a C compiler is there (``setup.py``: an
 optional extension, so an install without one still works), or in place with ``python3 -m
@@ -34,11 +36,13 @@ import tempfile
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vram.allocator.block import Block, SortedKeys
 from vram.allocator.stats import ARRAY_STATS, COUNTERS
 from vram.devices.trace import TraceDevice
+
+from .safe_pickle import gc_paused
 
 if TYPE_CHECKING:
     from vram.allocator.caching import CachingAllocator
@@ -84,6 +88,27 @@ def available() -> str | None:
 def loaded() -> ModuleType | None:
     """The built module when the C core can run here (`available`), else None."""
     return _module if available() is None else None
+
+
+class Scan(NamedTuple):
+    """A trace's events read once, in C (`scan`), for the rewind and the replay loop."""
+
+    ops: bytes  #: one C ``Op`` per event (action, address, size, stream: what both walks act on)
+    segment_allocs: list[tuple[Any, Any]]  #: the (addr, size) of every segment_alloc
+    segment_maps: list[tuple[Any, Any]]  #: ... and of every segment_map
+    first_pool_id: int | None  #: the first event with a ``pool_id`` key (None: no event has one)
+
+
+def scan(trace: Sequence[Mapping[str, Any]]) -> Scan | None:
+    """`trace` read into C (`Scan`), or None where the C core is not used or the trace has an event
+    that is not a dict with a hashable action, or a segment_alloc / _map without addr or size (the
+    Python paths read those, and raise)."""
+    module = loaded()
+    if module is None:
+        return None
+    with gc_paused():  # it makes a tuple per segment and no garbage cycles (see `gc_paused`)
+        got = module.scan(trace)
+    return None if got is None else Scan(*got)
 
 
 def unsupported(alloc: CachingAllocator, dev: TraceDevice, *, skip_cycles: bool,
@@ -191,21 +216,24 @@ def _blocks_in(alloc: CachingAllocator, rows: Sequence[_Row]) -> None:
         alloc.active[b.ptr] = b
 
 
-def run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str, Any]], result: Any,
+def run(alloc: CachingAllocator, dev: TraceDevice, events: Scan | None, n: int, result: Any,
         checks: Any, verify: bool, progress: Callable[[int, int], None] | None, live_at_start: set[int],
-        codes: dict[str, int], track_peak: bool = True) -> tuple[str | None, bool]:
-    """Replay `trace` on `alloc` in C, as `vram.replay.engine._run` does; (None, True) when done,
-    else (why not, whether the device was touched: then replay again from a fresh start)."""
+        track_peak: bool = True) -> tuple[str | None, bool]:
+    """Replay the first `n` events of a trace (read by `scan`) on `alloc` in C, as
+    `vram.replay.engine._run` does; (None, True) when done, else (why not, whether the device was
+    touched: then replay again from a fresh start)."""
     module, why = _load()
     if module is None:
         return why, False
+    if events is None:
+        return "an event that is not a dict with a hashable action, or a segment without addr or size", False
     rows = _blocks_out(alloc)
     if rows is None:
         return "a block state the C core does not model", False
     config = alloc.config
     conf = (list(config.roundup_power2_divisions), config.max_split_size, config.max_non_split_rounding,
             config.large_segment_size, alloc.allowed_memory_maximum)
-    got = module.run(trace, codes, conf, rows, _stats_out(alloc), live_at_start, dev.malloc, dev.free,
+    got = module.run(events.ops, n, conf, rows, _stats_out(alloc), live_at_start, dev.malloc, dev.free,
                      verify, progress, result.timeline is not None, track_peak)
     if isinstance(got, str):
         return got, True
@@ -227,7 +255,7 @@ def run(alloc: CachingAllocator, dev: TraceDevice, trace: Sequence[Mapping[str, 
         result.timeline[0].frombytes(tl_a)
         result.timeline[1].frombytes(tl_r)
     if progress is not None:
-        progress(len(trace), len(trace))
+        progress(n, n)
     return None, True
 
 

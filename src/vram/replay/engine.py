@@ -185,15 +185,17 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     traces = snapshot.get("device_traces") or []
     trace: Sequence[Mapping[str, Any]] = traces[device] if device < len(traces) else []
     final = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
-    plan = plan_pools(final, trace, device)  # private pools (CUDA graphs, MemPool): vram.replay.pool_replay
+    scan = ccore.scan(trace)  # every event read once, in C, for the rewind and the C loop (None: not here)
+    plan = plan_pools(final, trace, device, scan.first_pool_id if scan else 0)  # private pools: pool_replay
     if final or not trace:
         divisions, expandable = _recorded_rules(recorded_conf, conf is not None)
         with gc_paused():  # it makes a tuple per live block and no garbage cycles (see `gc_paused`)
-            initial = rewind(final, trace, divisions, device, expandable, plan is not None)
+            initial = rewind(final, trace, divisions, device, expandable, plan is not None, scan)
     else:  # no segment layout (an RMM log): the trace is taken to start from an empty allocator
         initial = []
-    recorded = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
-    recorded_maps = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_map"]
+    recorded, recorded_maps = (scan.segment_allocs, scan.segment_maps) if scan else (
+        [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"],
+        [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_map"])
     if stop_at is not None:
         if not 0 <= stop_at <= len(trace):
             raise ValueError(f"event index {stop_at} is outside the trace (0..{len(trace)})")
@@ -227,7 +229,7 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
                 why = ccore.unsupported(alloc, dev, skip_cycles=skip_cycles, empty_cache_at=empty_cache_at)
                 touched = False
                 if why is None:
-                    why, touched = ccore.run(alloc, dev, events, res, checks, verify, prog, live, _CODES,
+                    why, touched = ccore.run(alloc, dev, scan, len(events), res, checks, verify, prog, live,
                                              track_peak)
                     if why is None:
                         res.engine = "C"

@@ -28,6 +28,7 @@ import stat
 import sys
 from typing import Any
 
+from . import ccore
 from .messages import Invalid, SnapshotError, brief, int_text, printable
 from .safe_pickle import OPCODE_BYTES, decode_json, decode_pickle, gc_paused, memory_cap
 from .validate import KNOWN_ACTIONS, RESERVED_STREAMS, check_requested, check_segment, check_settings, stream_error
@@ -290,8 +291,14 @@ class _Walker:
         inline; anything unusual (or wrong) goes through `entry`, which names the problem.
         PyTorch writes a new dict per event: an entry referenced twice (found by its reference
         count, at no cost per entry) would make a small file replay millions of events."""
+        c = ccore.loaded()
+        if c is not None and type(trace) is list:  # the same walk in C (`vram.replay._ccore.entries`)
+            return c.entries(trace, KNOWN_ACTIONS, self.unknown, self._frame_lists, self._clean_frames,
+                             lambda fr, k: self._entry_frames(fr, d, k),
+                             lambda k: self._shared_entry(trace, k, d),
+                             lambda e, k: self.entry(e, f"device_traces[{d}][{k}]"), RESERVED_STREAMS)
         out = []
-        lists, clean = self._frame_lists, self._clean_frames
+        lists = self._frame_lists
         known, unknown = KNOWN_ACTIONS, self.unknown
         refs = sys.getrefcount
         base = 0
@@ -316,10 +323,7 @@ class _Walker:
                     else:
                         frames = lists.get(id(fr))  # type: ignore[assignment]
                         if frames is None:
-                            if type(fr) is list and clean.issuperset(map(id, fr)):
-                                frames = lists[id(fr)] = fr  # every frame already normalised
-                            else:
-                                frames = self.frames(fr, f"device_traces[{d}][{k}].frames")
+                            frames = self._entry_frames(fr, d, k)
                     if len(e) == 6 and frames is fr and "stream" in e and "time_us" in e:
                         got = e  # exactly the normalised keys, all checked: its own form
                     elif "pool_id" not in e:  # (one with a pool id goes through `entry`)
@@ -327,6 +331,16 @@ class _Walker:
                                "time_us": t, "frames": frames}
             out.append(got if got is not None else self.entry(e, f"device_traces[{d}][{k}]"))
         return out
+
+    def _entry_frames(self, fr: Any, d: int, k: int) -> list[dict[str, Any]]:
+        """The frames of ``device_traces[d][k]`` (an entry of the ordinary kind), a list not seen before."""
+        frames = self._frame_lists.get(id(fr))
+        if frames is None:
+            if type(fr) is list and self._clean_frames.issuperset(map(id, fr)):
+                frames = self._frame_lists[id(fr)] = fr  # every frame already normalised
+            else:
+                frames = self.frames(fr, f"device_traces[{d}][{k}].frames")
+        return frames
 
     def _shared_entry(self, trace: list[Any], k: int, d: int) -> None:
         """Refuse the dict at ``trace[k]`` if it is referenced twice (ints etc. may repeat)."""

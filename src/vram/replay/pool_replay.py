@@ -24,6 +24,7 @@ may under another. Refused in one line: a request or segment freed whose pool is
 """
 from __future__ import annotations
 
+import itertools
 from bisect import bisect_right, insort
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -94,12 +95,14 @@ class PoolRouter:
 
 
 def plan_pools(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
-               device: int = 0) -> PoolPlan | None:
+               device: int = 0, first_pool_id: int | None = 0) -> PoolPlan | None:
     """The pools of a recording's requests and segment frees; None when it uses no private pool.
-    Raises `SnapshotError` where the recording does not tell a pool that matters."""
+    `first_pool_id`: no event before it has a ``pool_id`` key (None: no event has one), where the
+    caller knows (`vram.replay.ccore.scan`). Raises `SnapshotError` where the recording does not
+    tell a pool that matters."""
     with_ids = False
     private = any(private_pool(s.get("segment_pool_id")) for s in segments)
-    for e in trace:
+    for e in () if first_pool_id is None else itertools.islice(trace, first_pool_id, None):
         if "pool_id" in e:
             with_ids = True
             if private_pool(e["pool_id"]):

@@ -73,14 +73,16 @@ _Edit = Callable[[_Segment], None]  # add a segment to, or drop it from, the rew
 
 def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
            divisions: list[int] | None = None, device: int = 0,
-           expandable_conf: bool = False, private_pools: bool = False) -> list[dict[str, Any]]:
+           expandable_conf: bool = False, private_pools: bool = False,
+           events: ccore.Scan | None = None) -> list[dict[str, Any]]:
     """The segments (with blocks) as they were before the first event of `trace`.
 
     `segments` is the snapshot's final state of one device, `trace` that device's events (its
     index `device` names them in errors), `divisions` the recording's
     ``roundup_power2_divisions`` table and `expandable_conf` its ``expandable_segments`` (for
     inferring sizes); `private_pools`: the recording used private pools, so segments keep their
-    pool, which only the Python walk follows. Linear in the trace (a sorted index of segment starts), so 100k segments
+    pool, which only the Python walk follows. `events`: `trace` as `ccore.scan` read it, if
+    the caller has it. Linear in the trace (a sorted index of segment starts), so 100k segments
     rewind in well under a second. Raises `TraceError` where the trace contradicts the final state.
     """
     divisions = divisions or [0] * 16
@@ -104,7 +106,7 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
         starts.add(seg.address)
         groups.add(seg)
     private = private_pools or any(private_pool(seg.pool) for seg in segs.values())
-    walked = None if private else _walk_in_c(segs, trace)
+    walked = None if private else _walk_in_c(segs, trace, events)
     order: list[int]
     if walked is None:
         _walk(segs, starts, groups, trace, divisions, device)
@@ -121,20 +123,22 @@ def rewind(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, A
     return [_as_snapshot_segment(segs[a], final_free, groups.lowest) for a in order]
 
 
-#: the actions the C walk (`vram.replay._ccore.rewind`) acts on; 5: walked in Python only
-_ACTIONS = {"alloc": 0, "free_completed": 1, "free_requested": 2, "segment_alloc": 3, "segment_free": 4,
-            "segment_map": 5, "segment_unmap": 5}
-
-
-def _walk_in_c(segs: dict[int, _Segment], trace: Sequence[Mapping[str, Any]]) -> dict[int, _Segment] | None:
-    """`_walk` in C (`vram.replay.ccore`), on new segments (`segs` is left as it is): the segments
-    at the trace's first event by address, or None where the C core is not there or leaves the
-    walk to Python (expandable segments, values beyond 64 bits, a trace that contradicts the state)."""
+def _walk_in_c(segs: dict[int, _Segment], trace: Sequence[Mapping[str, Any]],
+               events: ccore.Scan | None = None) -> dict[int, _Segment] | None:
+    """`_walk` in C (`vram.replay.ccore`), on new segments (`segs` is left as it is), over `trace`
+    as `ccore.scan` reads it (`events`, if the caller has it): the segments at the trace's first
+    event by address, or None where the C core is not there or leaves the walk to Python (expandable
+    segments, values beyond 64 bits, a trace that contradicts the state, events that are not dicts)."""
     module = ccore.loaded()
     if module is None or not trace or any(s.expandable or s.segment_type is None for s in segs.values()):
         return None
+    trace = trace if isinstance(trace, list) else list(trace)
+    if events is None:
+        events = ccore.scan(trace)
+        if events is None:
+            return None
     given = list(segs.values())
-    got = module.rewind([(s.address, s.total_size, s.live) for s in given], trace, _ACTIONS, ALLOCATED, PENDING)
+    got = module.rewind([(s.address, s.total_size, s.live) for s in given], events.ops, trace, ALLOCATED, PENDING)
     if got is None:
         return None
     out: dict[int, _Segment] = {}
