@@ -100,3 +100,22 @@ def test_fsdp2_sharding_forward_and_streams(args: tuple[str, ...], layer0: int, 
     streams = dict(re.findall(r"\('(\w+)', (\d+)\)", p["streams"]))
     assert streams["all_gather_copy_in"] == str(20 * MiB) and streams["reduce_scatter"] == str(20 * MiB)
     assert "all_gather" not in streams
+
+
+def test_fsdp2_meta_init_charges_only_shards_and_the_summary_keeps_the_whole_run_peak() -> None:
+    """torchtitan's way of building an FSDP2 model (tests/distributed_programs/fsdp2_meta_init.py).
+    `_fully_shard/_fsdp_param.py` pads dim 0 to a multiple of the world and keeps one shard per
+    rank: a 1024x1024 float32 weight over 8 ranks is 128 rows, 512 KiB, so ``to_empty`` holds 2 x
+    512 KiB (a DTensor's wrapper, global-sized, is no memory of its own), and initialising them
+    (trunc_normal_'s rejection loop, DTensor's RNG tracker) keeps it so. ``clip_grad_norm_
+    (foreach=True)`` takes CUDA's foreach path. The script resets its peak every step, as
+    torchtitan does; vram's table still gives the largest step peak."""
+    out = _run([sys.executable, "-m", "vram", "run", "--nproc-per-node", "8", "--ranks", "0",
+                str(PROGRAMS / "fsdp2_meta_init.py")])
+    got = re.findall(r"^\[rank0\]:(\w+) (\d+)$", out, re.M)
+    shard = 128 * 1024 * 4
+    assert got[:2] == [("to_empty", str(2 * shard)), ("init", str(2 * shard))]
+    steps = [int(v) for k, v in got if k == "step_peak"]
+    assert len(steps) == 2
+    row = re.search(r"^ +0 +0 +cuda:0 +([\d,]+) ", out, re.M)
+    assert row is not None and int(row[1].replace(",", "")) == max(steps)

@@ -71,7 +71,7 @@ class DeviceStats:
 
     __slots__ = ARRAY_STATS + ("oversize_allocations", "oversize_segments", "max_split_size") + COUNTERS + (
         "_counts", "_bytes", "_requested", "_allocation", "_allocated_bytes", "_active",
-        "_active_bytes", "_segment", "_reserved", "_split", "_split_bytes")
+        "_active_bytes", "_segment", "_reserved", "_split", "_split_bytes", "_run_peaks")
 
     # Set from ARRAY_STATS and COUNTERS in __init__ (declared for the type checker).
     allocation: list[Stat]
@@ -98,6 +98,7 @@ class DeviceStats:
         self.max_split_size = max_split_size
         for name in COUNTERS:
             setattr(self, name, 0)
+        self._run_peaks: dict[str, int] = {}   # peaks before the last reset_peak (see run_peak)
         # Per pool index (1 small, 2 large): the Stats each allocator event moves, `all` included.
         def group(*names: str) -> list[tuple[Stat, ...]]:
             return [()] + [tuple(getattr(self, n)[k] for n in names for k in (0, i)) for i in (1, 2)]
@@ -183,8 +184,16 @@ class DeviceStats:
         return out + [self.oversize_allocations, self.oversize_segments]
 
     def reset_peak(self) -> None:
+        for name in ARRAY_STATS:
+            self._run_peaks[name] = self.run_peak(name)
         for s in self.all_stats():
             s.reset_peak()
+
+    def run_peak(self, name: str) -> int:
+        """The ``all`` peak of array stat `name` since this allocator was made: what
+        ``reset_peak_memory_stats`` hides from ``memory_stats()`` (a script that resets its peaks
+        each step, as torchtitan's metrics do, still has a whole-run peak to report)."""
+        return max(self._run_peaks.get(name, 0), getattr(self, name)[0].peak)
 
     def reset_accumulated(self) -> None:
         for s in self.all_stats():

@@ -274,6 +274,8 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     * ``torch._has_compatible_shallow_copy_type`` says a host tensor and a simulated one are
       compatible (CPU and CUDA are, to a GPU run), so ``Module._apply`` moves Parameters in place
       with ``param.data = moved`` instead of making new ones (see ``vram.run.modes.FunctionMode._set_data``);
+    * ``torch._C._group_tensors_by_device_and_dtype`` keys a group of simulated tensors by
+      ``cuda:N`` (C++ sees meta), so foreach paths chosen by device (``clip_grad_norm_``) are CUDA's;
     * ``Tensor.record_stream`` of a simulated tensor goes to `function_mode` (which records the
       stream on its block): C++'s argument parser rejects a simulated Stream before any mode
       sees the call ("unknown parameter type"; FSDP1's ``_free_unsharded_flat_param``);
@@ -342,6 +344,21 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
         else:
             original_record(self, stream)
 
+    original_group = torch._C._group_tensors_by_device_and_dtype
+
+    def group(tensorlistlist: Any, with_indices: bool = False) -> Any:
+        # C++ groups by each tensor's real device, meta here; a group of simulated tensors is on
+        # cuda:N to the script as on a GPU: clip_grad_norm_(foreach=True) and optimizers choose
+        # their foreach paths by that key (torch/nn/utils/clip_grad.py, torch/optim/adam.py)
+        fixed = {}
+        for (device, dtype), value in original_group(tensorlistlist, with_indices).items():
+            if device.type == "meta":
+                first = next((t for t in value[0][0] if t is not None), None)
+                idx = function_mode.sim.seen_idx(first)
+                device = device if idx is None else torch.device("cuda", idx)
+            fixed[(device, dtype)] = value
+        return fixed
+
     def under_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             if function_mode in _get_current_function_mode_stack():
@@ -355,6 +372,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
 
     torch.autograd._engine_run_backward = autograd_graph._engine_run_backward = under_mode(original_engine)
     autograd_graph.saved_tensors_hooks.__init__ = hooks_init  # type: ignore[method-assign]
+    torch._C._group_tensors_by_device_and_dtype = group
     torch.clear_autocast_cache = clear_autocast_cache
     torch._has_compatible_shallow_copy_type = compatible
     torch.compile = compile  # type: ignore[assignment]
@@ -363,6 +381,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     GradScaler._maybe_opt_step = maybe_opt_step  # type: ignore[method-assign]
 
     def restore() -> None:
+        torch._C._group_tensors_by_device_and_dtype = original_group
         torch.clear_autocast_cache = original_clear
         torch._has_compatible_shallow_copy_type = original_compatible
         torch.compile = original_compile

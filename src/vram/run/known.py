@@ -143,11 +143,17 @@ def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[bool
     cpu_args = (*first, *cpu_args)
     with torch._C.DisableTorchFunction():
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-            # the generator's own methods: torch.get_rng_state would settle deferred draws
+            # A GPU draw, made on the CPU generator and the script's CPU stream then put back
+            # (the generator's own methods: torch.get_rng_state would settle deferred draws).
+            # The simulated GPUs' stream goes on from draw to draw, as CUDA's Philox offset does:
+            # a rejection-sampling loop (nn.init.trunc_normal_) redraws other values, not the same.
             state = torch.default_generator.get_state()
+            if sim.device_rng is not None:
+                torch.default_generator.set_state(sim.device_rng)
             try:
                 return func(*cpu_args, **cpu_kwargs)
             finally:
+                sim.device_rng = torch.default_generator.get_state()
                 torch.default_generator.set_state(state)
         return func(*cpu_args, **cpu_kwargs)
 

@@ -84,6 +84,13 @@ class DispatchMode(TorchDispatchMode):
             return self.sim.ops[func](*args, **(kwargs or {}))
         kwargs = kwargs or {}
         sim = self.sim
+        direct: int | None = None
+        if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type == "cuda":
+            # an aten op asked for CUDA without the function mode seeing it (called while that
+            # mode is off: inside a __torch_function__ or a subclass's __torch_dispatch__, e.g.
+            # DTensor's RNG tracker copying get_rng_state() to the GPU): meta, on that device
+            direct = parse_device(kwargs["device"])[1]  # type: ignore[index]
+            kwargs = dict(kwargs, device=_META)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         host = sim.host
         if sim.host_factory and not inputs:  # a large CPU factory: lazy (vram.run.lazy_host)
@@ -110,7 +117,7 @@ class DispatchMode(TorchDispatchMode):
                 out = known.meta_outputs(computed)
             else:
                 raise
-        idx: int | None = sim.target
+        idx: int | None = sim.target if direct is None else direct
         if idx is None:
             for t in inputs:
                 b = sim.block_of(t)

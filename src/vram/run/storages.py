@@ -48,6 +48,7 @@ class SimState:
         self.autocast_cache: dict[int, tuple[weakref.ref[Any], torch.Tensor]] = {}
         self.active = True
         self.strict_values = False           # unknown values: raise instead of placeholders
+        self.device_rng: torch.Tensor | None = None  # the simulated GPUs' draws (vram.run.known)
         self.report = ValueReport()          # where placeholders were used
         self.host_factory = False            # the running torch function is a CPU factory
         self.host = LazyHost(VALUE_LIMIT, lambda t: None, self._host_unknown)  # lazy host tensors

@@ -37,19 +37,21 @@ def stage_snapshots(dump: Callable[..., None]) -> Callable[..., None] | None:
 
 def write_result(status: int, context: int) -> None:
     """Write this rank's result for the launcher, when it asked for one: exit status, and per
-    simulated GPU the allocator's current and peak figures and OOM count."""
+    simulated GPU the allocator's current and whole-run peak figures (``reset_peak_memory_stats``
+    does not lower them) and OOM count."""
     path = os.environ.get(RESULT_ENV)
     if not path:
         return
     devices: list[dict[str, Any]] = []
     for i in range(_memory.device_count()):
         stats = _memory.memory_stats(i)
+        run = _memory.get_allocator(i).stats   # whole-run peaks, whatever the script reset
         devices.append({
             "index": i,
             "allocated": stats.get("allocated_bytes.all.current", 0),
-            "peak_allocated": stats.get("allocated_bytes.all.peak", 0),
+            "peak_allocated": run.run_peak("allocated_bytes"),
             "reserved": stats.get("reserved_bytes.all.current", 0),
-            "peak_reserved": stats.get("reserved_bytes.all.peak", 0),
+            "peak_reserved": run.run_peak("reserved_bytes"),
             "num_ooms": stats.get("num_ooms", 0),
             "total": _memory.get_device(i).total_memory,
         })
