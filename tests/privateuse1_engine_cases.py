@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 if not hasattr(torch._C, "_acc"):
     pytest.skip("needs torch's experimental Python PrivateUse1 backend (torch._C._acc)", allow_module_level=True)
 
-from test_subclass_formulas import FAMILIES, FULL  # noqa: E402
+from test_subclass_formulas import FAMILIES, full_allocations_in_backward  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
 
 
@@ -73,14 +73,7 @@ def test_cublas_workspace_and_autocast() -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_backward_takes_the_gpu_formulas(family: str) -> None:
     """The xfails of test_subclass_formulas.py, passing: no meta key, no dispatch mode."""
-    program, _, _, expected = FAMILIES[family]
-    with sim():
-        loss = program("cuda")
-        torch.cuda.memory._record_memory_history()
-        loss.backward()
-        trace = torch.cuda.memory._snapshot()["device_traces"][0]
-        torch.cuda.memory._record_memory_history(enabled=None)
-    assert sum(1 for e in trace if e["action"] == "alloc" and e["size"] == FULL) == expected
+    assert full_allocations_in_backward(family, backend="privateuse1") == FAMILIES[family][3]
 
 
 def _recorded(tmp_path, monkeypatch, name):  # type: ignore[no-untyped-def]

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,14 +131,19 @@ def test_a_gradients_storage_object_makes_accumulation_out_of_place() -> None:
                                        "(docs/estimate-accuracy.md)")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_simulated_backward_allocates_what_the_in_place_formula_does(family: str) -> None:
-    program, _, _, expected = FAMILIES[family]
-    with simulated_cuda():
+    assert full_allocations_in_backward(family) == FAMILIES[family][3]
+
+
+def full_allocations_in_backward(family: str, **sim_kwargs: Any) -> int:
+    """How many `FULL`-sized blocks `family`'s backward allocates on a simulated GPU."""
+    program = FAMILIES[family][0]
+    with simulated_cuda(**sim_kwargs):
         loss = program("cuda")
         torch.cuda.memory._record_memory_history()
         loss.backward()
         trace = torch.cuda.memory._snapshot()["device_traces"][0]
         torch.cuda.memory._record_memory_history(enabled=None)
-    assert sum(1 for e in trace if e["action"] == "alloc" and e["size"] == FULL) == expected
+    return sum(1 for e in trace if e["action"] == "alloc" and e["size"] == FULL)
 
 
 NEEDS_ACC = pytest.mark.skipif(not hasattr(torch._C, "_acc"),

@@ -118,6 +118,8 @@ def to_cpu_assuming(sim: SimState, x: Any, used: list[bool]) -> Any:
 
 def _out_arguments(func: Any, kwargs: Any) -> list[Any]:
     """The tensors an ``out=`` overload writes whole (their old contents do not matter)."""
+    if not kwargs:  # the common case, on every op: no schema walk
+        return []
     return [kwargs[a.name] for a in func._schema.arguments if a.is_out and a.name in kwargs]
 
 

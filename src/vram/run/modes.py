@@ -164,40 +164,28 @@ class DispatchMode(TorchDispatchMode):
         name = func.overloadpacket.__name__
         props = sim.props[idx]
         plan = _k.op_plan(name, args, outs, props.multi_processor_count, props.max_threads_per_multi_processor)
-        tmps: list[int] = []
         done: list[Any] = []
         seen: set[int] = set()
-        blas = name in _k.CUBLAS_OPS
+
+        def on_out(arg: int) -> None:
+            for t in tree_leaves(outs[arg]) if arg < len(outs) else ():
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    st = t.untyped_storage()
+                    key = st._cdata
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    b = sim.live.get(key)
+                    if b is None:
+                        sim.track(st, idx)
+                        done.append(st)
+                    else:
+                        sim.resize(st, b)
+
         try:
-            for step, arg in plan:
-                if step == "tmp":
-                    tmps.append(sim.malloc(idx, arg))
-                elif step == "free":
-                    _memory.get_allocator(idx).free(tmps[arg])
-                    tmps[arg] = 0
-                elif step == "blas":  # the cuBLAS call, between the kernel's own scratch
-                    self._cublas_if_device(idx, name, args, kwargs, outs[0])
-                    blas = False
-                else:
-                    for t in tree_leaves(outs[arg]) if arg < len(outs) else ():
-                        if isinstance(t, torch.Tensor) and t.is_meta:
-                            st = t.untyped_storage()
-                            key = st._cdata
-                            if key in seen:
-                                continue
-                            seen.add(key)
-                            b = sim.live.get(key)
-                            if b is None:
-                                sim.track(st, idx)
-                                done.append(st)
-                            else:
-                                sim.resize(st, b)
-            if blas:
-                self._cublas_if_device(idx, name, args, kwargs, outs[0])
+            sim.run_plan(idx, plan, name in _k.CUBLAS_OPS, on_out,
+                         lambda: self._cublas_if_device(idx, name, args, kwargs, outs[0]))
         except torch.OutOfMemoryError:
-            for p in tmps:
-                if p:
-                    _memory.get_allocator(idx).free(p)
             for st in reversed(done):
                 sim.untrack(st)
             del done, outs, out

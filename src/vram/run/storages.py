@@ -4,6 +4,7 @@ the `SimState` both modes share (see `vram.run.runtime` for the design)."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,6 +89,32 @@ class SimState:
         return None
 
     # -- allocation -------------------------------------------------------------------------
+    def run_plan(self, idx: int, plan: list[tuple[str, Any]], cublas_op: bool,
+                 on_out: Callable[[int], None], on_blas: Callable[[], None]) -> None:
+        """Walk a kernel's allocation plan (`vram.run.kernels.op_plan`) on device `idx`: scratch
+        ("tmp", "free"), outputs (`on_out(i)`), the cuBLAS call (`on_blas`; after everything for a
+        cuBLAS op whose plan does not place it). On an OOM the scratch still held is freed."""
+        tmps: list[int] = []
+        try:
+            for step, arg in plan:
+                if step == "tmp":
+                    tmps.append(self.malloc(idx, arg))
+                elif step == "free":
+                    _memory.get_allocator(idx).free(tmps[arg])
+                    tmps[arg] = 0
+                elif step == "blas":  # the cuBLAS call, between the kernel's own scratch
+                    on_blas()
+                    cublas_op = False
+                else:
+                    on_out(arg)
+            if cublas_op:
+                on_blas()
+        except torch.OutOfMemoryError:
+            for p in tmps:
+                if p:
+                    _memory.get_allocator(idx).free(p)
+            raise
+
     def malloc(self, idx: int, nbytes: int) -> int:
         allocator = _memory.get_allocator(idx)
         self.busy += 1

@@ -249,34 +249,18 @@ def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> Non
 
 def _charge(sim: BackendState, op: Any, idx: int, margs: Any, mkwargs: Any, outs: list[Any],
             results: list[Any]) -> None:
-    from vram.frontend import memory as _memory
-
     from .. import kernels as _k
 
     name = op.overloadpacket.__name__
     props = sim.props[idx]
     plan = _k.op_plan(name, margs, outs, props.multi_processor_count, props.max_threads_per_multi_processor)
-    blas = name in _k.CUBLAS_OPS
-    tmps: list[int] = []
-    try:
-        for step, arg in plan:
-            if step == "tmp":
-                tmps.append(sim.malloc(idx, arg))
-            elif step == "free":
-                _memory.get_allocator(idx).free(tmps[arg])
-                tmps[arg] = 0
-            elif step == "blas":
-                _blas(sim, idx, name, margs, mkwargs, results)
-                blas = False
-            elif arg < len(outs):
-                _materialise(sim, op._schema.returns[arg].alias_info, outs, results, arg, idx)
-        if blas:
-            _blas(sim, idx, name, margs, mkwargs, results)
-    except torch.OutOfMemoryError:
-        for p in tmps:
-            if p:
-                _memory.get_allocator(idx).free(p)
-        raise
+    returns = op._schema.returns
+
+    def on_out(arg: int) -> None:
+        if arg < len(outs):
+            _materialise(sim, returns[arg].alias_info, outs, results, arg, idx)
+
+    sim.run_plan(idx, plan, name in _k.CUBLAS_OPS, on_out, lambda: _blas(sim, idx, name, margs, mkwargs, results))
 
 
 def _materialise(sim: BackendState, alias: Any, outs: list[Any], results: list[Any], i: int, idx: int) -> None:
