@@ -52,9 +52,6 @@ def test_s_bf16_forward_reproduces_its_recording(tmp_path, monkeypatch) -> None:
     assert (r.a.peak_allocated, r.a.peak_reserved) == (r.b.peak_allocated, r.b.peak_reserved)  # type: ignore[attr-defined]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12: meta tensors and the dispatch mode are both 'subclass-like' "
-                                       "(TensorSubclassLikeUtils.h), so backward takes out-of-place formulas: all 36 "
-                                       "recorded requests match in order, vram adds three 512 MiB ones (peaks equal)")
 def test_s_mem_forward_backward_reproduces_its_recording(tmp_path, monkeypatch) -> None:
     """Attention forward + output.sum().backward(), Q/K/V 8 x 4096 x 16 fp32, from an empty allocator."""
     r = _reproduce(tmp_path, monkeypatch, "s_mem", ["trace_peak_memory.py"], {}, "A100-80GB",

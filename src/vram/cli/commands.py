@@ -427,13 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "answer it with zeros and list every such read on stderr at the end)")
     p.add_argument("--value-report", metavar="FILE.json",
                    help="write the reads answered with placeholder values as JSON")
-    p.add_argument("--backend", choices=["meta", "privateuse1"], default=None,
-                   help="the simulation engine (default: $VRAM_RUN_BACKEND, else meta). privateuse1 is "
-                        "EXPERIMENTAL (issue 12): tensors on a Python PrivateUse1 device, no dispatch mode, so "
-                        "backward takes the GPU's in-place formulas; it covers device answers, CUDA moves, "
-                        "kernel scratch, cuBLAS workspaces, autocast, SDPA, torch.cuda memory answers and "
-                        "snapshots, not yet known values (.item() gives placeholders), lazy host tensors, "
-                        "several GPUs or torch.distributed (docs/design.md)")
+    p.add_argument("--backend", choices=["privateuse1", "meta"], default=None,
+                   help="the simulation engine (default: $VRAM_RUN_BACKEND, else privateuse1 for one GPU and meta "
+                        "for --devices > 1 or --nproc-per-node). privateuse1: tensors on a Python PrivateUse1 "
+                        "device, no dispatch mode while the model trains, so autograd takes the GPU's formulas "
+                        "(issue 12); meta: meta tensors under a dispatch mode, whose backward formulas are "
+                        "PyTorch's out-of-place subclass ones (extra allocations; docs/design.md)")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="as torchrun: N processes (ranks) per node, one simulated GPU each")
     p.add_argument("--nnodes", type=int, default=1, metavar="M", help="nodes, with --nproc-per-node (default 1)")

@@ -147,7 +147,8 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
     tr: Tracker | None = None
     oom = None
     devices = 1 if parallel is None else parallel.devices
-    with _own_gpu(), simulated_cuda(gpu=gpu, context=context, conf=conf, device_count=devices):
+    with _own_gpu(), simulated_cuda(gpu=gpu, context=context, conf=conf, device_count=devices,
+                                       backend="meta"):
         sim = active_sim()
         if parallel is not None:
             parallel.enter()

@@ -414,3 +414,25 @@ def transparent(func: Any) -> Any:
         clone.__kwdefaults__ = func.__kwdefaults__
         _CLONES[func] = clone
     return clone
+
+
+#: softmax-family entry points, and where their (input, dim, dtype) arguments sit
+_SOFTMAX_KERNELS = {"softmax": torch.ops.aten._softmax.default, "log_softmax": torch.ops.aten._log_softmax.default}
+_FUNCTIONAL_SOFTMAX = frozenset({F.softmax, F.log_softmax})
+
+
+def half_to_float_softmax(func: Any, name: str, args: Any, kwargs: dict[str, Any]) -> Callable[[], Any] | None:
+    """CUDA's ``softmax(half, dim, dtype=float32)``: one ``_softmax(x, dim, half_to_float=True)``
+    launch, no float copy of the input (SoftMax.cpp: ``input_.is_cuda() && Half && dtype ==
+    Float``; every other device casts first). Autocast's fp32_set_opt_dtype makes this the usual
+    fp16 attention softmax. None when the call is not that case."""
+    kernel = _SOFTMAX_KERNELS.get(name)
+    if kernel is None or not args or not isinstance(args[0], torch.Tensor) or args[0].dtype != torch.float16:
+        return None
+    names = ("input", "dim", "_stacklevel", "dtype") if func in _FUNCTIONAL_SOFTMAX else ("input", "dim", "dtype")
+    given = dict(zip(names, args), **kwargs)
+    dim = given.get("dim")
+    if given.get("dtype") != torch.float32 or not isinstance(dim, int):
+        return None
+    x = given["input"]
+    return lambda: kernel(x, dim, True)

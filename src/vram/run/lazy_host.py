@@ -241,7 +241,7 @@ class LazyHost:
                 if ls is not None and not no_read:
                     return Ref(ls, len(ls.steps), _geometry(x))
                 if ls is None:
-                    value = x if not x.is_meta else self.known_value(x)
+                    value = x if x.device.type == "cpu" else self.known_value(x)
                     if value is not None:
                         return Const(value.detach().clone())
                 return Scratch(_geometry(x), unknown=ls is None)

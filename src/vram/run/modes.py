@@ -100,7 +100,7 @@ class DispatchMode(TorchDispatchMode):
             if (sim.target is None and not any(sim.block_of(t) for t in inputs)
                     and host.needs_real(func, args, kwargs, inputs)):
                 return host.run_real(func, args, kwargs)
-        elif host.ledger.owing and seeded(func) and _draws_host_default(func, kwargs, inputs, sim):
+        elif host.ledger.owing and seeded(func) and draws_host_default(func, kwargs, inputs, sim):
             host.ledger.settle()  # the CPU generator is about to be used: pay the deferred draws
         computed, computed_assumed = None, False
         try:
@@ -209,7 +209,7 @@ class DispatchMode(TorchDispatchMode):
                 sim.workspace((idx, stream, thread, "cublaslt"), lt)
 
 
-def _draws_host_default(func: Any, kwargs: dict[str, Any], inputs: list[Any], sim: SimState) -> bool:
+def draws_host_default(func: Any, kwargs: dict[str, Any], inputs: list[Any], sim: SimState) -> bool:
     """Is this random op about to draw from the default CPU generator for real?"""
     g = kwargs.get("generator")
     if (g is not None and g is not torch.default_generator) or sim.target is not None:
@@ -234,16 +234,18 @@ def parse_device(value: Any) -> tuple[str, int | None] | None:
         kind, index = "cuda", value
     else:
         return None
-    if kind == "cuda":
-        return kind, _memory.current_device() if index is None else _memory._device_index(index)
+    if kind == "cuda" or (kind != "meta" and kind in known.SIMULATED_DEVICE_TYPES):  # the PrivateUse1 engine's device
+        return "cuda", _memory.current_device() if index is None else _memory._device_index(index)
     return kind, None
 
 
 class FunctionMode(TorchFunctionMode):
     """Sends CUDA to meta, plays the CUDA tensor to the script, routes SDPA, applies autocast."""
 
-    #: large CPU factories become lazy host tensors (needs `DispatchMode`)
-    lazy_host = True
+    def host_factories(self) -> bool:
+        """Do large CPU factories become lazy host tensors now (`vram.run.lazy_host`)? Always
+        here: `DispatchMode` records their ops."""
+        return True
 
     def __init__(self, sim: SimState) -> None:
         super().__init__()
@@ -311,6 +313,10 @@ class FunctionMode(TorchFunctionMode):
                 return self._call(func, lambda: _k.cross_entropy_autocast(args, kwargs, self._cast),
                                   None, False, args, kwargs)
             args, kwargs = _k.autocast_args(name, args, kwargs, self._eligible, self._cast)
+        if name in ("softmax", "log_softmax") and t0 is not None and sim.block_of(t0) is not None:
+            fused = _k.half_to_float_softmax(func, name, args, kwargs)
+            if fused is not None:
+                return self._call(func, fused, None, False, args, kwargs)
         if func is _SDPA and args and sim.block_of(args[0]) is not None:
             p, cc = _k.sdpa_args(args, kwargs), sim.props[sim.block_of(args[0]).device]
             return self._call(func, lambda: _k.sdpa_cuda(p, _k.select_sdpa_backend(p, cc.major, cc.minor), func,
@@ -329,8 +335,9 @@ class FunctionMode(TorchFunctionMode):
                 target = d[1]
             elif d is not None and d[0] == "meta":
                 explicit_meta = True
-        if (self.lazy_host and target is None and not explicit_meta and name in LAZY_FACTORIES
-                and "out" not in kwargs and func in _device_constructors()):  # a CPU factory: lazy if large
+        if (target is None and not explicit_meta and name in LAZY_FACTORIES
+                and "out" not in kwargs and func in _device_constructors() and self.host_factories()):
+            # a CPU factory: lazy if large
             kwargs, host_factory = dict(kwargs, device=_META), True
         if name == "to" and t0 is not None:
             if b0 is not None and self._to_host(args, kwargs):
@@ -382,7 +389,9 @@ class FunctionMode(TorchFunctionMode):
         if not (isinstance(t, torch.Tensor) and isinstance(value, torch.Tensor)):
             return False
         on_sim = sim.block_of(t) is not None
-        if on_sim == (sim.block_of(value) is not None) or (value if on_sim else t).device.type != "cpu":
+        host = value if on_sim else t  # a lazy host tensor is meta: the same kind as meta GPU ones
+        if on_sim == (sim.block_of(value) is not None) or not (host.device.type == "cpu" or (
+                self.device_for(0).type != "meta" and sim.host.of(host) is not None)):
             return False
         alias = value.detach()
         if t.requires_grad:

@@ -87,16 +87,26 @@ from .modes import DispatchMode, FunctionMode
 from .storages import SimState
 from .values import DataDependentError
 
-__all__ = ["BACKENDS", "DataDependentError", "simulated_cuda", "run_script", "active_sim"]
-#: the engines of a simulated run: meta tensors under two modes (default), or the experimental
-#: Python PrivateUse1 backend (`vram.run.backend`, issue 12)
-BACKENDS = ("meta", "privateuse1")
-if os.environ.get("VRAM_RUN_BACKEND") == "privateuse1":
+__all__ = ["BACKENDS", "DataDependentError", "default_backend", "simulated_cuda", "run_script", "active_sim"]
+#: the engines of a simulated run: the Python PrivateUse1 backend (`vram.run.backend`, issue 12:
+#: the default for one process on one GPU), or meta tensors under two modes (several GPUs,
+#: torch.distributed ranks, `vram.estimate`)
+BACKENDS = ("privateuse1", "meta")
+if os.environ.get("VRAM_RUN_BACKEND") != "meta":
     # before the process's first backward: the autograd engine sizes its per-device queues once
     # (engine.cpp ``device_ready_queues_``), so a device type registered later cannot backward
     from . import backend as _early_backend
 
     _early_backend.register()
+
+
+def default_backend(device_count: int) -> str:
+    """``$VRAM_RUN_BACKEND``, else "privateuse1" for one process on one GPU and "meta" for several
+    GPUs or a torch.distributed rank (``WORLD_SIZE`` set), which that engine does not cover yet."""
+    chosen = os.environ.get("VRAM_RUN_BACKEND")
+    if chosen:
+        return chosen
+    return "meta" if device_count > 1 or "WORLD_SIZE" in os.environ else "privateuse1"
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _VRAM_DIR = _history.PACKAGE_DIR
@@ -131,12 +141,11 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     which decides cuBLAS's workspace size, and `multi_processor_count` flash attention's split
     heuristic. A read of a value the simulation does not know gets a placeholder, recorded in
     ``active_sim().report`` (`vram.run.values.ValueReport`); `strict_values` makes it raise
-    `DataDependentError` instead. `backend` is the engine: "meta" (the default; meta tensors under
-    two modes) or "privateuse1" (experimental: `vram.run.backend`); None reads
-    ``VRAM_RUN_BACKEND``. Yields the `vram.SimulatedDevice` list; the simulator's state
+    `DataDependentError` instead. `backend` is the engine: "privateuse1" (`vram.run.backend`) or
+    "meta" (meta tensors under two modes); None: `default_backend`. Yields the `vram.SimulatedDevice` list; the simulator's state
     (``vram.memory_summary()`` etc.) remains readable after the block.
     """
-    backend = backend or os.environ.get("VRAM_RUN_BACKEND") or "meta"
+    backend = backend or default_backend(device_count)
     if backend not in BACKENDS:
         raise ValueError(f"unknown vram run backend {backend!r} (one of {', '.join(BACKENDS)})")
     define_torchvision_ops()  # a CUDA build of torchvision next to a CPU torch: importable

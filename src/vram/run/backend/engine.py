@@ -12,6 +12,8 @@ pin the storage (issue 12, cause 3).
 """
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ from .. import known
 from ..modes import DATA_ERRORS, DispatchMode, FunctionMode
 from ..storages import ChargedStorage, SimState
 from ..values import describe, value_error
+from . import lazy
 from .storage import new_storage
 
 #: PrivateUse1's name in a process that ran the engine (``torch.utils.rename_privateuse1_backend``)
@@ -36,6 +39,14 @@ _SET_SOURCE = frozenset(getattr(torch.ops.aten.set_, o) for o in ("source_Tensor
 #: composite ops that reach ``*_overrideable`` kernels on a backend other than CPU/CUDA
 _OVERRIDEABLE = frozenset({"aten::convolution", "aten::convolution_backward", "aten::_convolution",
                            "aten::_convolution_double_backward"})
+_NON_FUNCTIONAL, _EXPLICIT = "CompositeExplicitAutogradNonFunctional", "CompositeExplicitAutograd"
+_IMPLICIT = "CompositeImplicitAutograd"
+#: CUDA-kernel ops with a ``CompositeImplicitAutograd`` kernel elsewhere and a derivative of their
+#: own (derivatives.yaml), so autograd still works with a PrivateUse1 kernel registered
+_DIFFERENTIABLE = frozenset({"aten::_fused_rms_norm"})
+_has = torch._C._dispatch_has_kernel_for_dispatch_key
+#: composites whose input a CUDA kernel takes ``contiguous()`` and PrivateUse1 does not
+_CUDA_CONTIGUOUS = frozenset({"group_norm"})
 _STATE: list[BackendState] = []  # the running simulations, innermost last
 _LIB: list[Any] = []
 
@@ -67,19 +78,62 @@ def _structured_kernels() -> Any:
     ``gen_structured``), and ``convolution`` reaches ``convolution_overrideable``, which no backend
     here implements. Registered at PrivateUse1, they run whole on meta instead. (Every
     ``CompositeExplicitAutograd`` op is too many: views, ``detach`` and factories must stay as
-    they are for the script's tensors.)"""
+    they are for the script's tensors; those that also have a CPU kernel are device kernels with a
+    math fallback for other backends, as ``native_layer_norm``/``native_group_norm``'s
+    ``math_*_norm``, whose temporaries CUDA's kernels never allocate. So are ops that CUDA has a
+    kernel for (`cuda_kernel_ops`) with only a composite elsewhere: ``_foreach_*`` (one fused
+    launch, not one op per tensor), ``_chunk_cat`` (FSDP2's reduce-scatter input), and
+    ``_fused_rms_norm``, whose ``CompositeImplicitAutograd`` upcasts and saves other tensors.)
+
+    Every other aten op without a composite kernel is registered here too, though the fallback
+    would run it the same way: a Python *fallback* called while a dispatch mode is on the stack
+    but the Python key is excluded (``torch.tensor(data, device=)``: ``internal_new_from_data``)
+    goes through ``python_op_registration_trampoline``, which finds only per-op registrations
+    (torch/csrc/utils/python_dispatch.cpp, ``PythonKernelHolder``: ``func != nullptr`` fails).
+    The fallback stays for other namespaces and ops registered later."""
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+    cuda = cuda_kernel_ops()
     for qualified in torch._C._dispatch_get_all_op_names():
-        if not qualified.startswith("aten::") or not (
-                qualified in _OVERRIDEABLE or torch._C._dispatch_has_kernel_for_dispatch_key(
-                    qualified, "CompositeExplicitAutogradNonFunctional")):
+        if not qualified.startswith("aten::"):
             continue
         name, _, overload = qualified[len("aten::"):].partition(".")
+        whole = qualified in _OVERRIDEABLE or _has(qualified, _NON_FUNCTIONAL) or (
+            (_has(qualified, "CPU") or qualified in cuda) and _has(qualified, _EXPLICIT)) or (
+            qualified in cuda and qualified in _DIFFERENTIABLE)
+        if not whole and any(_has(qualified, k) for k in (_IMPLICIT, _EXPLICIT)):
+            continue  # a composite that decomposes into ops that come here
         op = getattr(getattr(torch.ops.aten, name), overload or "default")
-        if op is _COPY_FROM or op in _SET_SOURCE:
+        if whole and (op is _COPY_FROM or op in _SET_SOURCE):
             continue
         lib.impl(qualified[len("aten::"):], _whole(op), "PrivateUse1")
     return lib
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_kernel_ops() -> frozenset[str]:
+    """The aten ops with a CUDA kernel of their own, from the ``dispatch:`` entries of the
+    installed torch's ``native_functions.yaml`` (torchgen/packaged; a CPU build registers no CUDA
+    kernels to ask the dispatcher about). Empty when torchgen's copy is missing."""
+    import torchgen
+
+    path = os.path.join(os.path.dirname(torchgen.__file__), "packaged", "ATen", "native", "native_functions.yaml")
+    found: set[str] = set()
+    name, in_dispatch = "", False
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("- func:"):
+                    name, in_dispatch = line[len("- func:"):].strip().split("(", 1)[0], False
+                elif line.startswith("  dispatch:"):
+                    in_dispatch = True
+                elif in_dispatch and line.startswith("    ") and ":" in line:
+                    if "CUDA" in (k.strip() for k in line.split(":", 1)[0].split(",")):
+                        found.add("aten::" + name)
+                elif not line.startswith("    "):
+                    in_dispatch = False
+    except OSError:
+        return frozenset()
+    return frozenset(found)
 
 
 def _whole(op: Any) -> Any:
@@ -144,7 +198,11 @@ def _on_meta(t: Any) -> Any:
     if isinstance(t, torch.device) and t.type == NAME:
         return _META
     if isinstance(t, torch.Tensor) and t.device.type == NAME:
-        return torch.empty(0, dtype=t.dtype, device=_META).as_strided(t.shape, t.stride(), t.storage_offset())
+        # a storage as long as the view reaches: meta kernels that ``set_`` or resize an input
+        # (``mv``'s ``out=``) check the view against it
+        shape, stride, offset = t.shape, t.stride(), t.storage_offset()
+        extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if t.numel() else 0
+        return torch.empty(extent, dtype=t.dtype, device=_META).as_strided(shape, stride, offset)
     return t
 
 
@@ -257,7 +315,7 @@ def _charge(sim: BackendState, op: Any, idx: int, margs: Any, mkwargs: Any, outs
     returns = op._schema.returns
 
     def on_out(arg: int) -> None:
-        if arg < len(outs):
+        if arg < len(outs) and arg < len(returns):  # a void op (``_amp_foreach_*_``) has none
             _materialise(sim, returns[arg].alias_info, outs, results, arg, idx)
 
     sim.run_plan(idx, plan, name in _k.CUBLAS_OPS, on_out, lambda: _blas(sim, idx, name, margs, mkwargs, results))
@@ -292,10 +350,20 @@ def _blas(sim: BackendState, idx: int, name: str, margs: Any, mkwargs: Any, resu
 class BackendFunctionMode(FunctionMode):
     """The default engine's function mode with ``cuda:N`` sent to PrivateUse1 device N."""
 
-    lazy_host = False
+    def host_factories(self) -> bool:
+        return lazy.ready(self.sim, _fallback)
 
     def device_for(self, idx: int) -> torch.device:
         return torch.device(NAME, idx)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        lazy.retire(self.sim)
+        if getattr(func, "__name__", "") in _CUDA_CONTIGUOUS and args and self.sim.block_of(args[0]) is not None:
+            # composites that make a CUDA input contiguous but keep a PrivateUse1 one in its
+            # suggested memory format (group_norm.cpp: ``is_cpu() || is_privateuseone() ?
+            # contiguous(memory_format) : contiguous()``): take CUDA's path here
+            args = (args[0].contiguous(), *args[1:])
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def push(sim: BackendState) -> None:
@@ -303,5 +371,6 @@ def push(sim: BackendState) -> None:
 
 
 def pop(sim: BackendState) -> None:
+    lazy.retire(sim, end=True)
     _STATE.remove(sim)
     sim.close()
