@@ -275,13 +275,15 @@ def hf_setup(device: str, foreach: bool | None, kind: str) -> tuple[Any, ...]:
     """The corpus's Hugging Face models (tests/corpus/hf_gpt2.py, hf_llama_gqa.py: GPT-2, and
     Llama with 8 query and 2 KV heads), AdamW, a left-padded attention mask. Eager attention: with
     ``sdpa`` the CPU takes the math kernel for a masked call where CUDA takes the memory-efficient
-    one, so the two runs would not hold the same tensors."""
+    one, so the two runs would not hold the same tensors. No dropout, for the same reason: CUDA
+    takes the fused ``native_dropout`` (Dropout.cpp ``is_fused_kernel_acceptable``), the CPU
+    ``empty_like`` + ``bernoulli_``."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if kind == "gpt2":
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_layer=2, n_embd=128, n_head=4, vocab_size=2000, n_positions=128, bos_token_id=1, eos_token_id=2,
-            attn_implementation="eager"))
+            attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,

@@ -142,8 +142,9 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     heuristic. A read of a value the simulation does not know gets a placeholder, recorded in
     ``active_sim().report`` (`vram.run.values.ValueReport`); `strict_values` makes it raise
     `DataDependentError` instead. `backend` is the engine: "privateuse1" (`vram.run.backend`) or
-    "meta" (meta tensors under two modes); None: `default_backend`. Yields the `vram.SimulatedDevice` list; the simulator's state
-    (``vram.memory_summary()`` etc.) remains readable after the block.
+    "meta" (meta tensors under two modes); None: `default_backend`. Yields the
+    `vram.SimulatedDevice` list; the simulator's state (``vram.memory_summary()`` etc.) remains
+    readable after the block.
     """
     backend = backend or default_backend(device_count)
     if backend not in BACKENDS:
