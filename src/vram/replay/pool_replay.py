@@ -86,13 +86,18 @@ class PoolRouter:
             if pp is None:
                 continue  # (verification reports the segment frees that did not happen)
             pp.use_count = 0  # ``releasePool`` by every graph / MemPool that used it
-            alloc.freeable_pools.pop(pid, None)
-            alloc.freeable_pools[pid] = pp
-        if default or not pids:
-            alloc.empty_cache()
-        else:
-            for pid in pids:
-                alloc.empty_cache(pid)
+            if pid not in alloc.freeable_pools:
+                alloc.freeable_pools[pid] = pp
+                alloc.freeable_slots.add(pid)
+        alloc.release_order = pids  # (the recorded order: when each pool became freeable is not recorded)
+        try:
+            if default or not pids:
+                alloc.empty_cache()
+            else:
+                for pid in pids:
+                    alloc.empty_cache(pid)
+        finally:
+            alloc.release_order = []
 
 
 def plan_pools(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
