@@ -17,7 +17,6 @@ from vram.allocator.history import ALL
 from vram.replay import ccore
 from vram.replay.engine import replay
 from vram.replay.loader import load_snapshot
-from vram.replay.messages import SnapshotError
 from vram.views.snapshot import segments, snapshot
 
 MiB = 1 << 20
