@@ -214,3 +214,24 @@ def test_expandable_private_pool_recordings_replay_exactly(case):
     assert not v["divergences"] and not v["notes"]
     want = sorted((s["address"], s.get("segment_pool_id") or (0, 0)) for s in snap["segments"])
     assert sorted((s["address"], s["segment_pool_id"]) for s in segments(r.allocator)) == want
+
+
+# -- the order emptyCache walks the freeable pools -------------------------------------------------
+def test_freeable_pools_are_released_in_hash_map_slot_order():
+    # graph_pools_freeable is a ska::flat_hash_map keyed by MempoolIdHash (second when first is 0):
+    # with 4 buckets (0, 2) sits in slot 0 and (0, 1) in slot 2, so (0, 2)'s segment is freed
+    # first although (0, 1) became freeable first. The same segments go either way.
+    a = alloc()
+    for pid in [(0, 1), (0, 2)]:
+        a.create_pool(pid)
+        a.begin_allocate_to_pool(pid)
+        a.free(a.malloc((3 if pid == (0, 1) else 5) * MiB, 0))
+        a.end_allocate_to_pool(pid)
+        a.release_pool(pid)                     # use_mem_pool's exit: the MemPool still holds it
+    a.release_pool((0, 1))                      # the MemPools die: (0, 1) freeable first
+    a.release_pool((0, 2))
+    assert list(a.freeable_slots) == [(0, 2), (0, 1)] == sorted(a.freeable_slots, key=lambda k: fib_slot(k[1], 4))
+    a.empty_cache()
+    assert [(x[0], x[2]) for x in trace(a) if x[0] == "segment_free"] == [("segment_free", (0, 2)),
+                                                                        ("segment_free", (0, 1))]
+    assert a.graph_pools == {} and list(a.freeable_slots) == []

@@ -17,7 +17,6 @@ from vram.allocator.history import ALL
 from vram.replay import ccore
 from vram.replay.engine import replay
 from vram.replay.loader import load_snapshot
-from vram.replay.messages import SnapshotError
 from vram.views.snapshot import segments, snapshot
 
 MiB = 1 << 20
@@ -183,11 +182,6 @@ def release_g_keep_h(a: CachingAllocator) -> None:
     a.empty_cache()                           # G's segment: freed, its pool in no recorded segment
 
 
-def test_without_trace_pool_ids_a_freed_segment_is_refused_in_one_line():
-    """(Without trace pool ids and with no private segment at the end, nothing in the file shows
-    private pools at all: such a recording replays as one of the default pool.)"""
-    with pytest.raises(SnapshotError, match=r"^device_traces\[0\]\[\d+\] \(segment_free at 0x[0-9a-f]+\): its memory "
-                                            r"pool is not recorded \(a recording with private pools and no trace "
-                                            r"pool ids: only segments alive at the end tell their pool\)$"):
-        replay(recording(release_g_keep_h, "no_ids"), verify=True)
+def test_with_trace_pool_ids_a_freed_segment_replays_exactly():
+    """(Without them, its pool is searched for by replay: tests/test_pool_search.py.)"""
     assert exact(replay(recording(release_g_keep_h), verify=True).verification)

@@ -68,9 +68,12 @@ class PrivatePoolsMixin(ReleaseMixin):
     active: dict[int, Block]
     #: ``graph_pools``: every private pool alive, by id
     graph_pools: dict[tuple[int, int], PrivatePool]
-    #: ``graph_pools_freeable``: pools no graph or MemPool uses any more, in the order they
-    #: became so (PyTorch walks a hash map here: see `_release_pool_blocks`)
+    #: ``graph_pools_freeable``: pools no graph or MemPool uses any more
     freeable_pools: dict[tuple[int, int], PrivatePool]
+    #: the same ids in the iteration order of PyTorch's ``ska::flat_hash_map`` (`_release_pool_blocks`)
+    freeable_slots: PoolIdSet
+    #: pools a replay releases in the recorded order (`vram.replay.pool_replay`), after the others
+    release_order: list[tuple[int, int]]
     #: ``captures_underway``: (pool id, stream routed or -1, thread routed or -1), oldest first
     captures: list[tuple[tuple[int, int], int, int]]
     #: ``use_on_oom_pools``, in the iteration order of PyTorch's hash set
@@ -105,6 +108,8 @@ class PrivatePoolsMixin(ReleaseMixin):
     def _init_pools(self) -> None:
         self.graph_pools = {}
         self.freeable_pools = {}
+        self.freeable_slots = PoolIdSet()
+        self.release_order = []
         self.captures = []
         self.oom_pools = PoolIdSet()
         self.deferred_frees = []
@@ -170,6 +175,7 @@ class PrivatePoolsMixin(ReleaseMixin):
             pp.use_count -= 1
             if pp.use_count == 0:
                 self.freeable_pools[pool_id] = pp
+                self.freeable_slots.add(pool_id)
                 self.oom_pools.discard(pool_id)  # (PyTorch would assert at its next OOM fallback)
 
     def pool_use_count(self, pool_id: Any) -> int:
@@ -270,13 +276,19 @@ class PrivatePoolsMixin(ReleaseMixin):
     def _release_pool_blocks(self, pool_id: tuple[int, int], frames: Any) -> None:
         """``release_cached_blocks``' second half: free the whole free segments of freeable pools
         (all of them, or only `pool_id` when it is not the default pool's id), small then large,
-        deleting a pool with no segment left. PyTorch walks ``graph_pools_freeable``, a hash
-        map; vram walks the pools in the order they became freeable: the same result, but
-        with several freeable pools the ``segment_free`` trace entries may come in another order."""
+        deleting a pool with no segment left. PyTorch walks ``graph_pools_freeable``, a
+        ``ska::flat_hash_map<MempoolId_t, PrivatePool*, MempoolIdHash>``, erasing as it goes
+        (``it = erase(it)``: the backward shift moves the next entries into the erased slot and
+        the loop reads that slot again), so the pools are visited in the table's slot order at the
+        call (`PoolIdSet`). The order changes no block released, only the order of the
+        ``segment_free`` entries and cudaFree calls."""
         if not self.freeable_pools:
             return
         default = pool_id == DEFAULT_POOL
-        for pid, pp in list(self.freeable_pools.items()):
+        forced = [pid for pid in self.release_order if pid in self.freeable_pools]
+        order = [pid for pid in self.freeable_slots if pid not in forced] + forced
+        for pid in order:
+            pp = self.freeable_pools[pid]
             if not default:
                 if pid != pool_id:
                     continue
@@ -286,6 +298,7 @@ class PrivatePoolsMixin(ReleaseMixin):
             if pp.cuda_malloc_count == 0:
                 del self.graph_pools[pid]
                 del self.freeable_pools[pid]
+                self.freeable_slots.discard(pid)
 
     def _sync_pool_events(self, pp: PrivatePool, frames: Any) -> None:
         """``synchronize_and_free_events(context, pool)``: wait only for the events of blocks of `pp`."""

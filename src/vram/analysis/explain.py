@@ -10,7 +10,7 @@ The moment: the first OOM (recorded, or on ``gpu`` when given), else the reserve
   still pending on other streams' events (§10.3);
 - fixes, each replayed through the whole recording on the same GPU (``verified`` is that replay's
   answer, not a guess): allocator settings (`vram.analysis.tune`), a larger GPU (the smallest found
-  by bisection, then replayed), ``empty_cache()`` at a point, or "it does not fit": the live
+  by bisection, then replayed), ``empty_cache()`` at a point (`cache_peaks`), or "it does not fit": the live
   tensors alone need more than the GPU had.
 
 The GPU: ``gpu``/``context`` when given; else, at a recorded OOM, reserved + the recorded free
@@ -19,7 +19,7 @@ unlimited.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +35,10 @@ from .tune import budgets_for, tune
 
 #: consumers listed
 TOP = 10
-#: candidate points tried for an ``empty_cache()`` call
-EMPTY_CACHE_POINTS = 6
+#: at most this many ``empty_cache()`` points are replayed (the largest local maxima of the cache)
+EMPTY_CACHE_REPLAYS = 32
+#: working ``empty_cache()`` points listed
+EMPTY_CACHE_FIXES = 3
 #: replays spent bisecting the smallest GPU that fits
 GPU_BISECTIONS = 10
 MiB = 1 << 20
@@ -245,10 +247,31 @@ def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any]
                                           "have: it needs at least that much more, whatever the settings"})
 
 
+def cache_peaks(allocated: Sequence[int], reserved: Sequence[int], end: int, limit: int) -> list[int]:
+    """Points (event indices: ``empty_cache()`` before that event) where the cache, reserved -
+    allocated after the event before, is at a local maximum: it grew up to there and the next event
+    takes from it (a plateau counts once, at its end), before `end`. The `limit` largest, in
+    event order.
+
+    Why these: ``empty_cache()`` returns only cached memory, so within a stretch where the cache
+    only grows, a later call has at least as much to return as an earlier one; the latest point
+    before the cache is taken from again is where it holds most. (The answer is not monotone in
+    the point, so no bisection: returning a segment early can make later requests split another
+    one. Each point is therefore replayed.)"""
+    cache = [reserved[j] - allocated[j] for j in range(end)]
+    peaks = [j + 1 for j in range(end) if cache[j] > 0 and (j + 1 >= end or cache[j + 1] < cache[j])
+             and (j == 0 or cache[j] >= cache[j - 1])]
+    peaks = [p for p in peaks if p < end]
+    best = sorted(peaks, key=lambda p: (-cache[p - 1], p))[:limit]
+    return sorted(best)
+
+
 def _empty_cache_fixes(ex: Explanation, path: str, conf: str, probe: dict[str, Any], context: int | str,
                        workers: int | None, cluster: str | None) -> None:
-    """``empty_cache()`` before one of a few events: where allocated memory is lowest in each of
-    `EMPTY_CACHE_POINTS` windows before the moment (the cache is largest relative to live data)."""
+    """``empty_cache()`` before an event: each point of `cache_peaks` (at most
+    `EMPTY_CACHE_REPLAYS`) replayed through the whole recording; those that avoid the OOM (or
+    lower the reserved peak without one) are listed, at most `EMPTY_CACHE_FIXES`, the lowest
+    peak first."""
     snap = load_cached(path)
     end = ex.at["event_index"]
     if end <= 1:
@@ -256,27 +279,18 @@ def _empty_cache_fixes(ex: Explanation, path: str, conf: str, probe: dict[str, A
     timeline = replay(snap, device=ex.device, conf=conf, gpu=ex.gpu, context=context, timeline=True,
                       stop_at=end).timeline
     assert timeline is not None
-    allocated = timeline[0]
-    points = []
-    step = max(1, end // EMPTY_CACHE_POINTS)
-    for lo in range(0, end, step):
-        window = range(lo, min(end, lo + step))
-        k = min(window, key=lambda j: (allocated[j], j))
-        points.append(k + 1)  # after that event: before the next
-    points = sorted({p for p in points if p < end})
+    points = cache_peaks(timeline[0], timeline[1], end, EMPTY_CACHE_REPLAYS)
     jobs = [ReplayJob(path, ex.device, conf, ex.gpu, context, empty_cache_at=(p,)) for p in points]
     trace = snap["device_traces"][ex.device]
+    oom = ex.at["kind"] == "oom"
+    found = []
     for p, r in zip(points, run_jobs(jobs, workers=workers, cluster=cluster)):
-        if "error" in r:
+        if "error" in r or r["ooms"] or (not oom and r["peak_reserved"] >= probe["peak_reserved"]):
             continue
         frames = trace[p].get("frames") or []
-        where = f"before event {p}" + (f" ({user_frame(frames)})" if frames else "")
-        if ex.at["kind"] == "oom" and r["ooms"] == 0:
-            ex.fixes.append({"kind": "empty_cache", "change": f"torch.cuda.empty_cache() {where}",
-                             "verified": True, "event_index": p, "peak_reserved": r["peak_reserved"]})
-            return
-        if ex.at["kind"] != "oom" and r["peak_reserved"] < probe["peak_reserved"] and r["ooms"] == 0:
-            ex.fixes.append({"kind": "empty_cache", "change": f"torch.cuda.empty_cache() {where}",
-                             "verified": True, "event_index": p, "peak_reserved": r["peak_reserved"],
-                             "saves": probe["peak_reserved"] - r["peak_reserved"]})
-            return
+        fix = {"kind": "empty_cache", "verified": True, "event_index": p, "peak_reserved": r["peak_reserved"],
+               "change": f"torch.cuda.empty_cache() before event {p}" + (f" ({user_frame(frames)})" if frames else "")}
+        if not oom:
+            fix["saves"] = probe["peak_reserved"] - r["peak_reserved"]
+        found.append(fix)
+    ex.fixes.extend(sorted(found, key=lambda f: (f["peak_reserved"], f["event_index"]))[:EMPTY_CACHE_FIXES])

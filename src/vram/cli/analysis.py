@@ -189,7 +189,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def add_parsers(sub: Any, gpu_help: str) -> None:
     """Register explain and tune."""
     help_ = "why a recording ran out of memory (or what its reserved peak is), and fixes checked by replay"
-    p = sub.add_parser("explain", help=help_, description=help_, epilog=epilog("explain"),
+    desc = (help_ + ". empty_cache() is tried before each event where the cache (reserved - allocated) is at "
+            "a local maximum, the 32 largest: at most 32 replays, each through the whole recording")
+    p = sub.add_parser("explain", help=help_, description=desc, epilog=epilog("explain"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("snapshot", help="a torch.cuda.memory._dump_snapshot pickle (or a vram run dump), JSON, RMM CSV")
     p.add_argument("--device", type=int, default=None,

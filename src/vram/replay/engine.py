@@ -29,16 +29,16 @@ from vram.devices.base import Event
 from vram.devices.gpus import gpu_memory
 from vram.devices.trace import TraceDevice
 from vram.units import parse_size
-from vram.views.snapshot import segments as snapshot_segments
 
-from . import ccore
+from . import ccore, pool_search
+from .checks import Checks
 from .cycles import CycleSkipper
 from .messages import SnapshotError, printable
 from .pool_replay import PoolRouter, plan_pools
 from .rewind import rewind
 from .safe_pickle import gc_paused
 from .state import import_segments
-from .validate import KNOWN_ACTIONS, RESERVED_STREAMS, private_pool
+from .validate import RESERVED_STREAMS
 
 #: capacity of the replay GPU when none is given: large enough for any recording
 UNLIMITED = 1 << 40
@@ -186,6 +186,12 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     trace: Sequence[Mapping[str, Any]] = traces[device] if device < len(traces) else []
     final = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
     scan = ccore.scan(trace)  # every event read once, in C, for the rewind and the C loop (None: not here)
+    unknown = pool_search.to_infer(final, trace, device, scan.first_pool_id if scan else 0)
+    if unknown is not None:  # an older recording whose pools are found by replay: vram.replay.pool_search
+        return pool_search.agree([replay(s, gpu=gpu, context=context, conf=conf, verify=verify, device=device,
+                                         progress=progress, stop_at=stop_at, timeline=timeline,
+                                         skip_cycles=skip_cycles, empty_cache_at=empty_cache_at)
+                                  for s in pool_search.labellings(snapshot, device, unknown, replay)], device)
     plan = plan_pools(final, trace, device, scan.first_pool_id if scan else 0)  # private pools: pool_replay
     if final or not trace:
         divisions, expandable = _recorded_rules(recorded_conf, conf is not None)
@@ -215,14 +221,14 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
         skip_cycles = False  # the periods are no longer the recording's (or pools are routed)
 
     def play(events: Sequence[Mapping[str, Any]], with_checks: bool, prog: Callable[[int, int], None] | None,
-             track_peak: bool) -> tuple[_ReplayDevice, CachingAllocator, ReplayResult, _Checks | None]:
+             track_peak: bool) -> tuple[_ReplayDevice, CachingAllocator, ReplayResult, Checks | None]:
         """Replay `events` from the start state: in C where `vram.replay.ccore` models it, else (or
         when the C loop stops on the way: then from a fresh start) in Python."""
         why = None
         for use_c in (True, False):
             dev, alloc, live = start()
             res = ReplayResult(conf=conf_text, gpu=total, context=ctx, device=device, allocator=alloc)
-            checks = _Checks(events) if with_checks else None
+            checks = Checks(events) if with_checks else None
             if timeline and track_peak:
                 res.timeline = (array("q"), array("q"))
             if use_c:
@@ -309,7 +315,7 @@ def compact_events(trace: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, i
 
 
 def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[str, Any]],
-         result: ReplayResult, checks: _Checks | None, verify: bool,
+         result: ReplayResult, checks: Checks | None, verify: bool,
          progress: Callable[[int, int], None] | None, skip_cycles: bool,
          live_at_start: set[int], track_peak: bool = True) -> None:
     free, active, router = alloc.free, alloc.active, dev.pool_router
@@ -518,103 +524,3 @@ def _note_oom(result: ReplayResult, alloc: CachingAllocator, trace: Sequence[Map
         result.oom = record
     if len(result.oom_events) < MAX_LISTED_OOMS:
         result.oom_events.append({k: v for k, v in record.items() if k != "frames"})
-
-
-class _Checks:
-    """Event-by-event comparison with the recording (verification mode)."""
-
-    def __init__(self, trace: Sequence[Mapping[str, Any]]) -> None:
-        self.trace = trace
-        self.allocs_total = 0
-        self.allocs_matched = 0
-        self.ooms_matched = 0  # recorded OOMs that failed in the replay too
-        self.ooms_total = 0
-        self.divergences: list[dict[str, Any]] = []
-        self.notes: list[str] = []  # what the replay could not reproduce exactly
-        self.unknown_actions: dict[str, int] = {}  # events vram does not know: not replayed
-        for e in trace:
-            if e["action"] == "oom":
-                self.ooms_total += 1
-            elif e["action"] not in KNOWN_ACTIONS:
-                self.unknown_actions[e["action"]] = self.unknown_actions.get(e["action"], 0) + 1
-
-    def note(self, i: int, kind: str, expected: Any, actual: Any) -> None:
-        if len(self.divergences) < 10:
-            lo, hi = max(0, i - 3), min(len(self.trace), i + 4)
-            context = [f"{'>' if k == i else ' '} {k}: {_describe(self.trace[k])}" for k in range(lo, hi)]
-            self.divergences.append({"kind": kind, "event_index": i, "expected": expected,
-                                     "actual": actual, "context": context})
-
-    def alloc(self, i: int, addr: int, ours: int | None) -> None:
-        self.allocs_total += 1
-        if ours == addr:
-            self.allocs_matched += 1
-        else:
-            self.note(i, "alloc_address", _hex(addr), _hex(ours) if ours is not None else "OOM")
-
-    def finish(self, alloc: CachingAllocator, dev: TraceDevice, final: Sequence[Mapping[str, Any]],
-               recorded: Sequence[tuple[int, int]]) -> dict[str, Any]:
-        ours = [(a, s) for a, s, _ in dev.mallocs]
-        seg_matched = sum(1 for x, y in zip(ours, recorded) if x == y)
-        rec_frees = [(e["addr"], e["size"]) for e in self.trace if e["action"] == "segment_free"]
-        free_matched = sum(1 for x, y in zip(dev.frees, rec_frees) if x == y)
-        maps = _matched(self.trace, "segment_map", dev.maps)
-        unmaps = _matched(self.trace, "segment_unmap", dev.unmaps)
-        mine = snapshot_segments(alloc)
-        want_segs = {(s["address"], s["total_size"], private_pool(s.get("segment_pool_id"))) for s in final}
-        have_segs = {(s["address"], s["total_size"], private_pool(s.get("segment_pool_id"))) for s in mine}
-        want_blocks = {_block_key(s, b) for s in final for b in _with_addresses(s)}
-        have_blocks = {_block_key(s, b) for s in mine for b in _with_addresses(s)}
-        missing = sorted(want_blocks - have_blocks)[:5]
-        extra = sorted(have_blocks - want_blocks)[:5]
-        for b in missing:
-            self.note(len(self.trace) - 1, "final_block_missing", _fmt_block(b), None)
-        for b in extra:
-            self.note(len(self.trace) - 1, "final_block_unexpected", None, _fmt_block(b))
-        return {
-            "segment_allocs": {"matched": seg_matched, "total": max(len(recorded), len(ours))},
-            "segment_frees": {"matched": free_matched, "total": max(len(rec_frees), len(dev.frees))},
-            "segment_maps": maps,
-            "segment_unmaps": unmaps,
-            "alloc_addresses": {"matched": self.allocs_matched, "total": self.allocs_total},
-            "recorded_ooms": {"matched": self.ooms_matched, "total": self.ooms_total},
-            "final_segments": {"matched": len(want_segs & have_segs),
-                               "total": len(want_segs | have_segs)},
-            "final_blocks": {"matched": len(want_blocks & have_blocks),
-                             "total": len(want_blocks | have_blocks)},
-            "unknown_actions": self.unknown_actions,
-            "notes": self.notes,
-            "divergences": self.divergences,
-        }
-
-
-def _matched(trace: Sequence[Mapping[str, Any]], action: str, ours: Sequence[tuple[int, int]]) -> dict[str, int]:
-    """Recorded `action` events (address, size) equal to ours, in order."""
-    rec = [(e["addr"], e["size"]) for e in trace if e["action"] == action]
-    return {"matched": sum(1 for x, y in zip(ours, rec) if x == y), "total": max(len(rec), len(ours))}
-
-
-def _with_addresses(seg: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    out: list[Mapping[str, Any]] = []
-    addr = seg["address"]
-    for b in seg["blocks"]:
-        out.append({**b, "address": b.get("address", addr)})
-        addr += b["size"]
-    return out
-
-
-def _block_key(seg: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[int, int, str, int]:
-    return (b["address"], b["size"], b["state"], b.get("requested_size", 0))
-
-
-def _fmt_block(b: tuple[int, int, str, int]) -> str:
-    return f"{b[0]:#x} size {b[1]} {b[2]} requested {b[3]}"
-
-
-def _hex(x: int) -> str:
-    return f"{x:#x}"
-
-
-def _describe(e: Mapping[str, Any]) -> str:
-    where = e.get("addr", e.get("device_free", 0))
-    return f"{printable(e['action'], 64)} {where:#x} size {e['size']} stream {e.get('stream', 0)}"

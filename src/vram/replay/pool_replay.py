@@ -9,7 +9,8 @@ entry for a capture's begin or end (``beginAllocateToPool`` / ``endAllocateToPoo
 ``releasePool``, but it shows their effects, and those are what the replay needs:
 
 * each request's pool is its entry's ``pool_id`` (or, in a recording without trace pool ids, the
-  pool of the segment its address lies in, known for segments still alive at the end); the
+  pool of the segment its address lies in, known for segments still alive at the end; those
+  freed in the trace and ``oom`` entries are `Unknown`, searched for by `vram.replay.pool_search`); the
   replay routes that one request there as a capture would (``captures_underway`` holding it:
   ``get_pool`` picks the pool, and ``malloc`` neither processes events nor empties the cache as
   its last resort, as during the recorded capture);
@@ -20,7 +21,7 @@ entry for a capture's begin or end (``beginAllocateToPool`` / ``endAllocateToPoo
 
 A pool released in the recording but never freed afterwards leaves no evidence: it stays in use in
 the replay, which changes nothing under the recorded config (its segments were never freed) but
-may under another. Refused in one line: a request or segment freed whose pool is unknown.
+may under another. Refused in one line: a request in memory of no known or freed segment.
 """
 from __future__ import annotations
 
@@ -85,13 +86,18 @@ class PoolRouter:
             if pp is None:
                 continue  # (verification reports the segment frees that did not happen)
             pp.use_count = 0  # ``releasePool`` by every graph / MemPool that used it
-            alloc.freeable_pools.pop(pid, None)
-            alloc.freeable_pools[pid] = pp
-        if default or not pids:
-            alloc.empty_cache()
-        else:
-            for pid in pids:
-                alloc.empty_cache(pid)
+            if pid not in alloc.freeable_pools:
+                alloc.freeable_pools[pid] = pp
+                alloc.freeable_slots.add(pid)
+        alloc.release_order = pids  # (the recorded order: when each pool became freeable is not recorded)
+        try:
+            if default or not pids:
+                alloc.empty_cache()
+            else:
+                for pid in pids:
+                    alloc.empty_cache(pid)
+        finally:
+            alloc.release_order = []
 
 
 def plan_pools(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
@@ -110,8 +116,13 @@ def plan_pools(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[st
                 break
     if not private:
         return None
-    pool_of = _pools_by_id if with_ids else _pools_by_address
-    pools = pool_of(segments, trace, device)
+    if with_ids:
+        pools = [private_pool(e.get("pool_id")) for e in trace]  # (vram writes the key for private pools only)
+    else:
+        pools, units = pools_by_address(segments, trace, device)
+        if units:  # (`vram.replay.engine.replay` labels such recordings first: vram.replay.pool_search)
+            raise SnapshotError(f"device_traces[{device}]: the memory pools of {len(units)} segments freed in "
+                                "the trace or oom entries are not recorded (no trace pool ids)")
     mallocs: list[tuple[int, int] | None] = []
     runs: list[tuple[list[tuple[int, int]], bool]] = []
     prev_release = False
@@ -131,47 +142,66 @@ def plan_pools(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[st
     return PoolPlan(mallocs, runs)
 
 
-def _pools_by_id(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
-                 device: int) -> list[tuple[int, int] | None]:
-    """Each entry's own ``pool_id`` (an entry without one is the default pool's: vram writes the
-    key for private pools only)."""
-    return [private_pool(e.get("pool_id")) for e in trace]
+class Unknown:
+    """A part of a recording without trace pool ids whose pool the file does not say: a segment
+    freed in the trace (`entries`: every entry at its addresses while it lived) or an ``oom``
+    entry. `first`: the first event whose replay depends on its pool (-1: the segment existed
+    before the trace, so the starting state does)."""
+
+    __slots__ = ("kind", "first", "entries")
+
+    def __init__(self, kind: str, first: int, entries: list[int]) -> None:
+        self.kind, self.first, self.entries = kind, first, entries
 
 
-def _pools_by_address(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
-                      device: int) -> list[tuple[int, int] | None]:
+def pools_by_address(segments: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
+                     device: int) -> tuple[list[tuple[int, int] | None], list[Unknown]]:
     """A recording without trace pool ids (older PyTorch): the pool of the segment each entry's
-    address lies in, walking back from the final segments (their ``segment_pool_id``); a segment
-    freed in the trace has no recorded pool, so what touches it is refused."""
-    unknown = ("?",)
+    address lies in, walking back from the final segments (their ``segment_pool_id``); per
+    segment freed in the trace and per ``oom`` entry an `Unknown` (its entries' pools are left
+    None: `vram.replay.pool_search` tries them). An allocation in memory of no known or freed
+    segment (an unmapped expandable range) is refused."""
     starts: list[int] = []
-    segs: dict[int, tuple[int, Any]] = {}  # address -> (end, pool)
+    segs: dict[int, tuple[int, Any]] = {}  # address -> (end, its pool, or the Unknown of a freed segment)
     for s in segments:
         segs[s["address"]] = (s["address"] + s["total_size"], private_pool(s.get("segment_pool_id")))
         insort(starts, s["address"])
     out: list[tuple[int, int] | None] = [None] * len(trace)
+    units: list[Unknown] = []
     for i in range(len(trace) - 1, -1, -1):
         e = trace[i]
         action = e["action"]
         if action == "oom":
-            raise SnapshotError(f"device_traces[{device}][{i}]: an oom in a recording with private memory pools "
-                                "and no trace pool ids: the pool the request was for is not recorded")
+            units.append(Unknown("oom", i, [i]))
+            continue
         if action not in ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
                           "segment_map", "segment_unmap"):
             continue
         addr = e["addr"]
         if action == "segment_free":
-            segs[addr] = (addr + e["size"], unknown)
+            unit = Unknown("segment", -1, [])
+            units.append(unit)
+            segs[addr] = (addr + e["size"], unit)
             insort(starts, addr)
         k = bisect_right(starts, addr) - 1
         seg = segs.get(starts[k]) if k >= 0 else None
-        pid = seg[1] if seg is not None and addr < seg[0] else unknown
-        if pid is unknown and action in ("alloc", "segment_free"):
-            raise SnapshotError(f"device_traces[{device}][{i}] ({action} at {addr:#x}): its memory pool is not "
-                                "recorded (a recording with private pools and no trace pool ids: only segments "
-                                "alive at the end tell their pool)")
-        out[i] = None if pid is unknown else pid  # type: ignore[assignment]
+        owner = seg[1] if seg is not None and addr < seg[0] else _NOWHERE
+        if isinstance(owner, Unknown):
+            owner.entries.append(i)
+        elif owner is _NOWHERE:
+            if action == "alloc":
+                raise SnapshotError(f"device_traces[{device}][{i}] ({action} at {addr:#x}): its memory pool is "
+                                    "not recorded (a recording with private pools and no trace pool ids: the "
+                                    "address lies in no segment alive at the end or freed in the trace)")
+        else:
+            out[i] = owner  # type: ignore[assignment]  # (a final segment's pool)
         if action == "segment_alloc" and seg is not None and starts[k] == addr:
+            if isinstance(seg[1], Unknown):
+                seg[1].first = i
             del segs[addr]
             starts.pop(k)
-    return out
+    units.reverse()
+    return out, units
+
+
+_NOWHERE = ("?",)

@@ -1,0 +1,114 @@
+"""Event-by-event comparison of a replay with its recording (``vram replay --verify``): every
+``alloc`` address, recorded ``oom``, ``segment_alloc`` / ``segment_free`` / map / unmap (address,
+size, order) and the final segments and blocks (address, size, state, ``requested_size``)."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from vram.allocator.caching import CachingAllocator
+from vram.devices.trace import TraceDevice
+from vram.views.snapshot import segments as snapshot_segments
+
+from .messages import printable
+from .validate import KNOWN_ACTIONS, private_pool
+
+
+class Checks:
+    """Event-by-event comparison with the recording (verification mode)."""
+
+    def __init__(self, trace: Sequence[Mapping[str, Any]]) -> None:
+        self.trace = trace
+        self.allocs_total = 0
+        self.allocs_matched = 0
+        self.ooms_matched = 0  # recorded OOMs that failed in the replay too
+        self.ooms_total = 0
+        self.divergences: list[dict[str, Any]] = []
+        self.notes: list[str] = []  # what the replay could not reproduce exactly
+        self.unknown_actions: dict[str, int] = {}  # events vram does not know: not replayed
+        for e in trace:
+            if e["action"] == "oom":
+                self.ooms_total += 1
+            elif e["action"] not in KNOWN_ACTIONS:
+                self.unknown_actions[e["action"]] = self.unknown_actions.get(e["action"], 0) + 1
+
+    def note(self, i: int, kind: str, expected: Any, actual: Any) -> None:
+        if len(self.divergences) < 10:
+            lo, hi = max(0, i - 3), min(len(self.trace), i + 4)
+            context = [f"{'>' if k == i else ' '} {k}: {_describe(self.trace[k])}" for k in range(lo, hi)]
+            self.divergences.append({"kind": kind, "event_index": i, "expected": expected,
+                                     "actual": actual, "context": context})
+
+    def alloc(self, i: int, addr: int, ours: int | None) -> None:
+        self.allocs_total += 1
+        if ours == addr:
+            self.allocs_matched += 1
+        else:
+            self.note(i, "alloc_address", _hex(addr), _hex(ours) if ours is not None else "OOM")
+
+    def finish(self, alloc: CachingAllocator, dev: TraceDevice, final: Sequence[Mapping[str, Any]],
+               recorded: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        ours = [(a, s) for a, s, _ in dev.mallocs]
+        seg_matched = sum(1 for x, y in zip(ours, recorded) if x == y)
+        rec_frees = [(e["addr"], e["size"]) for e in self.trace if e["action"] == "segment_free"]
+        free_matched = sum(1 for x, y in zip(dev.frees, rec_frees) if x == y)
+        maps = _matched(self.trace, "segment_map", dev.maps)
+        unmaps = _matched(self.trace, "segment_unmap", dev.unmaps)
+        mine = snapshot_segments(alloc)
+        want_segs = {(s["address"], s["total_size"], private_pool(s.get("segment_pool_id"))) for s in final}
+        have_segs = {(s["address"], s["total_size"], private_pool(s.get("segment_pool_id"))) for s in mine}
+        want_blocks = {_block_key(s, b) for s in final for b in _with_addresses(s)}
+        have_blocks = {_block_key(s, b) for s in mine for b in _with_addresses(s)}
+        missing = sorted(want_blocks - have_blocks)[:5]
+        extra = sorted(have_blocks - want_blocks)[:5]
+        for b in missing:
+            self.note(len(self.trace) - 1, "final_block_missing", _fmt_block(b), None)
+        for b in extra:
+            self.note(len(self.trace) - 1, "final_block_unexpected", None, _fmt_block(b))
+        return {
+            "segment_allocs": {"matched": seg_matched, "total": max(len(recorded), len(ours))},
+            "segment_frees": {"matched": free_matched, "total": max(len(rec_frees), len(dev.frees))},
+            "segment_maps": maps,
+            "segment_unmaps": unmaps,
+            "alloc_addresses": {"matched": self.allocs_matched, "total": self.allocs_total},
+            "recorded_ooms": {"matched": self.ooms_matched, "total": self.ooms_total},
+            "final_segments": {"matched": len(want_segs & have_segs),
+                               "total": len(want_segs | have_segs)},
+            "final_blocks": {"matched": len(want_blocks & have_blocks),
+                             "total": len(want_blocks | have_blocks)},
+            "unknown_actions": self.unknown_actions,
+            "notes": self.notes,
+            "divergences": self.divergences,
+        }
+
+
+def _matched(trace: Sequence[Mapping[str, Any]], action: str, ours: Sequence[tuple[int, int]]) -> dict[str, int]:
+    """Recorded `action` events (address, size) equal to ours, in order."""
+    rec = [(e["addr"], e["size"]) for e in trace if e["action"] == action]
+    return {"matched": sum(1 for x, y in zip(ours, rec) if x == y), "total": max(len(rec), len(ours))}
+
+
+def _with_addresses(seg: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    out: list[Mapping[str, Any]] = []
+    addr = seg["address"]
+    for b in seg["blocks"]:
+        out.append({**b, "address": b.get("address", addr)})
+        addr += b["size"]
+    return out
+
+
+def _block_key(seg: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[int, int, str, int]:
+    return (b["address"], b["size"], b["state"], b.get("requested_size", 0))
+
+
+def _fmt_block(b: tuple[int, int, str, int]) -> str:
+    return f"{b[0]:#x} size {b[1]} {b[2]} requested {b[3]}"
+
+
+def _hex(x: int) -> str:
+    return f"{x:#x}"
+
+
+def _describe(e: Mapping[str, Any]) -> str:
+    where = e.get("addr", e.get("device_free", 0))
+    return f"{printable(e['action'], 64)} {where:#x} size {e['size']} stream {e.get('stream', 0)}"
