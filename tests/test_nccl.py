@@ -127,3 +127,18 @@ def test_launcher_summary_adds_context_and_nccl(tmp_path: Path) -> None:
     bad = _launch(tmp_path, NCCL_MAX_NCHANNELS="many")
     assert bad.returncode != 0 and "NCCL_MAX_NCHANNELS='many' is not an integer" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_estimate_layout_reports_nvidia_smi_per_rank() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run([sys.executable, "-m", "vram", "estimate", "tiny_stack:stack", "--input", "64x256",
+                        "--fsdp", "2", "--gpu", "H100", "--context", "300MiB", "--json"], capture_output=True,
+                       text=True, env=env, timeout=300, cwd=str(ROOT / "tests" / "distributed_programs"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+
+    out = json.loads(r.stdout)
+    peak = out["estimates"]["0"]["peak_reserved"]
+    one_comm = 24 * 12 * MiB + (2 + 3 * 32) * 2 * MiB     # FSDP2's collectives on the world group
+    assert out["nccl"]["0"]["bytes"] == one_comm
+    assert out["nvidia_smi"]["0"] == out["nvidia_smi"]["1"] == peak + 300 * MiB + one_comm
