@@ -277,9 +277,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     status = run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
                         context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch,
                         strict_values=args.strict_values, value_report=args.value_report)
+    from vram.devices.gpus import resolve_gpu
     from vram.run.distributed.rank import write_result
 
-    write_result(status, parse_size(args.context, "--context"))  # for a launcher, when one started us
+    # for a launcher, when one started us
+    write_result(status, parse_size(args.context, "--context"), resolve_gpu(args.gpu, args.arch))
     return status
 
 

@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from vram.run.distributed.launcher import Launch, launch
+from vram.run.distributed.launcher import Launch, launch, outside_lines
 from vram.units import format_size
 
 from .engine import EstimateResult, search_largest
@@ -38,6 +38,15 @@ class LayoutEstimate:
     results: dict[int, EstimateResult]
     max_batch: int | None = None
     coords: dict[int, dict[str, int]] = field(default_factory=dict)
+    #: simulated rank -> NCCL memory outside the allocator, {"bytes": int | None, "lines": [...]}
+    nccl: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def nvidia_smi(self, rank: int) -> int | None:
+        """Steady-state peak reserved + CUDA context + NCCL (`vram.devices.nccl`); None when NCCL's
+        figure is not derived (the report says why)."""
+        sim = next(r for r, rs in self.stands_for.items() if rank in rs)
+        res, n = self.results[sim], self.nccl.get(sim, {}).get("bytes")
+        return None if n is None else res.peak_reserved + res.context + n
 
     def result_of(self, rank: int) -> EstimateResult:
         return self.results[next(r for r, rs in self.stands_for.items() if rank in rs)]
@@ -46,7 +55,9 @@ class LayoutEstimate:
         return {"layout": self.layout.to_json(), "max_batch": self.max_batch,
                 "ranks": {str(r): {"coords": self.coords[r], "simulated_as": next(
                     s for s, rs in self.stands_for.items() if r in rs)} for r in sorted(self.coords)},
-                "estimates": {str(r): res.to_json() for r, res in sorted(self.results.items())}}
+                "estimates": {str(r): res.to_json() for r, res in sorted(self.results.items())},
+                "nccl": {str(r): n for r, n in sorted(self.nccl.items())},
+                "nvidia_smi": {str(r): self.nvidia_smi(r) for r in sorted(self.coords)}}
 
     def __str__(self) -> str:
         from .report import render
@@ -58,12 +69,16 @@ class LayoutEstimate:
                  + (f"; largest that fits: {self.max_batch}" if self.max_batch is not None else "")]
         sim = ", ".join(f"rank {s} (for ranks {_ranges(rs)})" for s, rs in self.stands_for.items())
         lines.append(f"  simulated: {sim}")
-        lines.append(f"  {'rank':>4}  {'mesh coordinates':<40} {'peak allocated':>16} {'peak reserved':>16}  fits")
+        lines.append(f"  {'rank':>4}  {'mesh coordinates':<40} {'peak allocated':>16} {'peak reserved':>16} "
+                     f"{'nvidia-smi est.':>16}  fits")
         for r in sorted(self.coords):
-            res = self.result_of(r)
+            res, smi = self.result_of(r), self.nvidia_smi(r)
             c = ", ".join(f"{k} {v}" for k, v in self.coords[r].items() if lay.sizes[k] > 1)
             lines.append(f"  {r:>4}  {c:<40} {format_size(res.peak_allocated):>16} "
-                         f"{format_size(res.peak_reserved):>16}  {'yes' if res.fits else 'NO'}")
+                         f"{format_size(res.peak_reserved):>16} {format_size(smi) if smi is not None else 'n/d':>16}"
+                         f"  {'yes' if res.fits else 'NO'}")
+        lines += ["  " + ln for ln in outside_lines({s: (self.results[s].context, self.nccl.get(s))
+                                                      for s in self.stands_for})]
         for s, rs in self.stands_for.items():
             lines += ["", f"=== rank {s} (stands for ranks {_ranges(rs)}) ===", render(self.results[s])]
         return "\n".join(lines)
@@ -138,4 +153,5 @@ def estimate_layout(model: str, inputs: list[tuple[list[int], str]], layout: Lay
     answers = _launch(layout, simulated, dict(config, batch=best if best else None))
     results = {r: EstimateResult(**a["estimate"]) for r, a in answers.items()}
     return LayoutEstimate(layout, stands_for, results, best,
-                          {r: layout.coords(r) for r in range(layout.world_size)})
+                          {r: layout.coords(r) for r in range(layout.world_size)},
+                          {r: a["nccl"] for r, a in answers.items() if "nccl" in a})

@@ -55,10 +55,14 @@ def answer(config: dict[str, Any], rank: int) -> dict[str, Any]:
         return {"max_batch": search_largest(lambda b: fits(build, _inputs(config, b), parallel=plan(b), **kw))}
     if mode == "fits":
         return {"fits": fits(build, _inputs(config, batch), parallel=plan(batch), **kw)}
+    from vram.devices.gpus import resolve_gpu
+    from vram.run.distributed import nccl
+
+    nccl.reset()
     result = estimate(build, _inputs(config, batch), parallel=plan(batch), **kw)
     result.settings["layout"] = layout.describe()
     result.settings["rank"] = rank
-    return {"estimate": result.to_json()}
+    return {"estimate": result.to_json(), "nccl": nccl.rank_figure(resolve_gpu(kw.get("gpu", "80GiB"), kw.get("arch")))}
 
 
 def main(argv: list[str] | None = None) -> int:

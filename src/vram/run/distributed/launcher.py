@@ -36,12 +36,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from vram.devices.nccl import NcclEnv
 from vram.units import format_size
 
 from .p2p import MAILBOX_ENV, SIMULATED_ENV, deadlock_marker, exited_marker, waiting_marker
 from .rank import RESULT_ENV, STAGING_ENV
 
-__all__ = ["Launch", "parse_ranks", "launch", "torchrun_env"]
+__all__ = ["Launch", "parse_ranks", "launch", "outside_lines", "torchrun_env"]
 
 MASTER_ADDR = "127.0.0.1"   # torchrun's --master-addr default
 MASTER_PORT = 29500         # torchrun's --master-port default (static rendezvous)
@@ -69,6 +70,7 @@ class RankResult:
     rank: int
     status: int
     context: int = 0
+    nccl: dict[str, Any] | None = None     #: {"bytes": int | None, "lines": [...]} (`.nccl`)
     devices: list[dict[str, Any]] = field(default_factory=list)
     snapshots: list[tuple[str, str]] = field(default_factory=list)
 
@@ -127,6 +129,7 @@ def launch(spec: Launch, vram_args: Sequence[str], script: str, script_args: Seq
     failing rank's status."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    NcclEnv.from_environ(os.environ)   # a bad NCCL_* variable: one line before any rank starts
     ranks = list(range(spec.world_size)) if spec.ranks is None else spec.ranks
     jobs = max(1, min(spec.jobs or os.cpu_count() or 1, len(ranks)))
     lock = threading.Lock()
@@ -188,7 +191,7 @@ def _read_result(path: str, rank: int, status: int) -> RankResult:
             data = json.load(f)
     except (OSError, ValueError):  # the rank died before writing (killed, crashed in start-up)
         return RankResult(rank, status if status else 1)
-    return RankResult(rank, status, int(data.get("context", 0)), list(data.get("devices", [])),
+    return RankResult(rank, status, int(data.get("context", 0)), data.get("nccl"), list(data.get("devices", [])),
                       [tuple(p) for p in data.get("snapshots", [])])
 
 
@@ -214,6 +217,29 @@ def _place_snapshots(results: dict[int, RankResult]) -> list[tuple[int, str]]:
     return moved
 
 
+def outside_lines(results: dict[int, tuple[int, dict[str, Any] | None]]) -> list[str]:
+    """The "outside the caching allocator" note for ranks' (CUDA context, NCCL figure): nvidia-smi
+    estimate = peak reserved + CUDA context + NCCL, each figure with its source; ranks with the
+    same NCCL explanation share one."""
+    if not results:
+        return []
+    ctx = {c for c, _ in results.values()}
+    out = ["outside the caching allocator, per rank (nvidia-smi estimate = peak reserved + CUDA context + NCCL):",
+           f"  CUDA context: {', '.join(_size(c) for c in sorted(ctx))}, as given by --context (not derived: it "
+           "depends on the driver, the CUDA version and which kernels are loaded; measure it as nvidia-smi's "
+           "figure minus memory_reserved() on the real GPU)"]
+    groups: dict[str, list[int]] = {}
+    for r, (_, nccl) in sorted(results.items()):
+        n = nccl or {"bytes": None, "lines": ["not derived: the rank gave no NCCL figure"]}
+        head = f"NCCL {_size(n['bytes']) if n['bytes'] is not None else 'not derived'}"
+        groups.setdefault("\n".join([head, *n["lines"]]), []).append(r)
+    for text, rs in groups.items():
+        head, *rest = text.split("\n")
+        out.append(f"  {head} (rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}; vram.devices.nccl):")
+        out.extend(f"    {ln}" for ln in rest)
+    return out
+
+
 def _ranges(ranks: Sequence[int]) -> str:
     parts: list[str] = []
     for r in sorted(ranks):
@@ -237,7 +263,7 @@ def summary(spec: Launch, ranks: Sequence[int], results: dict[int, RankResult],
     if skipped:
         head += f"; not simulated (--ranks): {_ranges(skipped)}"
     lines = [head, f"{'rank':>4} {'node':>4} {'gpu':>6}  {'peak allocated':>24}  {'peak reserved':>24}  "
-                   f"{'peak reserved+context':>24}  {'OOMs':>4}  status"]
+                   f"{'nvidia-smi estimate':>24}  {'OOMs':>4}  status"]
     notes: list[str] = []
     for r in ranks:
         res = results[r]
@@ -247,9 +273,10 @@ def summary(spec: Launch, ranks: Sequence[int], results: dict[int, RankResult],
             lines.append(f"{r:>4} {node:>4} {'cuda:' + str(local):>6}  {'(no result)':>24}  {'':>24}  {'':>24}  "
                          f"{'':>4}  {res.status}")
             continue
-        used = own["peak_reserved"] + res.context
+        nccl = (res.nccl or {}).get("bytes")
+        used = _size(own["peak_reserved"] + res.context + nccl) if nccl is not None else "not derived"
         lines.append(f"{r:>4} {node:>4} {'cuda:' + str(local):>6}  {_size(own['peak_allocated']):>24}  "
-                     f"{_size(own['peak_reserved']):>24}  {_size(used):>24}  {own['num_ooms']:>4}  "
+                     f"{_size(own['peak_reserved']):>24}  {used:>24}  {own['num_ooms']:>4}  "
                      f"{'ok' if res.status == 0 else 'exit ' + str(res.status)}")
         for d in res.devices:
             if d["index"] != local and d["peak_reserved"]:
@@ -257,6 +284,7 @@ def summary(spec: Launch, ranks: Sequence[int], results: dict[int, RankResult],
                              f"the GPU of local rank {d['index']}: on a real node they would share it, which is "
                              "not simulated")
     lines.extend(notes)
+    lines.extend(outside_lines({r: (results[r].context, results[r].nccl) for r in ranks if results[r].devices}))
     for rank, path in moved:
         lines.append(f"  rank {rank}'s snapshot: {path}")
     return "\n".join(lines) + "\n"

@@ -22,7 +22,7 @@ infinitely fast GPU, like PyTorch's ``FakeProcessGroup``. What a collective does
   and copies out of it; ``reduce_scatter`` from a list flattens its inputs likewise; ``barrier``
   all-reduces a new 1-element float32 ``zeros`` tensor on the group's device. Uneven lists become
   coalesced broadcasts/reduces, which allocate nothing. Nothing else goes through the caching
-  allocator: NCCL's own buffers are ``cudaMalloc``'d outside it (see `vram.run.distributed.nccl`).
+  allocator: NCCL's own buffers are ``cuMemCreate``'d outside it (see `vram.run.distributed.nccl`).
 * **Values.** Other ranks' data is not simulated. When a collective's inputs are known (`vram.run.
   known`: counts, flags, ids, DDP's bucket indices), its outputs are computed as if every rank
   held this rank's values (all-reduce SUM: ``world`` times the value; all-gather: ``world``
@@ -44,6 +44,7 @@ from vram.frontend import memory as _memory
 
 from .. import known
 from ..storages import SimState
+from .nccl import note_collective, note_p2p
 from .p2p import post, take
 
 __all__ = ["Options", "SimProcessGroup", "SimWork"]
@@ -117,6 +118,7 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._unwaited: list[list[Any]] = []   # shelves of async works not waited for
         self._used: list[int] = []             # devices collectives ran on (guessDeviceId)
         self.bound_device_id: Any = None
+        self._batch = False                    # inside a coalescing batch (batch_isend_irecv)
 
     # -- identity ---------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's names
@@ -171,11 +173,14 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     # -- the collective skeleton ------------------------------------------------------------
     def _collective(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], async_op: bool,
                     post: Callable[[], None] | None = None, keep: Sequence[torch.Tensor] = (),
-                    value: Values | None = None, exact: bool = False) -> SimWork:
+                    value: Values | None = None, exact: bool = False, ring: bool = True) -> SimWork:
         """``ProcessGroupNCCL::collective``: stash when async, run, then ``workEnqueue``.
 
         `value` computes the outputs' values from the inputs' (CPU tensors) as if every rank held
-        this rank's; `exact` when no other rank's data enters them."""
+        this rank's; `exact` when no other rank's data enters them; `ring`: a collective, which
+        connects the NCCL communicator's ring (`.nccl`; a send or receive connects its peer)."""
+        if ring:
+            note_collective(self)
         sim = _sim()
         device = _device_of(sim, inputs[0] if inputs else outputs[0])
         if device is not None and device not in self._used:
@@ -313,16 +318,18 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> SimWork:
         """``pointToPoint``; under the launcher the known values go to `dst` (`.p2p`)."""
         post(self, tensors, dst)
-        return self._collective(tensors, [], True)
+        note_p2p(self, dst, True, self._batch)
+        return self._collective(tensors, [], True, ring=False)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> SimWork:
         """``pointToPoint``; under the launcher the values are what `src` sent (`.p2p`)."""
-        work = self._collective([], tensors, True)
+        note_p2p(self, src, False, self._batch)
+        work = self._collective([], tensors, True, ring=False)
         take(self, tensors, src)
         return work
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> SimWork:
-        return self._collective([], tensors, True)
+        return self._collective([], tensors, True, ring=False)
 
     def barrier(self, opts: Any = None) -> SimWork:
         """``ProcessGroupNCCL::barrier``: all-reduce of ``zeros({1}, float)`` on the guessed device."""
@@ -344,16 +351,15 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         return None
 
     def start_coalescing(self, device: Any = None) -> None:
-        return None
+        """``ncclGroupStart``: sends and receives until the end use the group's communicator."""
+        self._batch = True
 
     def end_coalescing(self, device: Any = None) -> SimWork:
+        self._batch = False
         return SimWork(None, [])
 
-    def _start_coalescing(self, device: Any = None) -> None:
-        return None
-
-    def _end_coalescing(self, device: Any = None) -> SimWork:
-        return SimWork(None, [])
+    _start_coalescing = start_coalescing
+    _end_coalescing = end_coalescing
 
 
 def _sim() -> SimState:

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from vram.devices.gpus import GpuPreset
 from vram.frontend import memory as _memory
 
 __all__ = ["RESULT_ENV", "STAGING_ENV", "stage_snapshots", "write_result"]
@@ -35,13 +36,17 @@ def stage_snapshots(dump: Callable[..., None]) -> Callable[..., None] | None:
     return dump_snapshot
 
 
-def write_result(status: int, context: int) -> None:
+def write_result(status: int, context: int, gpu: GpuPreset | None = None) -> None:
     """Write this rank's result for the launcher, when it asked for one: exit status, and per
     simulated GPU the allocator's current and whole-run peak figures (``reset_peak_memory_stats``
-    does not lower them) and OOM count."""
+    does not lower them) and OOM count; with `gpu` (the simulated card), the NCCL communicators'
+    memory outside the allocator (`vram.run.distributed.nccl`)."""
     path = os.environ.get(RESULT_ENV)
     if not path:
         return
+    from .nccl import rank_figure
+
+    nccl = rank_figure(gpu) if gpu is not None else None
     devices: list[dict[str, Any]] = []
     for i in range(_memory.device_count()):
         stats = _memory.memory_stats(i)
@@ -56,6 +61,6 @@ def write_result(status: int, context: int) -> None:
             "total": _memory.get_device(i).total_memory,
         })
     result = {"rank": int(os.environ.get("RANK", "0")), "status": status, "context": context,
-              "devices": devices, "snapshots": _staged}
+              "nccl": nccl, "devices": devices, "snapshots": _staged}
     with open(path, "w") as f:
         json.dump(result, f)
