@@ -1164,6 +1164,7 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
     /* as rewind.py _walk acts: 0 alloc, 1 free_completed, 2 free_requested, 3 segment_alloc,
      * 4 segment_free, 5 segment_map / unmap (walked in Python only), -1 ignored */
     static const int REWIND_CODE[N_ACTIONS] = {0, 2, 1, 3, 4, 5, 5, -1, -1};
+    RSeg *last = NULL;  /* the segment found last (a block's events come in runs at one address) */
     for (Py_ssize_t i = PyList_GET_SIZE(trace) - 1; i >= 0; i--) {
         const Op *op = &ops[i];
         int code = REWIND_CODE[op->action];
@@ -1172,7 +1173,7 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
         if (!(op->ok & ADDR_KEY)) REFUSE;
         uint64_t addr = op->addr;
         if (code == 0) {  /* alloc: its block was not there before */
-            RSeg *g = rseg_at(&starts, addr);
+            RSeg *g = last && addr - last->address < last->total ? last : (last = rseg_at(&starts, addr));
             uint64_t lp;
             if (!g || !map_pop(&live, addr, &lp)) REFUSE;
             Live *l = (Live *)(uintptr_t)lp;
@@ -1191,7 +1192,7 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
                     if (map_put(&bound, u, addr) < 0) { PyErr_NoMemory(); goto done; }
             }
         } else if (code == 1) {  /* free_completed: live before, size unknown, pending */
-            RSeg *g = rseg_at(&starts, addr);
+            RSeg *g = last && addr - last->address < last->total ? last : (last = rseg_at(&starts, addr));
             if (!g || map_get(&live, addr, NULL) || !(op->ok & HAS_SIZE)) REFUSE;
             Live *l = PyMem_Calloc(1, sizeof(Live));
             if (!l || unknown_add(g, addr) < 0 || map_put(&live, addr, (uint64_t)(uintptr_t)l) < 0) {
@@ -1210,6 +1211,7 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
             RSeg *g = (RSeg *)(void *)set_floor(&starts, addr);
             if (!g || g->address != addr || g->nlive) REFUSE;
             set_remove(&starts, addr);
+            last = NULL;
         } else {  /* segment_free: an empty segment existed before */
             uint64_t size = op->size;
             if (!(op->ok & SIZE_U64) || size > EMPTY - 1 - addr) REFUSE;
@@ -1221,6 +1223,7 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
             NEWSEG(g);
             g->index = -1; g->address = addr; g->total = size; g->event = i;
             if (set_insert(&starts, addr, (Block *)(void *)g) < 0) { PyErr_NoMemory(); goto done; }
+            last = NULL;
         }
     }
     for (size_t c = 0; c < starts.n; c++)  /* a live dict per segment, filled in one scan of the map */
