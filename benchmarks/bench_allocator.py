@@ -16,7 +16,8 @@ allocator (``python3 -m vram.allocator.native_build`` first); the first line say
    entries laid out in memory by the unpickler, not among the recording allocator's objects),
    both replayed event by event (``skip_cycles=False``), and the difference in ``seconds_replay``
    (the whole replay: reading the events, rewind, the loop) is divided by the pairs (each pair
-   is three events: alloc, free_requested, free_completed).
+   is three events: alloc, free_requested, free_completed); so is the time spent in each of the
+   C core's entry points (``scan``, ``rewind``, ``run``), to show which part grows.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from bench_replay import _time_ccore  # noqa: E402  (benchmarks/, the script's folder)
 from vram import CachingAllocator, SimulatedDevice  # noqa: E402
 from vram.allocator import native  # noqa: E402
 from vram.allocator.history import STATE  # noqa: E402
@@ -108,20 +110,27 @@ def _scaling_trace(n_free: int, pairs: int) -> dict[str, object]:
     return snapshot([a])
 
 
-def bench_scaling_ccore(n_free: int, pairs: int, repeat: int = 3) -> tuple[float, int]:
-    """µs per malloc+free pair replayed by the C core with `n_free` free blocks cached, and how
-    many free blocks were cached."""
+def bench_scaling_ccore(n_free: int, pairs: int, repeat: int = 3) -> tuple[float, int, dict[str, float]]:
+    """µs per malloc+free pair replayed by the C core with `n_free` free blocks cached, how many
+    free blocks were cached, and the µs per pair of each C entry point (reading the events `scan`,
+    `rewind`, the loop `run`; each the best of `repeat`)."""
     base, full = (load_snapshot(pickle.dumps(_scaling_trace(n_free, k))) for k in (0, pairs))
-    times = []
+    parts: dict[str, float] = {}
+    _time_ccore(parts)
+    times, split = [], []
     for snap in (base, full):
-        best = float("inf")
+        best, best_parts = float("inf"), {}
         for _ in range(repeat):
+            parts.clear()
             r = replay(snap, skip_cycles=False)
             assert r.engine == "C", r.engine
             best = min(best, r.seconds_replay)
+            best_parts = {k: min(best_parts.get(k, float("inf")), v) for k, v in parts.items()}
         times.append(best)
+        split.append(best_parts)
     cached = sum(b["state"] == "inactive" for seg in base["segments"] for b in seg["blocks"])  # type: ignore[attr-defined]
-    return (times[1] - times[0]) / pairs * 1e6, cached
+    per = {k: (split[1][k] - split[0][k]) / pairs * 1e6 for k in split[1]}
+    return (times[1] - times[0]) / pairs * 1e6, cached, per
 
 
 def main() -> None:
@@ -140,11 +149,13 @@ def main() -> None:
     if ccore.available() is not None:
         print(f"C replay core not measured: {ccore.available()}")
         return
-    print("replayed by the C replay core (vram.replay.ccore):")
-    print(f"{'free blocks':>12} {'ns per pair':>12}")
+    print("replayed by the C replay core (vram.replay.ccore); the whole replay() per pair, then the part")
+    print("of it in each C entry point: reading the events' dicts, the rewind, the C loop (best of 3 each):")
+    print(f"{'free blocks':>12} {'ns per pair':>12} {'scan':>6} {'rewind':>6} {'loop':>6}")
     for n in (10, 100, 1_000, 10_000, 100_000):
-        us, nfree = bench_scaling_ccore(n, 20_000 if args.quick else 200_000)
-        print(f"{nfree:>12,} {us * 1e3:>12.0f}")
+        us, nfree, per = bench_scaling_ccore(n, 20_000 if args.quick else 200_000)
+        cols = " ".join(f"{per.get(k, 0) * 1e3:>6.0f}" for k in ("scan", "rewind", "run"))
+        print(f"{nfree:>12,} {us * 1e3:>12.0f} {cols}")
 
 
 if __name__ == "__main__":

@@ -19,15 +19,23 @@ Set ALLOCATORSIM_SRC to a checkout: its sources are copied to a temporary folder
 removed (every ``auto *_info = std::make_tuple(...)`` and ``DumpDebugging::dumpDebuggingInfo(...)``
 statement: they copy both block pools and the segment map on every malloc/free), and
 ``allocatorsim_harness.cpp`` is compiled against them (``g++ -O2``). It gets the same op stream as
-dynapipe's simulator; its time is the replay loop only, and the events counted the same way.
+dynapipe's simulator, as a file of int64 quadruples; its time is its replay loop only (not reading
+that file, nor making the stream out of the recording), and the events counted the same way. So
+that both sides do the same work, the ratios compare it three ways: vram's whole ``replay()``
+against that loop alone; against that loop plus reading the same events out of the recording's
+dicts with vram's reader (``ccore.scan``, timed in the allocatorSim child on the same loaded
+trace: allocatorSim has no reader of PyTorch snapshots, and this is the fastest we have); and
+vram's C loop alone (``_ccore.run``: state in, every event over the op array, state out) against
+allocatorSim's loop alone, both over an op array built beforehand.
 
 vram's rows: ``seconds`` is what ``replay()`` reports: everything the caller waits for after the
 load (rewind to the first event, state import, every event, verification). Replays run the C
 replay core (`vram.replay.ccore`) where it is built and models them (the notes say which engine
 ran); the every-event rows are measured again without it (``[no C core]``: ``VRAM_CCORE=0``). When
 the compiled allocator is built (``python3 -m vram.allocator.native_build``), every replay row is
-measured again with ``VRAM_NATIVE=1``. Ratios at the end compare events/s of the every-event replay with
-the peers', from this one run.
+measured again with ``VRAM_NATIVE=1``. Where the C core ran, the notes split its time: reading the
+events (``scan``), the rewind, the C loop (``run``); the rest is Python around them. Ratios at
+the end compare events/s of the every-event replay with the peers', from this one run.
 """
 from __future__ import annotations
 
@@ -157,6 +165,29 @@ def peer_ops(trace: list[dict[str, Any]]) -> tuple[list[tuple[str, int, Any]], i
     return ops, unmatched
 
 
+def _time_ccore(parts: dict[str, float]) -> None:
+    """Time the C core's entry points (summed into `parts` by name) for this process's replays."""
+    module = ccore.loaded()
+    if module is None:
+        return
+    def timer(name: str) -> Any:
+        f = getattr(module, name)
+
+        def wrapped(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return f(*args)
+            finally:
+                parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
+        return wrapped
+
+    timed = {name: timer(name) for name in ("scan", "rewind", "run")}
+    proxy = type("TimedCCore", (), {k: getattr(module, k) for k in dir(module) if not k.startswith("__")})
+    for name, f in timed.items():
+        setattr(proxy, name, staticmethod(f))
+    ccore._module = proxy  # type: ignore[assignment]  # (`ccore.loaded()` hands this out)
+
+
 def child(kind: str, path: str) -> dict[str, Any]:
     """One measurement, in this (fresh) process. A kind starting ``python:`` replays without the
     C replay core (``VRAM_CCORE=0``)."""
@@ -210,13 +241,26 @@ def child(kind: str, path: str) -> dict[str, Any]:
         out["events"] = sum(1 for e in trace if e["action"] in ALLOC_FREE)
         out["peak_reserved"] = got["peak_reserved"]
         out["note"] = f"{got['ops']:,} malloc+free calls (C++, -O2, debug copies removed); starts empty"
+        if ccore.loaded() is not None:  # reading the same events out of the dicts, as vram does
+            read = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                ccore.scan(trace)
+                read = min(read, time.perf_counter() - t0)
+            out["read_s"] = read
+            out["note"] += f"; reading the events with ccore.scan: {read:.3f} s (best of 3)"
     else:
         base, noskip = kind.removesuffix("-noskip"), kind.endswith("-noskip")
         conf = "expandable_segments:True" if base == "expandable" else None
         kw: dict[str, Any] = {"skip_cycles": False} if noskip else {}
+        parts: dict[str, float] = {}
+        _time_ccore(parts)
         r = replay(snap, gpu=None, conf=conf, verify=base == "verify", **kw)
         out.update(events=r.events, seconds=r.seconds_replay, peak_reserved=r.peak_reserved)
         notes = [f"engine: {r.engine}"]
+        if r.engine == "C":
+            out["parts"] = parts
+            notes.append(", ".join(f"{k} {v:.3f} s" for k, v in parts.items()))
         if getattr(r, "skipped_events", 0):
             notes.append(f"{r.skipped_events:,} events skipped as repeated cycles")
         if r.verification is not None:
@@ -252,10 +296,57 @@ def row(name: str, m: dict[str, Any], rate: bool = True) -> str:
             f"{m['rss_peak']:,.0f} | {peak} | {m.get('note', '')} |")
 
 
+def _same_work(trace_name: str, ours: dict[str, Any], asim: dict[str, Any]) -> None:
+    """The allocatorSim ratios with the same work on both sides (see the module's doc)."""
+    if "read_s" in asim:
+        both = asim["seconds"] + asim["read_s"]
+        print(f"{trace_name}: whole `replay()` / (allocatorSim's loop + reading the events with ccore.scan): "
+              f"{both / ours['seconds']:.3f}x events/s ({ours['seconds']:.3f} s against "
+              f"{asim['seconds']:.3f} + {asim['read_s']:.3f} s)")
+    if "run" in ours.get("parts", {}):
+        loop = ours["parts"]["run"]
+        print(f"{trace_name}: vram's C loop (`_ccore.run`) / allocatorSim's loop, both over a prebuilt op array: "
+              f"{asim['seconds'] / loop:.3f}x events/s ({loop:.3f} s against {asim['seconds']:.3f} s)")
+
+
+def _paired_rounds(big: Path, rounds: int, dyn: bool, asim: bool) -> None:
+    """The headline ratios again, from `rounds` rounds each measuring the every-event C replay and
+    then each peer on the big trace (fresh processes, back to back), so that a load spike on this
+    shared machine moves one round, not the figure: each round's ratios, then their median."""
+    print("\nPaired rounds (big trace; each round: vram's every-event replay, then each peer):")
+    per: dict[str, list[float]] = {}
+    for k in range(rounds):
+        ours = measure("default-noskip", big)
+        line = [f"round {k + 1}: replay() {ours['seconds']:.3f} s"]
+        if dyn:
+            d = measure("dynapipe-small", big)
+            per.setdefault("dynapipe (kSmallSize 1 MiB)", []).append(d["seconds"] / ours["seconds"])
+            line.append(f"dynapipe {d['seconds']:.3f} s")
+        if asim:
+            a = measure("allocatorsim", big)
+            per.setdefault("allocatorSim, its loop alone", []).append(a["seconds"] / ours["seconds"])
+            line.append(f"allocatorSim {a['seconds']:.3f} s")
+            if "read_s" in a:
+                per.setdefault("allocatorSim, its loop + reading the events (ccore.scan)", []).append(
+                    (a["seconds"] + a["read_s"]) / ours["seconds"])
+                line.append(f"+ reading {a['read_s']:.3f} s")
+            if "run" in ours.get("parts", {}):
+                per.setdefault("allocatorSim's loop, against vram's C loop alone", []).append(
+                    a["seconds"] / ours["parts"]["run"])
+                line.append(f"(vram's C loop {ours['parts']['run']:.3f} s)")
+        print("; ".join(line), flush=True)
+    for name, ratios in per.items():
+        ratios.sort()
+        print(f"vram / {name}: median {ratios[len(ratios) // 2]:.3f}x events/s "
+              f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--passes", type=int, help="repetitions of the trace (default: ≥ 1M events)")
     ap.add_argument("--quick", action="store_true", help="about 100k events")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="paired rounds (C replay, then each peer, alternating) for the median ratios")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     target = 100_000 if args.quick else 1_000_000
@@ -312,8 +403,9 @@ def main() -> None:
         print("|---|---:|---:|---:|---:|---:|---:|---|")
         rates: dict[str, float] = {}
         loads: dict[str, dict[str, Any]] = {}
+        got: dict[str, dict[str, Any]] = {}
         for name, kind, path, native in runs:
-            m = measure(kind, path, native=native)
+            m = got[name] = measure(kind, path, native=native)
             rates[name] = m["events"] / m["seconds"]
             if kind in ("load", "pickle"):
                 loads[kind] = m
@@ -331,6 +423,10 @@ def main() -> None:
                     a, b = ours.format(tag), peer.format(name)
                     if a in rates and b in rates:
                         print(f"{trace_name}: `{a}` / `{b}`: {rates[a] / rates[b]:.3f}x events/s")
+                    if tag == "" and "allocatorSim" in b and a in got and b in got:
+                        _same_work(trace_name, got[a], got[b])
+        if (dyn or asim) and has_c and can_skip and args.rounds > 0:
+            _paired_rounds(big, args.rounds, dyn is not None, asim is not None)
     if not dyn:
         print("\ndynapipe comparison skipped: set DYNAPIPE_SRC to a checkout of "
               "awslabs/optimizing-multitask-training-through-dynamic-pipelines (the directory "

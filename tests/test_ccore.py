@@ -180,6 +180,33 @@ def test_scan_reads_what_python_reads() -> None:
     assert ccore.scan([{"action": "segment_alloc", "addr": 0}]) is None  # (Python raises KeyError)
 
 
+class _Key(str):
+    """A str subclass: a key the scan must look up, as a dict lookup would find it."""
+
+
+def _fresh(text: str) -> str:
+    return "".join([text[:1], text[1:]])  # an equal str that is another object, not interned
+
+
+def test_scan_reads_any_key_objects() -> None:
+    """`ccore.scan` reads each dict by pointer where its keys and actions are exact strs (one value
+    comparison per distinct object): the ops are the same whether every dict has its own key and
+    action objects (more of them than it remembers), some keys are str subclasses (read by lookups)
+    or the actions are other hashables."""
+    trace = program(1)["device_traces"][0]
+    want = ccore.scan(trace)
+    assert want is not None
+    own = [{_fresh(k): (_fresh(v) if k == "action" else v) for k, v in e.items()} for e in trace]
+    sub = [{(_Key(k) if k == "addr" and i % 3 == 0 else k): v for k, v in e.items()} for i, e in enumerate(trace)]
+    for variant in (own, sub):
+        got = ccore.scan(variant)
+        assert got is not None and got.ops == want.ops
+    other = [{**e, "action": 7 if i % 2 else ("free", 1)} for i, e in enumerate(trace[:50])]
+    got, ref = ccore.scan(other), ccore.scan([{**e, "action": "other"} for e in trace[:50]])
+    assert got is not None and ref is not None and got.ops == ref.ops
+    assert ccore.scan([{"action": ["unhashable"]}]) is None
+
+
 def _plan(plan_pools: Any, *args: Any) -> Any:
     """A pool plan as plain values, or the error that refused it."""
     try:

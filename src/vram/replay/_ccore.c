@@ -539,7 +539,11 @@ static PyObject *from_i128(i128 v) {
 /* an exact int in [0, limit]: 1 and *out, or 0 (anything else, no error set) */
 static int as_u64(PyObject *o, uint64_t limit, uint64_t *out) {
     if (!o || !PyLong_CheckExact(o)) return 0;
-    unsigned long long u = PyLong_AsUnsignedLongLong(o);  /* OverflowError when negative or too big */
+    int overflow = 0;  /* (PyLong_AsUnsignedLongLong goes through a byte array: slower, for >= 2**63 only) */
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    unsigned long long u = (unsigned long long)v;
+    if (overflow > 0) u = PyLong_AsUnsignedLongLong(o);  /* OverflowError when too big */
+    else if (overflow < 0 || v < 0) return 0;
     if (u == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
     if (u > limit) return 0;
     *out = u;
@@ -582,6 +586,72 @@ static const int ENGINE_CODE[N_ACTIONS] = {0, 1, 2, 5, 3, 5, 3, 4, 5};
 
 static PyObject *s_action, *s_addr, *s_device_free, *s_size, *s_stream, *s_pool_id, *action_codes;
 
+/* The values of the keys an event's dict is read for (NULL: no such key). A dict whose keys are
+ * all exact strs (as the loader's and PyTorch's are) is read in one pass over its entries (no
+ * probing, nothing read for an absent key), each key's role found by pointer in `KeyCache`: the
+ * unpickler shares one key object among all the dicts of a recording, so each distinct key object
+ * is compared by value once. A dict with any other key is read by lookups, which is the same. */
+typedef struct { PyObject *action, *addr, *device_free, *size, *stream, *pool_id; } Fields;
+#define N_FIELDS 6
+#define KEY_SLOTS 64  /* a power of 2; at most half of them used */
+typedef struct { PyObject *key[KEY_SLOTS]; int8_t field[KEY_SLOTS]; int n; } KeyCache;  /* field -1: another key */
+
+static PyObject *field_names[N_FIELDS];  /* s_action, s_addr, s_device_free, s_size, s_stream, s_pool_id */
+
+static void key_cache_clear(KeyCache *c) {
+    for (int j = 0; j < KEY_SLOTS; j++) Py_CLEAR(c->key[j]);
+    c->n = 0;
+}
+
+/* the field of exact str `k` (-1: none of ours) */
+static int key_field(KeyCache *c, PyObject *k) {
+    size_t h = ((uintptr_t)k >> 4) & (KEY_SLOTS - 1);
+    for (; c->key[h]; h = (h + 1) & (KEY_SLOTS - 1))
+        if (c->key[h] == k) return c->field[h];
+    int field = -1;
+    for (int j = 0; j < N_FIELDS && field < 0; j++)
+        if (k == field_names[j] || PyUnicode_Compare(k, field_names[j]) == 0) field = j;
+    if (2 * (c->n + 1) <= KEY_SLOTS) {  /* (the key is held, so its address stays its own) */
+        c->key[h] = Py_NewRef(k); c->field[h] = (int8_t)field; c->n++;
+    }
+    return field;
+}
+
+static int read_fields(PyObject *e, Fields *f, KeyCache *c) {
+    PyObject **slots[N_FIELDS] = {&f->action, &f->addr, &f->device_free, &f->size, &f->stream, &f->pool_id};
+    memset(f, 0, sizeof(*f));
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(e, &pos, &k, &v)) {
+        if (!PyUnicode_CheckExact(k)) goto lookups;
+        int field = key_field(c, k);
+        if (field >= 0) *slots[field] = v;
+    }
+    return 0;
+lookups:
+    memset(f, 0, sizeof(*f));
+    for (int j = 0; j < N_FIELDS; j++) {
+        *slots[j] = PyDict_GetItemWithError(e, field_names[j]);
+        if (!*slots[j] && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* the action's A_* code (A_OTHER for any other hashable value), or -1 (unhashable; no error set);
+ * exact strs are remembered by pointer in `c` (the unpickler shares each action's str too) */
+static int action_code(PyObject *action, KeyCache *c) {
+    int cache = PyUnicode_CheckExact(action);
+    size_t h = ((uintptr_t)action >> 4) & (KEY_SLOTS - 1);
+    if (cache)
+        for (; c->key[h]; h = (h + 1) & (KEY_SLOTS - 1))
+            if (c->key[h] == action) return c->field[h];
+    PyObject *code = PyDict_GetItemWithError(action_codes, action);
+    if (!code && PyErr_Occurred()) { PyErr_Clear(); return -1; }
+    int ac = code ? (int)PyLong_AsLong(code) : A_OTHER;
+    if (cache && 2 * (c->n + 1) <= KEY_SLOTS) { c->key[h] = Py_NewRef(action); c->field[h] = (int8_t)ac; c->n++; }
+    return ac;
+}
+
 /* the first n Ops of a bytes object made by scan (all of them: exact) */
 static const Op *ops_of(PyObject *ops, Py_ssize_t n, int exact) {
     Py_ssize_t have = PyBytes_Check(ops) ? PyBytes_GET_SIZE(ops) : -1;
@@ -605,6 +675,9 @@ static PyObject *scan(PyObject *self, PyObject *trace) {
     (void)self;
     PyObject *fast = PySequence_Fast(trace, "trace must be a sequence"), *bytes = NULL, *result = NULL;
     PyObject *segs[2] = {PyList_New(0), PyList_New(0)};
+    KeyCache keys, actions;  /* key -> field, action -> code */
+    memset(&keys, 0, sizeof(keys));
+    memset(&actions, 0, sizeof(actions));
     if (!fast || !segs[0] || !segs[1]) goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), first_pool_id = -1;
     PyObject **items = PySequence_Fast_ITEMS(fast);
@@ -615,35 +688,24 @@ static PyObject *scan(PyObject *self, PyObject *trace) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *e = items[i];
         if (!PyDict_Check(e)) { refused = 1; break; }
-        PyObject *action = PyDict_GetItemWithError(e, s_action);
-        if (!action) { if (PyErr_Occurred()) goto done; refused = 1; break; }
-        PyObject *code = PyDict_GetItemWithError(action_codes, action);
-        if (!code && PyErr_Occurred()) { PyErr_Clear(); refused = 1; break; }  /* unhashable */
+        Fields f;
+        if (read_fields(e, &f, &keys) < 0) goto done;
+        if (!f.action) { refused = 1; break; }
         Op *op = &ops[i];
-        op->action = code ? (uint8_t)PyLong_AsLong(code) : A_OTHER;
-        op->ok = 0;
-        op->addr = op->size = op->stream = 0;
-        PyObject *addr_key = PyDict_GetItemWithError(e, s_addr), *addr = addr_key;
-        if (addr) op->ok |= ADDR_KEY;
-        else {
-            if (PyErr_Occurred()) goto done;
-            addr = PyDict_GetItemWithError(e, s_device_free);
-            if (!addr && PyErr_Occurred()) goto done;
-        }
+        int ac = action_code(f.action, &actions);
+        if (ac < 0) { refused = 1; break; }  /* unhashable */
+        memset(op, 0, sizeof(*op));  /* (padding too: the same trace gives the same bytes) */
+        op->action = (uint8_t)ac;
+        PyObject *addr_key = f.addr, *addr = addr_key ? addr_key : f.device_free, *size = f.size;
+        if (addr_key) op->ok |= ADDR_KEY;
         if (!addr || as_u64(addr, EMPTY - 1, &op->addr)) op->ok |= OK_ADDR;
         else op->ok &= ~ADDR_KEY;
-        PyObject *size = PyDict_GetItemWithError(e, s_size);
         if (size) {
             op->ok |= HAS_SIZE;
             if (as_u64(size, EMPTY - 1, &op->size)) op->ok |= op->size < ONE_EB ? SIZE_U64 | OK_SIZE : SIZE_U64;
-        } else if (PyErr_Occurred()) goto done;
-        PyObject *stream = PyDict_GetItemWithError(e, s_stream);
-        if (!stream && PyErr_Occurred()) goto done;
-        if (!stream || as_u64(stream, STREAM_MAX, &op->stream)) op->ok |= OK_STREAM;
-        if (first_pool_id < 0) {
-            if (PyDict_GetItemWithError(e, s_pool_id)) first_pool_id = i;
-            else if (PyErr_Occurred()) goto done;
         }
+        if (!f.stream || as_u64(f.stream, STREAM_MAX, &op->stream)) op->ok |= OK_STREAM;
+        if (first_pool_id < 0 && f.pool_id) first_pool_id = i;
         if (op->action == A_SEGMENT_ALLOC || op->action == A_SEGMENT_MAP) {
             if (!addr_key || !size) { refused = 1; break; }
             PyObject *t = PyTuple_Pack(2, addr_key, size);
@@ -658,6 +720,8 @@ static PyObject *scan(PyObject *self, PyObject *trace) {
         result = PyTuple_Pack(4, bytes, segs[0], segs[1], fp);
     Py_XDECREF(fp);
 done:
+    key_cache_clear(&keys);
+    key_cache_clear(&actions);
     Py_XDECREF(fast); Py_XDECREF(bytes); Py_XDECREF(segs[0]); Py_XDECREF(segs[1]);
     return result;
 }
@@ -1100,6 +1164,7 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
     /* as rewind.py _walk acts: 0 alloc, 1 free_completed, 2 free_requested, 3 segment_alloc,
      * 4 segment_free, 5 segment_map / unmap (walked in Python only), -1 ignored */
     static const int REWIND_CODE[N_ACTIONS] = {0, 2, 1, 3, 4, 5, 5, -1, -1};
+    RSeg *last = NULL;  /* the segment found last (a block's events come in runs at one address) */
     for (Py_ssize_t i = PyList_GET_SIZE(trace) - 1; i >= 0; i--) {
         const Op *op = &ops[i];
         int code = REWIND_CODE[op->action];
@@ -1108,7 +1173,7 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
         if (!(op->ok & ADDR_KEY)) REFUSE;
         uint64_t addr = op->addr;
         if (code == 0) {  /* alloc: its block was not there before */
-            RSeg *g = rseg_at(&starts, addr);
+            RSeg *g = last && addr - last->address < last->total ? last : (last = rseg_at(&starts, addr));
             uint64_t lp;
             if (!g || !map_pop(&live, addr, &lp)) REFUSE;
             Live *l = (Live *)(uintptr_t)lp;
@@ -1127,7 +1192,7 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
                     if (map_put(&bound, u, addr) < 0) { PyErr_NoMemory(); goto done; }
             }
         } else if (code == 1) {  /* free_completed: live before, size unknown, pending */
-            RSeg *g = rseg_at(&starts, addr);
+            RSeg *g = last && addr - last->address < last->total ? last : (last = rseg_at(&starts, addr));
             if (!g || map_get(&live, addr, NULL) || !(op->ok & HAS_SIZE)) REFUSE;
             Live *l = PyMem_Calloc(1, sizeof(Live));
             if (!l || unknown_add(g, addr) < 0 || map_put(&live, addr, (uint64_t)(uintptr_t)l) < 0) {
@@ -1146,6 +1211,7 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
             RSeg *g = (RSeg *)(void *)set_floor(&starts, addr);
             if (!g || g->address != addr || g->nlive) REFUSE;
             set_remove(&starts, addr);
+            last = NULL;
         } else {  /* segment_free: an empty segment existed before */
             uint64_t size = op->size;
             if (!(op->ok & SIZE_U64) || size > EMPTY - 1 - addr) REFUSE;
@@ -1157,6 +1223,7 @@ static PyObject *rewind_walk(PyObject *self, PyObject *args) {
             NEWSEG(g);
             g->index = -1; g->address = addr; g->total = size; g->event = i;
             if (set_insert(&starts, addr, (Block *)(void *)g) < 0) { PyErr_NoMemory(); goto done; }
+            last = NULL;
         }
     }
     for (size_t c = 0; c < starts.n; c++)  /* a live dict per segment, filled in one scan of the map */
@@ -1369,6 +1436,8 @@ PyMODINIT_FUNC PyInit__ccore(void) {
             || !(s_time_us = PyUnicode_InternFromString("time_us")) || !(s_oom = PyUnicode_InternFromString("oom"))
             || !(s_zero = PyLong_FromLong(0)) || !(s_one = PyLong_FromLong(1)))
         return NULL;
+    PyObject *const fields[N_FIELDS] = {s_action, s_addr, s_device_free, s_size, s_stream, s_pool_id};
+    memcpy(field_names, fields, sizeof(fields));
     for (int k = 0; k < A_OTHER; k++) {
         PyObject *name = PyUnicode_InternFromString(ACTION_NAMES[k]), *code = PyLong_FromLong(k);
         int bad = !name || !code || PyDict_SetItem(action_codes, name, code) < 0;
