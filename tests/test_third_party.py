@@ -87,3 +87,31 @@ def test_profiler_with_cuda_activity_profiles_the_cpu_and_says_so(capsys: pytest
     assert err.count("profiler records CPU activity only") == 1
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # restored outside the run
         torch.ones(2).sum()
+
+
+@pytest.mark.parametrize("make", [lambda: torch.nn.LSTM(8, 16), lambda: torch.nn.GRU(8, 16),
+                                  lambda: torch.nn.RNN(8, 16), lambda: torch.nn.LSTMCell(8, 16)])
+def test_recurrent_layers_on_the_gpu_stop_with_a_clear_message(make: Any) -> None:
+    """pytorch/examples word_language_model: cuDNN's RNN memory is not modelled, so vram stops
+    rather than print the CPU decomposition's figures; on the host the layer still runs."""
+    with simulated_cuda():
+        cpu_out = make()(torch.zeros(3, 8))  # a CPU model: real, as without vram
+        assert not cpu_out[0].is_cuda
+        rnn = make().cuda()
+        with pytest.raises(NotImplementedError, match=r"^vram run: torch\.\w+ on the simulated GPU is not modelled"):
+            rnn(torch.zeros(3, 8, device="cuda"))
+
+
+def test_estimate_loads_a_torchvision_factory_in_a_fresh_process() -> None:
+    """``vram estimate torchvision.models:resnet18``: PyPI's CUDA-built torchvision imports, as under run."""
+    import subprocess
+    import sys
+    from importlib.util import find_spec
+
+    if find_spec("torchvision") is None:
+        pytest.skip("torchvision not installed")
+    code = ("from vram.estimate.model import load_factory; "
+            "print(sum(p.numel() for p in load_factory('torchvision.models:resnet18')().parameters()))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["11689512"]  # torchvision's documented resnet18 size (11.7M, IMAGENET1K_V1)
