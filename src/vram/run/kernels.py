@@ -34,7 +34,8 @@ the shared cuBLASLt workspace, each Lt matmul allocated and freed its own 1 MiB)
 
 Not modelled (documented limitations) — mostly transient scratch that raises a peak without
 changing steady state: cuDNN convolution workspaces; sort buffers of
-embedding backward; ``_foreach_norm`` intermediates; NCCL buffers; CUDA graphs.
+embedding backward; ``_foreach_norm`` intermediates; NCCL buffers; CUDA graphs. Refused instead
+(`RNN_OPS`: not scratch, the saved state differs): cuDNN's recurrent layers.
 """
 from __future__ import annotations
 
