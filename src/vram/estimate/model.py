@@ -166,9 +166,15 @@ def micro_inputs(x: Any, n: int) -> Any:
 
 
 def load_factory(target: str, what: str = "model") -> Any:
-    """MODULE:FUNC (or path/to/file.py:FUNC) -> the callable; the current directory is searched first."""
+    """MODULE:FUNC (or path/to/file.py:FUNC) -> the callable; the current directory is searched first.
+    PyPI's CUDA-built torchvision is made importable first, as under ``vram run``
+    (`vram.run.compat`): factories from torchvision and timm import it."""
     import importlib
     import importlib.util
+
+    from vram.run.compat import define_torchvision_ops
+
+    define_torchvision_ops()
 
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:

@@ -219,21 +219,23 @@ def current_stream(device: Any = None) -> Stream:
 
 
 @contextmanager
-def stream(s: Stream | None) -> Iterator[None]:
-    """``torch.cuda.stream``: make `s` the current stream of its device inside the block."""
-    if s is None:
+def stream(stream: Stream | None) -> Iterator[None]:
+    """``torch.cuda.stream(stream)``: make `stream` the current stream of its device inside the
+    block (torch's parameter name: callers pass it by keyword, e.g. timm's loader)."""
+    if stream is None:
         yield
         return
     rt = _rt()
-    prev = rt.current_streams.get(s.device_index)
-    rt.current_streams[s.device_index] = s
+    idx = stream.device_index
+    prev = rt.current_streams.get(idx)
+    rt.current_streams[idx] = stream
     try:
         yield
     finally:
         if prev is None:
-            rt.current_streams.pop(s.device_index, None)
+            rt.current_streams.pop(idx, None)
         else:
-            rt.current_streams[s.device_index] = prev
+            rt.current_streams[idx] = prev
 
 
 def synchronize(device: Any = None) -> None:

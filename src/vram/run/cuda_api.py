@@ -100,11 +100,12 @@ _PRIVATE_MEMORY_NAMES = ("_record_memory_history", "_snapshot", "_dump_snapshot"
                          "_set_allocator_settings")
 
 
-def _exchange_device(idx: int) -> int:
-    """``torch.cuda._exchange_device``: make `idx` current (unless negative), return the previous."""
+def _exchange_device(device: int) -> int:
+    """``torch.cuda._exchange_device``: make `device` current (unless negative), return the
+    previous (torch's parameter name)."""
     prev = _memory.current_device()
-    if idx >= 0:
-        _memory.set_device(idx)
+    if device >= 0:
+        _memory.set_device(device)
     return prev
 
 
@@ -370,6 +371,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     def hooks_init(self: Any, pack_hook: Callable[..., Any], unpack_hook: Callable[..., Any]) -> None:
         original_hooks_init(self, under_mode(pack_hook), under_mode(unpack_hook))
 
+    restore_host = _patch_host_side(lambda: function_mode in _get_current_function_mode_stack())
     torch.autograd._engine_run_backward = autograd_graph._engine_run_backward = under_mode(original_engine)
     autograd_graph.saved_tensors_hooks.__init__ = hooks_init  # type: ignore[method-assign]
     torch._C._group_tensors_by_device_and_dtype = group
@@ -381,6 +383,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     GradScaler._maybe_opt_step = maybe_opt_step  # type: ignore[method-assign]
 
     def restore() -> None:
+        restore_host()
         torch._C._group_tensors_by_device_and_dtype = original_group
         torch.clear_autocast_cache = original_clear
         torch._has_compatible_shallow_copy_type = original_compatible
@@ -391,6 +394,47 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
         torch.autograd._engine_run_backward = autograd_graph._engine_run_backward = original_engine
         autograd_graph.saved_tensors_hooks.__init__ = original_hooks_init  # type: ignore[method-assign]
 
+    return restore
+
+
+def _patch_host_side(on_mode_stack: Callable[[], bool]) -> Callable[[], None]:
+    """Host-side services a CPU build of PyTorch lacks; returns the restore function.
+
+    * ``Tensor.pin_memory`` of a host tensor outside the run's thread (DataLoader's pin-memory
+      thread, started with ``pin_memory=True`` and ``num_workers > 0``, has no torch-function
+      mode) returns the tensor: page-locked host memory is not GPU memory, and a CPU build
+      cannot pin ("Cannot access accelerator device when none is available"). In the run's
+      thread the mode answers it the same way.
+    * ``torch.profiler`` / ``torch.autograd.profiler.profile`` asked for CUDA activity profile the
+      CPU only and say so once on stderr: a CPU build has no CUPTI, so PyTorch would fall back to
+      recording a CUDA event per op (``KINETO_GPU_FALLBACK``), each failing with a warning and a
+      C++ stack trace. Kernel timings cannot be simulated; the profiler allocates nothing on
+      the GPU either way (``profile_memory`` records allocator events, not allocations).
+    """
+    import torch.autograd.profiler as autograd_profiler
+
+    put, restore = attribute_patches()
+    original_pin = torch.Tensor.pin_memory
+    original_profile_init = autograd_profiler.profile.__init__
+    told: list[bool] = []
+
+    def pin_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not on_mode_stack() and self.device.type == "cpu":
+            return self
+        return original_pin(self, *args, **kwargs)
+
+    def profile_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_device") == "cuda" or kwargs.get("use_cuda"):
+            kwargs = dict(kwargs, use_device=None, use_cuda=False)
+            if not told:
+                told.append(True)
+                sys.stdout.flush()
+                sys.stderr.write("vram run: the profiler records CPU activity only: CUDA kernels do not "
+                                 "run on the simulated GPU, so they have no timings\n")
+        original_profile_init(self, *args, **kwargs)
+
+    put(torch.Tensor, "pin_memory", pin_memory)
+    put(autograd_profiler.profile, "__init__", profile_init)
     return restore
 
 

@@ -34,7 +34,8 @@ the shared cuBLASLt workspace, each Lt matmul allocated and freed its own 1 MiB)
 
 Not modelled (documented limitations) — mostly transient scratch that raises a peak without
 changing steady state: cuDNN convolution workspaces; sort buffers of
-embedding backward; ``_foreach_norm`` intermediates; NCCL buffers; CUDA graphs.
+embedding backward; ``_foreach_norm`` intermediates; NCCL buffers; CUDA graphs. Refused instead
+(`RNN_OPS`: not scratch, the saved state differs): cuDNN's recurrent layers.
 """
 from __future__ import annotations
 
@@ -295,6 +296,24 @@ AUTOCAST_LOWER = frozenset({
     "addmv", "addr", "mv", "einsum", "chain_matmul", "conv1d", "conv2d", "conv3d", "conv_tbc",
     "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu", "scaled_dot_product_attention",
     "linalg_vecdot", "linalg_multi_dot", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"})
+#: recurrent ops whose CUDA memory is not modelled (refused: a wrong figure is worse than a stop).
+#: On CUDA, ``aten/src/ATen/native/RNN.cpp`` sends ``lstm``/``gru``/``rnn_*`` to cuDNN
+#: (``_cudnn_rnn``: a flat weight buffer, workspace and reserve space sized by cuDNN's own
+#: ``cudnnGetRNNTempSpaceSizes``) and, without cuDNN, the cells to fused kernels
+#: (``_thnn_fused_lstm_cell``: gates without bias, a saved workspace); on meta the CPU
+#: decomposition runs instead (biased gates, chunk, pointwise ops), which allocates differently.
+RNN_OPS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell",
+                     "rnn_relu_cell"})
+
+
+def rnn_refusal(name: str) -> str:
+    """The one-line stop for `RNN_OPS` on the simulated GPU."""
+    return (f"vram run: torch.{name} on the simulated GPU is not modelled (nn.LSTM/GRU/RNN and their "
+            "cells: CUDA runs cuDNN's RNN kernels, whose workspace and reserve sizes come from cuDNN, "
+            "or fused cell kernels; the CPU decomposition allocates differently), so memory figures "
+            "would be wrong")
+
+
 #: ops autocast runs in float32
 AUTOCAST_FP32 = frozenset({
     "layer_norm", "group_norm", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",

@@ -283,6 +283,8 @@ class FunctionMode(TorchFunctionMode):
                 return b0.ptr + t0.storage_offset() * t0.element_size() if b0.ptr else 0
             if name == "get_device":
                 return b0.device
+            if name in _k.RNN_OPS:
+                raise NotImplementedError(_k.rnn_refusal(name))
             if name == "record_stream" and len(args) > 1:  # an empty storage has no block: nothing
                 if b0.ptr:  # to do (CUDACachingAllocator.cpp, recordStream); never C++'s, which
                     _memory.get_allocator(b0.device).record_stream(b0.ptr, args[1].cuda_stream)

@@ -1,0 +1,117 @@
+"""What unmodified third-party scripts met under ``vram run`` (issue 10, docs/corpus.md), each as a
+minimal reproduction: torch.cuda's replacements take torch's own parameter names (timm's loader
+calls ``torch.cuda.stream(stream=...)``), DataLoader's pin-memory thread runs (minGPT's trainer:
+``pin_memory=True, num_workers=4``), and ``torch.profiler`` with CUDA activity profiles the CPU
+instead of warning once per op with a C++ stack trace (nanoGPT's ``bench.py --profile=True``).
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from vram.frontend import memory as _memory  # noqa: E402
+from vram.run import cuda_api  # noqa: E402
+from vram.run.runtime import simulated_cuda  # noqa: E402
+
+_REAL_CUDA = {name: getattr(torch.cuda, name) for name in dir(torch.cuda)}
+
+
+def _keyword_names(fn: Any) -> tuple[set[str], bool]:
+    params = inspect.signature(fn).parameters.values()
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names, any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+def _replaced_functions() -> dict[str, Any]:
+    table = dict(cuda_api._replacements([None]))  # type: ignore[list-item]
+    table.update({name: getattr(_memory, name) for name in cuda_api._MEMORY_NAMES})
+    return {name: fn for name, fn in table.items() if not isinstance(fn, type) and name in _REAL_CUDA}
+
+
+@pytest.mark.parametrize("name", sorted(_replaced_functions()))
+def test_replacements_accept_torch_cudas_keyword_arguments(name: str) -> None:
+    try:
+        theirs, _ = _keyword_names(_REAL_CUDA[name])
+    except (TypeError, ValueError):  # a builtin without a signature: positional use only
+        pytest.skip("no Python signature")
+    ours, any_keyword = _keyword_names(_replaced_functions()[name])
+    assert any_keyword or theirs <= ours, f"torch.cuda.{name} takes {sorted(theirs - ours)} by keyword"
+
+
+def test_stream_by_keyword_makes_it_current() -> None:
+    with simulated_cuda():
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(stream=s):  # timm.data.loader.PrefetchLoader
+            assert torch.cuda.current_stream() == s
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+def test_pin_memory_in_another_thread_keeps_the_host_tensor() -> None:
+    """DataLoader's pin-memory thread has no torch-function mode; a CPU build cannot pin."""
+    out: list[Any] = []
+    with simulated_cuda():
+        batch = torch.arange(6)
+        worker = threading.Thread(target=lambda: out.append(batch.pin_memory()))
+        worker.start()
+        worker.join()
+        x = out[0].to("cuda", non_blocking=True)
+        assert x.is_cuda and torch.cuda.memory_allocated() == 512  # 48 bytes in one block
+    assert len(out) == 1 and out[0] is batch
+
+
+def test_dataloader_with_pinning_workers_runs() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(8.0).reshape(4, 2))
+    with simulated_cuda():
+        loader = torch.utils.data.DataLoader(data, batch_size=2, num_workers=1, pin_memory=True)
+        shapes = [tuple(x.cuda().shape) for (x,) in loader]
+    assert shapes == [(2, 2), (2, 2)]
+
+
+def test_profiler_with_cuda_activity_profiles_the_cpu_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    from torch.autograd.profiler import ProfilerState
+    from torch.profiler import ProfilerActivity, profile
+
+    with simulated_cuda():
+        for _ in range(2):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                x = torch.ones(64, 64, device="cuda")
+                (x @ x).sum()
+            assert prof.profiler is not None and prof.profiler.profiler_kind == ProfilerState.KINETO
+            assert "aten::mm" in prof.key_averages().table(sort_by="cuda_time_total")
+    err = capsys.readouterr().err
+    assert err.count("profiler records CPU activity only") == 1
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # restored outside the run
+        torch.ones(2).sum()
+
+
+@pytest.mark.parametrize("make", [lambda: torch.nn.LSTM(8, 16), lambda: torch.nn.GRU(8, 16),
+                                  lambda: torch.nn.RNN(8, 16), lambda: torch.nn.LSTMCell(8, 16)])
+def test_recurrent_layers_on_the_gpu_stop_with_a_clear_message(make: Any) -> None:
+    """pytorch/examples word_language_model: cuDNN's RNN memory is not modelled, so vram stops
+    rather than print the CPU decomposition's figures; on the host the layer still runs."""
+    with simulated_cuda():
+        cpu_out = make()(torch.zeros(3, 8))  # a CPU model: real, as without vram
+        assert not cpu_out[0].is_cuda
+        rnn = make().cuda()
+        with pytest.raises(NotImplementedError, match=r"^vram run: torch\.\w+ on the simulated GPU is not modelled"):
+            rnn(torch.zeros(3, 8, device="cuda"))
+
+
+def test_estimate_loads_a_torchvision_factory_in_a_fresh_process() -> None:
+    """``vram estimate torchvision.models:resnet18``: PyPI's CUDA-built torchvision imports, as under run."""
+    import subprocess
+    import sys
+    from importlib.util import find_spec
+
+    if find_spec("torchvision") is None:
+        pytest.skip("torchvision not installed")
+    code = ("from vram.estimate.model import load_factory; "
+            "print(sum(p.numel() for p in load_factory('torchvision.models:resnet18')().parameters()))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["11689512"]  # torchvision's documented resnet18 size (11.7M, IMAGENET1K_V1)
