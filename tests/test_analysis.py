@@ -183,3 +183,20 @@ def test_export_by_time(tmp_path):
     us = trace[k]["time_us"] - t0
     assert event_index(trace, f"{us}us", "--from") == k
     assert event_index(trace, "0s", "--from") == 0
+
+
+def test_explain_says_expandable_segments_was_already_on(tmp_path):
+    """PyTorch's OOM message advises ``expandable_segments:True`` whatever the config
+    (CUDACachingAllocator.cpp); explain says when the recording already had it on."""
+    vram.simulate(total_memory="1GiB", context="100MiB", alloc_conf="expandable_segments:True")
+    m._record_memory_history()
+    keep = [vram.empty(100 * MiB, dtype="uint8") for _ in range(4)]  # noqa: F841
+    with pytest.raises(vram.OutOfMemoryError) as info:
+        vram.empty(600 * MiB, dtype="uint8")
+    assert "expandable_segments:True to avoid fragmentation" in str(info.value)
+    m._dump_snapshot(str(tmp_path / "oom.pickle"))
+    ex = explain(str(tmp_path / "oom.pickle"), workers=1).to_json()
+    assert any("expandable_segments was already on" in w for w in ex["why"])
+    _too_big(tmp_path / "default.pickle")
+    ex = explain(str(tmp_path / "default.pickle"), workers=1).to_json()
+    assert not any("already on" in w for w in ex["why"])

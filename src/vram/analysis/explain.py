@@ -25,6 +25,7 @@ from typing import Any
 
 from vram.allocator.block import SIZE_MASK, SIZE_SHIFT, STREAM_SHIFT
 from vram.allocator.caching import K_SMALL_SIZE, round_size
+from vram.allocator.config import parse_alloc_conf
 from vram.replay.cut import allocation_stacks
 from vram.replay.diff import user_frame
 from vram.replay.engine import device_count, replay
@@ -202,6 +203,9 @@ def explain(path: str, *, device: int | None = None, gpu: int | str | None = Non
     ex = Explanation(path, device, at, b_gpu, budget.why)
     _state(ex, snap, stop, gpu_bytes, ctx)
     _why(ex)
+    if oom is not None and recorded_conf and parse_alloc_conf(recorded_conf).expandable_segments:
+        ex.why.append("expandable_segments was already on: the message's advice to set it is fixed text "
+                      "(CUDACachingAllocator.cpp, the OutOfMemoryError message), not a diagnosis")
     _fixes(ex, path, recorded_conf, probe, budget.context, workers, cluster, progress)
     return ex
 
