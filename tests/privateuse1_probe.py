@@ -16,32 +16,14 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 sys.path.insert(0, str(Path(__file__).parent))
 from test_subclass_formulas import FAMILIES, FULL  # noqa: E402
 
+# the engine's DLPack structures and dtype codes (importing them registers nothing)
+from vram.run.backend.storage import CODES, DLDataType, DLDevice, DLTensor  # noqa: E402
+
 _setup_privateuseone_for_python_backend("vramsim")
 META, CPU = torch.device("meta"), torch._C.DispatchKey.CPU
 AS_STRIDED = torch.ops.aten.as_strided.default
-
-
-class DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32), ("dtype", DLDataType),
-                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
-                ("byte_offset", ctypes.c_uint64)]
-
-
 MADE: list[int] = []
 FREED: list[int] = []
-#: DLPack (code, bits) of the dtypes these programs use (dlpack.h: kDLInt 0, kDLUInt 1, kDLFloat 2,
-#: kDLBfloat 4, kDLComplex 5, kDLBool 6)
-CODES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.float64: (2, 64), torch.bfloat16: (4, 16),
-         torch.int64: (0, 64), torch.int32: (0, 32), torch.int8: (0, 8), torch.uint8: (1, 8), torch.bool: (6, 8),
-         torch.complex64: (5, 64)}
 GET_POINTER = ctypes.pythonapi.PyCapsule_GetPointer
 GET_POINTER.restype, GET_POINTER.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
 

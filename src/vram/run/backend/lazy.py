@@ -21,6 +21,9 @@ from ..lazy_host import seeded
 from ..modes import DATA_ERRORS, draws_host_default
 from ..storages import SimState
 
+#: the runs whose `LazyHostMode` is on the dispatch stack
+_PUSHED: set[SimState] = set()
+
 
 class LazyHostMode(TorchDispatchMode):
     """Records the ops of lazy host tensors (as `vram.run.modes.DispatchMode` does for the
@@ -73,22 +76,28 @@ def ready(sim: SimState, run_on_device: Any) -> bool:
     if mode is not None:
         return isinstance(mode, LazyHostMode) and mode.sim is sim
     _push_mode(LazyHostMode(sim, run_on_device))
+    _PUSHED.add(sim)
     return True
 
 
 def retire(sim: SimState, end: bool = False) -> None:
     """Pop `LazyHostMode` once no lazy host tensor lives (and it is the innermost mode), after
     paying the CPU generator's deferred draws, so autograd sees no dispatch mode again; at the
-    `end` of the simulated run, wherever it is on the stack (modes above it are put back)."""
+    `end` of the simulated run, wherever it is on the stack (modes above it are put back).
+    Called before every torch function of the run: nothing to do unless `ready` pushed one."""
+    if sim not in _PUSHED or (sim.host.live and not end):
+        return
     above: list[Any] = []
     while (mode := _get_current_dispatch_mode()) is not None:
         if isinstance(mode, LazyHostMode) and mode.sim is sim:
-            if end or not sim.host.live:
-                sim.host.ledger.settle()
-                _pop_mode()
+            sim.host.ledger.settle()
+            _pop_mode()
+            _PUSHED.discard(sim)
             break
         if not end:
             break
         above.append(_pop_mode())
     for mode in reversed(above):
         _push_mode(mode)
+    if end:
+        _PUSHED.discard(sim)

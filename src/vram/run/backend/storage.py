@@ -31,16 +31,16 @@ CODES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.float64: (2, 64),
 EMPTY = 1 << 40
 
 
-class _DLDevice(ctypes.Structure):
+class DLDevice(ctypes.Structure):
     _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
 
 
-class _DLDataType(ctypes.Structure):
+class DLDataType(ctypes.Structure):
     _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
 
 
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32), ("dtype", DLDataType),
                 ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
                 ("byte_offset", ctypes.c_uint64)]
 
@@ -73,8 +73,8 @@ def new_storage(meta: torch.Tensor, device: int, address: int, died: Callable[[i
     memory = (ctypes.c_uint8 * (words * size)).from_address(address or EMPTY)
     memory.block = _Block(address, device, died)  # type: ignore[attr-defined]
     capsule = np.frombuffer(memory, dtype=np.uint8).__dlpack__()
-    dl = _DLTensor.from_address(_GET_POINTER(capsule, b"dltensor"))
+    dl = DLTensor.from_address(_GET_POINTER(capsule, b"dltensor"))
     code, bits = CODES[meta.dtype]
-    dl.device, dl.dtype, dl.shape[0] = _DLDevice(EXT_DEV, device), _DLDataType(code, bits, 1), words
+    dl.device, dl.dtype, dl.shape[0] = DLDevice(EXT_DEV, device), DLDataType(code, bits, 1), words
     base = torch.utils.dlpack.from_dlpack(capsule)
     return _AS_STRIDED._op_dk(_CPU, base, meta.shape, meta.stride(), meta.storage_offset())
