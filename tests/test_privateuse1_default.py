@@ -138,3 +138,31 @@ def test_half_softmax_to_float_is_one_kernel(backend: str) -> None:
         assert forward.y.dtype == forward.z.dtype == torch.float32  # type: ignore[attr-defined]
         forward.y.sum().backward()  # type: ignore[attr-defined]
         assert x.grad is not None and x.grad.dtype == torch.float16
+
+
+@pytest.mark.parametrize("reduction", ["max", "min", "median", "nanmedian"])
+def test_full_reduction_backward_takes_cudas_branch(reduction: str) -> None:
+    """``evenly_distribute_backward`` (FunctionsManual.cpp) branches on ``input.is_cuda()``; its
+    CUDA branch, read off the source for N fp32 inputs: isnan(input) N bytes, isnan(value) 1,
+    ``input == value`` N, ``mask.sum()`` an int64 output then the bool→int64 copy ``make_reduction``
+    reduces (ReduceOpsUtils.h), ``grad / sum`` 4, ``mask * …`` 4N. The CPU branch PrivateUse1
+    would take reads ``value.isnan().item()`` and fills ``new_zeros``."""
+    n = 64 * 64
+    with simulated_cuda(gpu="A100-80GB", backend="privateuse1"):
+        x = torch.randn(64, 64, device="cuda", requires_grad=True)
+        y = getattr(x, reduction)()
+        assert _allocs(y.backward) == [4, n, 1, n, 8, 8 * n, 4, 4 * n]
+        assert type(y.grad_fn).__name__ == "_EvenlyDistributedBackward"
+        with torch.no_grad():
+            assert getattr(x, reduction)().grad_fn is None
+        assert x.grad is not None and x.grad.shape == x.shape and x.grad.device.type == "cuda"
+
+
+def test_mish_backward_is_cudas_kernel() -> None:
+    """``mish_backward`` has a CUDA kernel (Activation.cpp: one ``grad_input`` of the input's
+    size); PrivateUse1 would get the composite ``math_mish_backward``'s temporaries."""
+    with simulated_cuda(gpu="24GiB", backend="privateuse1"):
+        x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+        y = nn.functional.mish(x)
+        g = torch.ones_like(y)
+        assert _allocs(lambda: y.backward(g)) == [4 << 20]

@@ -23,7 +23,7 @@ from .. import known
 from ..modes import DATA_ERRORS, DispatchMode, FunctionMode
 from ..storages import ChargedStorage, SimState
 from ..values import describe, value_error
-from . import lazy
+from . import formulas, lazy
 from .storage import new_storage
 
 #: PrivateUse1's name in a process that ran the engine (``torch.utils.rename_privateuse1_backend``)
@@ -41,9 +41,11 @@ _OVERRIDEABLE = frozenset({"aten::convolution", "aten::convolution_backward", "a
                            "aten::_convolution_double_backward"})
 _NON_FUNCTIONAL, _EXPLICIT = "CompositeExplicitAutogradNonFunctional", "CompositeExplicitAutograd"
 _IMPLICIT = "CompositeImplicitAutograd"
-#: CUDA-kernel ops with a ``CompositeImplicitAutograd`` kernel elsewhere and a derivative of their
-#: own (derivatives.yaml), so autograd still works with a PrivateUse1 kernel registered
-_DIFFERENTIABLE = frozenset({"aten::_fused_rms_norm"})
+#: CUDA-kernel ops with a ``CompositeImplicitAutograd`` kernel elsewhere that autograd still handles
+#: with a PrivateUse1 kernel registered: ``_fused_rms_norm`` has a derivative of its own
+#: (derivatives.yaml); ``mish_backward`` is called by ``MishBackward0`` with grad mode off (CUDA:
+#: one output, Activation.cpp; the composite ``math_mish_backward`` makes five input-sized temporaries)
+_DIFFERENTIABLE = frozenset({"aten::_fused_rms_norm", "aten::mish_backward"})
 _has = torch._C._dispatch_has_kernel_for_dispatch_key
 #: composites whose input a CUDA kernel takes ``contiguous()`` and PrivateUse1 does not
 _CUDA_CONTIGUOUS = frozenset({"group_norm"})
@@ -106,6 +108,7 @@ def _structured_kernels() -> Any:
         if whole and (op is _COPY_FROM or op in _SET_SOURCE):
             continue
         lib.impl(qualified[len("aten::"):], _whole(op), "PrivateUse1")
+    formulas.register(lib)
     return lib
 
 
