@@ -33,7 +33,8 @@ def _reproduce(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folder: str, scr
     for path in work.rglob("*"):
         path.chmod(0o755 if path.is_dir() else 0o644)
     monkeypatch.chdir(work)
-    monkeypatch.setattr(sys, "path", [str(work), *sys.path])
+    # PYTHONPATH=$PWD: after sys.path[0], which run_script (and fast_init.py) set to a script's folder
+    monkeypatch.setattr(sys, "path", [*sys.path[:1], str(work), *sys.path[1:]])
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     for name in [m for m in sys.modules if m.split(".")[0] in ("cs336_basics", "cs336_systems")]:

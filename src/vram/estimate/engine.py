@@ -57,7 +57,7 @@ from vram.frontend import memory as _memory
 from vram.run.runtime import active_sim, simulated_cuda
 from vram.units import parse_size
 
-from .model import build_model, default_step, describe_inputs, make_optimizer, materialize
+from .model import build_model, default_step, describe_inputs, make_optimizer, materialize, to_gpu
 from .trace import CATEGORIES, Tracker, apply_checkpoint, unpack
 
 __all__ = ["estimate", "max_batch", "fits", "EstimateResult", "CATEGORIES", "PHASES"]
@@ -148,7 +148,7 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
     oom = None
     devices = 1 if parallel is None else parallel.devices
     with _own_gpu(), simulated_cuda(gpu=gpu, context=context, conf=conf, device_count=devices,
-                                       backend="meta"):
+                                       backend="meta" if parallel is not None else None):
         sim = active_sim()
         if parallel is not None:
             parallel.enter()
@@ -160,7 +160,7 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
             try:
                 m = build_model(model, sim)
                 tr.attach(m)
-                m = m.to("cuda") if parallel is None else parallel.place(m, tr)
+                m = to_gpu(m, sim) if parallel is None else parallel.place(m, tr)
                 m.train()
                 for p in m.parameters():
                     tr.mark(p, "parameters")

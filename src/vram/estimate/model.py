@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..run.backend import BackendState
 from .trace import Tracker, unpack
 
 
@@ -26,6 +27,38 @@ def meta_clone(model: nn.Module) -> nn.Module:
             if b is not None and id(b) not in memo:
                 memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)
+
+
+def to_gpu(model: nn.Module, sim: Any) -> nn.Module:
+    """``model.to("cuda")`` for a model `build_model` made: each parameter and buffer not yet on
+    the simulated GPU gets a GPU tensor of its shape, in ``Module._apply``'s order (children, then
+    parameters, then buffers), one allocation each as ``.to`` makes. Under the meta engine a meta
+    tensor *is* a simulated one and ``.to`` does it. The PrivateUse1 engine cannot copy out of a
+    meta tensor, so there the move is ``torch.empty_like`` swapped into the same Python object
+    (``torch._C._swap_tensor_impl``, as `vram.run.modes.FunctionMode._set_data` moves a host tensor): ties,
+    ``Parameter`` objects and hooks survive, and a tied parameter moves once, as ``.to`` finds it
+    already moved on its second visit."""
+    if not isinstance(sim, BackendState):
+        return model.to("cuda")
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if sim.block_of(t) is not None:
+            return t
+        moved = torch.empty_like(t, device="cuda").requires_grad_(t.requires_grad)
+        torch._C._swap_tensor_impl(t, moved)
+        return t
+
+    _apply(model, move)
+    return model
+
+
+def _apply(module: nn.Module, fn: Any) -> None:
+    for child in module.children():
+        _apply(child, fn)
+    for store in (module._parameters, module._buffers):
+        for t in store.values():
+            if t is not None:
+                fn(t)
 
 
 def _on_sim(model: nn.Module, sim: Any) -> bool:

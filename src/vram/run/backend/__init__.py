@@ -1,6 +1,7 @@
-"""The PrivateUse1 engine of ``vram run`` (experimental; ``--backend privateuse1``; issue 12).
+"""The PrivateUse1 engine of ``vram run``: the default for one process on one GPU (issue 12).
 
-The default engine keeps simulated tensors on ``meta`` under a ``TorchDispatchMode``; both make
+The older ``meta`` engine (``--backend meta``; several GPUs, distributed ranks) keeps simulated
+tensors on ``meta`` under a ``TorchDispatchMode``; both make
 every tensor "subclass-like" to ``at::isTensorSubclassLike`` (``ATen/TensorSubclassLikeUtils.h``),
 so backward formulas take out-of-place paths a GPU does not. Here simulated tensors live on
 PyTorch's PrivateUse1 device, set up as a Python backend
