@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from vram.frontend import memory as _memory
 
+from . import fastpath as _fast
 from . import kernels as _k
 from . import known
 from .lazy_host import LAZY_FACTORIES, seeded
@@ -306,6 +307,10 @@ class FunctionMode(TorchFunctionMode):
             return self._copy_to_host(t0, args[1])
         if func in _k.TRANSPARENT and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
             return self._call(func, lambda: self._inside(func, args, kwargs), None, False, args, kwargs)
+        if func in _fast.FUSED and b0 is not None:
+            cc = sim.props[b0.device]  # nn.MultiheadAttention / TransformerEncoderLayer in inference
+            return self._call(func, lambda: self._again(lambda: _fast.FUSED[func](args, kwargs, cc.major, cc.minor)),
+                              None, False, args, kwargs)
         if name == "pin_memory" and t0 is not None:  # page-locked host memory: not GPU memory
             return t0
         if torch.is_autocast_enabled("cuda"):
@@ -488,8 +493,12 @@ class FunctionMode(TorchFunctionMode):
             return dst.copy_(value)
 
     def _inside(self, func: Any, args: Any, kwargs: Any) -> Any:
+        return self._again(lambda: _k.transparent(func)(*args, **kwargs))
+
+    def _again(self, run: Callable[[], Any]) -> Any:
+        """`run` with this mode pushed again (a torch-function mode runs with itself popped)."""
         with self:
-            return _k.transparent(func)(*args, **kwargs)
+            return run()
 
     def _cuda(self, t: torch.Tensor, b: ChargedStorage | None, args: Any, kwargs: Any) -> Any:
         """``Tensor.cuda(device=None, non_blocking=False, memory_format=...)``."""
