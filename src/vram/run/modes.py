@@ -210,6 +210,13 @@ class DispatchMode(TorchDispatchMode):
                 sim.workspace((idx, stream, thread, "cublaslt"), lt)
 
 
+def _host_to(host: torch.Tensor, args: Any, kwargs: Any) -> torch.Tensor:
+    """``simulated.to("cpu", ...)`` applied to `host`, its CPU copy: the call's other arguments
+    (dtype, copy, memory format) as a GPU run would apply them."""
+    with torch._C.DisableTorchFunction():
+        return torch.Tensor.to(host, *args[1:], **kwargs)
+
+
 def draws_host_default(func: Any, kwargs: dict[str, Any], inputs: list[Any], sim: SimState) -> bool:
     """Is this random op about to draw from the default CPU generator for real?"""
     g = kwargs.get("generator")
@@ -446,8 +453,7 @@ class FunctionMode(TorchFunctionMode):
                                            "Use tensor.detach().numpy() instead.")
                     result: Any = host.numpy()
                 elif name == "to":
-                    with torch._C.DisableTorchFunction():
-                        result = torch.Tensor.to(host, *args[1:], **kwargs)
+                    result = _host_to(host, args, kwargs)
                 elif name == "__format__" and t.dim() == 0:
                     result = format(host.item(), *args[1:])
                 elif name in ("__repr__", "__format__"):
@@ -462,6 +468,8 @@ class FunctionMode(TorchFunctionMode):
             if not sim.strict_values and name in ("cpu", "to", "numpy"):  # too large for a value copy
                 host = known.placeholder(t)
                 sim.report.record(what, f"zeros {list(t.shape)}")
+                if name == "to":  # with its other arguments (``.to("cpu", torch.uint8)``: uint8 zeros)
+                    return _host_to(host, args, kwargs)
                 return host.numpy() if name == "numpy" else host
             raise value_error(what) from None
         if used:
