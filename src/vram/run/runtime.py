@@ -55,9 +55,10 @@ torch functions (``F.multi_head_attention_forward``, ``F.normalize``…) are see
 only, so they get no autocast casting or SDPA routing — except ``F.multi_head_attention_forward``
 (``nn.MultiheadAttention``) and ``F.normalize``, whose inner calls the mode sees
 (`vram.run.kernels.TRANSPARENT`); ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` in
-inference take PyTorch's fused path as on a GPU (`vram.run.fastpath`). Backward formulas see meta tensors and an active dispatch mode,
-both "subclass-like" to ``at::isTensorSubclassLike`` (``ATen/TensorSubclassLikeUtils.h``), so they
-take out-of-place paths a GPU run does not (issue 12; docs/estimate-accuracy.md §4).
+inference take PyTorch's fused path as on a GPU (`vram.run.fastpath`). Backward formulas see meta
+tensors and an active dispatch mode, both "subclass-like" to ``at::isTensorSubclassLike``
+(``ATen/TensorSubclassLikeUtils.h``), so they take out-of-place paths a GPU run does not (issue 12;
+docs/estimate-accuracy.md §4).
 Storage-level moves, which no mode sees
 (``torch.load(map_location="cuda")``, a checkpoint saved on a GPU, ``storage.cuda()``), are
 charged by `vram.run.cuda_api.patch_storages`, which also makes a simulated storage's
