@@ -115,3 +115,13 @@ def test_estimate_loads_a_torchvision_factory_in_a_fresh_process() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["11689512"]  # torchvision's documented resnet18 size (11.7M, IMAGENET1K_V1)
+
+
+def test_a_placeholder_read_keeps_the_calls_dtype() -> None:
+    """torchvision's ``save_image`` (pytorch/examples dcgan): ``grid....to("cpu", torch.uint8)`` of
+    values the simulation does not know gave float zeros, which PIL refused."""
+    with simulated_cuda():
+        grid = torch.randn(3, 4, 5, device="cuda")
+        host = grid.mul(255).add_(0.5).clamp_(0, 255).permute(1, 2, 0).to("cpu", torch.uint8)
+        assert host.dtype == torch.uint8 and host.shape == (4, 5, 3) and not host.is_cuda
+        assert grid.to("cpu", dtype=torch.float16).dtype == torch.float16

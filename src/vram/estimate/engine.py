@@ -95,6 +95,8 @@ class EstimateResult:
     model_name: str = ""
     inputs: list[str] = field(default_factory=list)
     module_types: dict[str, str] = field(default_factory=dict)  #: module name -> class name
+    #: `categories` as the tensors asked for them (before the allocator's rounding and unsplit remainders)
+    categories_requested: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict of every field."""
@@ -227,9 +229,10 @@ def _summarise(run: _Run, gpu: int, context: int, others: int) -> dict[str, Any]
     first = [r for (i, ph), r in tr.records.items() if i == 1]
     zero = dict.fromkeys(tr.categories, 0)
     cats, mods, peak_at = dict(zero), {}, {"iteration": 0, "phase": "setup"}
+    requested: dict[str, int] = {}
     if steady:
         i, _, ph, rec = max(steady, key=lambda x: x[3].peak)  # the first of equal peaks
-        cats, mods = tr.breakdown(rec.event, rec.reserved_at_peak)
+        cats, mods = tr.breakdown(rec.event, rec.reserved_at_peak, requested)
         peak_at = {"iteration": i, "phase": ph}
     fwd_it = max((i for i in tr.forward_end if i in steady_its), default=None)
     fwd, fwd_mods = tr.breakdown(tr.forward_end[fwd_it], 0) if fwd_it is not None else (dict(zero), {})
@@ -238,6 +241,7 @@ def _summarise(run: _Run, gpu: int, context: int, others: int) -> dict[str, Any]
     return dict(
         peak_allocated=max((x[3].peak for x in steady), default=0), peak_reserved=peak_reserved,
         peak_device_used=peak_reserved + context + others, phases=phases, categories=cats,
+        categories_requested=requested,
         by_module=mods, peak_at=peak_at, forward_end=fwd, forward_end_by_module=fwd_mods,
         resident=run.resident, first_peak_allocated=max((r.peak for r in first), default=0),
         first_peak_reserved=max((r.peak_reserved for r in first), default=0),

@@ -22,6 +22,22 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
     return out
 
 
+def _block_notes(blocks: dict[str, int], requested: dict[str, int]) -> list[str]:
+    """Why a category's bytes can exceed its tensors' (gradients above parameters): the figures are
+    allocator blocks, as ``memory_allocated()`` counts them; a cached block is handed out whole when
+    splitting would leave at most 1 MiB (large pool: ``should_split``, spec §4), besides the
+    512-byte rounding. Noted where that adds more than 1% and 64 KiB to a category."""
+    out = []
+    for k, v in blocks.items():
+        asked = requested.get(k)
+        if asked and k not in ("temporaries", "cache_fragmentation") and v - asked > max(v / 100, 65536):
+            out.append(f"  {_LABELS[k]}: {format_size(v)} of allocator blocks hold {format_size(asked)} of tensors")
+    if out:
+        out += ["  (the table counts allocator blocks, as memory_allocated() does: a cached block is handed out",
+                "  whole when splitting would leave <= 1 MiB, so gradients can exceed the parameters they match)"]
+    return out
+
+
 def render(r: Any, top_modules: int = 10) -> str:
     s = r.settings
     its = s["iterations"]
@@ -69,6 +85,7 @@ def render(r: Any, top_modules: int = 10) -> str:
             for k, v in r.categories.items()]
     rows.append(["reserved at that moment", format_size(total), ""])
     lines += _table(rows, ["category", "bytes", "share"])
+    lines += _block_notes(r.categories, getattr(r, "categories_requested", {}))
     if r.by_module:
         lines += ["", "activations at the peak by module (innermost module whose forward allocated them):"]
         items = list(r.by_module.items())

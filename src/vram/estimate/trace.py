@@ -49,7 +49,8 @@ class Tracker:
         self.categories = CATEGORIES_DISTRIBUTED if distributed else CATEGORIES
         self.stat_a = self.alloc.stats.allocated_bytes[0]
         self.stat_r = self.alloc.stats.reserved_bytes[0]
-        self.size: list[int] = []
+        self.size: list[int] = []  # block bytes (what memory_allocated counts)
+        self.requested: list[int] = []  # bytes asked for (the tensor's storage)
         self.born: list[int] = []
         self.died: list[int] = []
         self.module: list[int] = []
@@ -94,6 +95,7 @@ class Tracker:
                 seq = len(self.size)
                 blk = active.get(ptr)
                 self.size.append(blk.size if blk is not None else size)
+                self.requested.append(size)
                 self.born.append(self.n)
                 self.died.append(-1)
                 self.module.append(self.stack[-1])
@@ -222,8 +224,11 @@ class Tracker:
             self.saved.append(entry)
             self.open_until_backward.append(entry)
 
-    def breakdown(self, event: int, reserved: int) -> tuple[dict[str, int], dict[str, int]]:
-        """Categories and activations by module of the blocks live after `event` events."""
+    def breakdown(self, event: int, reserved: int,
+                  requested: dict[str, int] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+        """Categories and activations by module of the blocks live after `event` events; `requested`,
+        if given, gets each category's bytes as asked for (block bytes exceed them by the 512-byte
+        rounding and by remainders the allocator did not split off: spec §4)."""
         for ptr in self.sim.workspaces.values():
             seq = self.ptr2seq.get(ptr)
             if seq is not None:
@@ -241,6 +246,8 @@ class Tracker:
                 continue
             cat = marks.get(seq) or ("activations" if seq in saved else "temporaries")
             cats[cat] += size[seq]
+            if requested is not None:
+                requested[cat] = requested.get(cat, 0) + self.requested[seq]
             if cat == "activations":
                 name = self.names[module[seq]]
                 mods[name] = mods.get(name, 0) + size[seq]

@@ -423,15 +423,21 @@ def _never(*args: Any) -> bool:
     return False
 
 
+def clone_with_globals(func: Any, **names: Any) -> Any:
+    """A copy of the Python function `func` that sees `names` in place of its module's globals."""
+    clone = types.FunctionType(func.__code__, dict(func.__globals__, **names), func.__name__, func.__defaults__,
+                               func.__closure__)
+    clone.__kwdefaults__ = func.__kwdefaults__
+    clone.__qualname__, clone.__doc__, clone.__module__ = func.__qualname__, func.__doc__, func.__module__
+    return clone
+
+
 def transparent(func: Any) -> Any:
     """`func` (one of `TRANSPARENT`) as a copy that does not hand itself to torch-function modes."""
     clone = _CLONES.get(func)
     if clone is None:
-        scope = dict(func.__globals__, has_torch_function=_never, has_torch_function_unary=_never,
-                     has_torch_function_variadic=_never)
-        clone = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
-        clone.__kwdefaults__ = func.__kwdefaults__
-        _CLONES[func] = clone
+        clone = _CLONES[func] = clone_with_globals(func, has_torch_function=_never, has_torch_function_unary=_never,
+                                                   has_torch_function_variadic=_never)
     return clone
 
 

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from vram.frontend import memory as _memory
 
+from . import fastpath as _fast
 from . import kernels as _k
 from . import known
 from .lazy_host import LAZY_FACTORIES, seeded
@@ -209,6 +210,13 @@ class DispatchMode(TorchDispatchMode):
                 sim.workspace((idx, stream, thread, "cublaslt"), lt)
 
 
+def _host_to(host: torch.Tensor, args: Any, kwargs: Any) -> torch.Tensor:
+    """``simulated.to("cpu", ...)`` applied to `host`, its CPU copy: the call's other arguments
+    (dtype, copy, memory format) as a GPU run would apply them."""
+    with torch._C.DisableTorchFunction():
+        return torch.Tensor.to(host, *args[1:], **kwargs)
+
+
 def draws_host_default(func: Any, kwargs: dict[str, Any], inputs: list[Any], sim: SimState) -> bool:
     """Is this random op about to draw from the default CPU generator for real?"""
     g = kwargs.get("generator")
@@ -306,6 +314,10 @@ class FunctionMode(TorchFunctionMode):
             return self._copy_to_host(t0, args[1])
         if func in _k.TRANSPARENT and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
             return self._call(func, lambda: self._inside(func, args, kwargs), None, False, args, kwargs)
+        if func in _fast.FUSED and b0 is not None:
+            cc = sim.props[b0.device]  # nn.MultiheadAttention / TransformerEncoderLayer in inference
+            return self._call(func, lambda: self._again(lambda: _fast.FUSED[func](args, kwargs, cc.major, cc.minor)),
+                              None, False, args, kwargs)
         if name == "pin_memory" and t0 is not None:  # page-locked host memory: not GPU memory
             return t0
         if torch.is_autocast_enabled("cuda"):
@@ -441,8 +453,7 @@ class FunctionMode(TorchFunctionMode):
                                            "Use tensor.detach().numpy() instead.")
                     result: Any = host.numpy()
                 elif name == "to":
-                    with torch._C.DisableTorchFunction():
-                        result = torch.Tensor.to(host, *args[1:], **kwargs)
+                    result = _host_to(host, args, kwargs)
                 elif name == "__format__" and t.dim() == 0:
                     result = format(host.item(), *args[1:])
                 elif name in ("__repr__", "__format__"):
@@ -457,6 +468,8 @@ class FunctionMode(TorchFunctionMode):
             if not sim.strict_values and name in ("cpu", "to", "numpy"):  # too large for a value copy
                 host = known.placeholder(t)
                 sim.report.record(what, f"zeros {list(t.shape)}")
+                if name == "to":  # with its other arguments (``.to("cpu", torch.uint8)``: uint8 zeros)
+                    return _host_to(host, args, kwargs)
                 return host.numpy() if name == "numpy" else host
             raise value_error(what) from None
         if used:
@@ -488,8 +501,12 @@ class FunctionMode(TorchFunctionMode):
             return dst.copy_(value)
 
     def _inside(self, func: Any, args: Any, kwargs: Any) -> Any:
+        return self._again(lambda: _k.transparent(func)(*args, **kwargs))
+
+    def _again(self, run: Callable[[], Any]) -> Any:
+        """`run` with this mode pushed again (a torch-function mode runs with itself popped)."""
         with self:
-            return _k.transparent(func)(*args, **kwargs)
+            return run()
 
     def _cuda(self, t: torch.Tensor, b: ChargedStorage | None, args: Any, kwargs: Any) -> Any:
         """``Tensor.cuda(device=None, non_blocking=False, memory_format=...)``."""

@@ -54,9 +54,11 @@ the forward did (see `vram.run.cuda_api.patch_torch_extras`); ``torch.compile`` 
 torch functions (``F.multi_head_attention_forward``, ``F.normalize``…) are seen at the aten level
 only, so they get no autocast casting or SDPA routing — except ``F.multi_head_attention_forward``
 (``nn.MultiheadAttention``) and ``F.normalize``, whose inner calls the mode sees
-(`vram.run.kernels.TRANSPARENT`). Backward formulas see meta tensors and an active dispatch mode,
-both "subclass-like" to ``at::isTensorSubclassLike`` (``ATen/TensorSubclassLikeUtils.h``), so they
-take out-of-place paths a GPU run does not (issue 12; docs/estimate-accuracy.md §4).
+(`vram.run.kernels.TRANSPARENT`); ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` in
+inference take PyTorch's fused path as on a GPU (`vram.run.fastpath`). Backward formulas see meta
+tensors and an active dispatch mode, both "subclass-like" to ``at::isTensorSubclassLike``
+(``ATen/TensorSubclassLikeUtils.h``), so they take out-of-place paths a GPU run does not (issue 12;
+docs/estimate-accuracy.md §4).
 Storage-level moves, which no mode sees
 (``torch.load(map_location="cuda")``, a checkpoint saved on a GPU, ``storage.cuda()``), are
 charged by `vram.run.cuda_api.patch_storages`, which also makes a simulated storage's
@@ -82,6 +84,7 @@ from . import known
 from .compat import define_torchvision_ops
 from .cuda_api import DeviceProperties, patch_storages, patch_torch_cuda, patch_torch_extras
 from .distributed import install as install_distributed
+from .fastpath import patch_fast_paths
 from .host_rng import patch_rng
 from .modes import DispatchMode, FunctionMode
 from .storages import SimState
@@ -177,6 +180,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     restore_storages = patch_storages(sim.storage_address, sim.storage_to, sim.storage_location)
     restore_rng = patch_rng(sim.host.ledger)
     restore_distributed = install_distributed(sim)  # init_process_group("nccl") on simulated GPUs
+    restore_fast = patch_fast_paths((FunctionMode,))  # nn.MultiheadAttention's inference path, as on a GPU
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
     _ACTIVE.append(sim)
     try:
@@ -185,6 +189,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     finally:
         sim.host.ledger.settle()  # code after the block uses the CPU generator where a GPU run's would be
         _ACTIVE.remove(sim)
+        restore_fast()
         restore_distributed()
         for prefix in _MODE_FRAMES:
             _history.SKIP_PREFIXES.remove(prefix)

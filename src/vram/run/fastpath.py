@@ -1,0 +1,234 @@
+"""``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` inference fast paths, as on a GPU.
+
+In ``eval()`` without grad, ``MultiheadAttention.forward`` calls ``torch._native_multi_head_attention``
+and ``TransformerEncoderLayer.forward`` ``torch._transformer_encoder_layer_fwd`` when the checks in
+``torch/nn/modules/activation.py`` / ``transformer.py`` hold, one of them
+``not torch.overrides.has_torch_function(tensor_args)``. vram's own torch-function mode makes that
+true, so a simulated run took the layer-by-layer slow path, which allocates differently. Here:
+
+* `patch_fast_paths` gives those three ``forward`` methods (``TransformerEncoder`` too) a
+  ``torch.overrides.has_torch_function`` that ignores vram's modes (any other mode or a tensor
+  subclass still counts, as it does on a GPU);
+* `FUSED` runs the fused ops as their CUDA kernels do, op by op, so each allocation is the one the
+  CUDA source makes (cited per step); the ops they call are vram's usual models;
+* the nested-tensor path (``TransformerEncoder`` with ``src_key_padding_mask``) stops with a clear
+  message: nested tensors are not modelled.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kernels import clone_with_globals, sdpa_args, select_sdpa_backend
+
+_FUSED_SDPA = ("flash", "efficient", "cudnn")
+
+
+def _overridden(a: Any) -> bool:
+    """C++ ``check_has_torch_function``: not exactly a Tensor/Parameter and a ``__torch_function__``
+    other than ``_disabled_torch_function_impl``."""
+    if type(a) in (torch.Tensor, nn.Parameter):
+        return False
+    tf = getattr(a, "__torch_function__", None)
+    return tf is not None and tf is not torch._C._disabled_torch_function_impl
+
+
+def has_torch_function_besides(modes: tuple[type, ...]) -> Callable[[Any], bool]:
+    """``torch.overrides.has_torch_function`` with the torch-function modes of types `modes` unseen."""
+    def has_torch_function(args: Any) -> bool:
+        if not torch._C._is_torch_function_enabled():
+            return False
+        stack = torch.overrides._get_current_function_mode_stack()
+        return any(not isinstance(m, modes) for m in stack) or any(_overridden(a) for a in args)
+    return has_torch_function
+
+
+class _Namespace:
+    """A module seen through `over`: attribute `name` is ``over[name]`` if given, else the module's."""
+
+    def __init__(self, base: Any, **over: Any) -> None:
+        self._base, self._over = base, over
+
+    def __getattr__(self, name: str) -> Any:
+        return self._over[name] if name in self._over else getattr(self._base, name)
+
+
+def patch_fast_paths(modes: tuple[type, ...]) -> Callable[[], None]:
+    """Let the fast-path checks of ``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` and
+    ``nn.TransformerEncoder`` ignore torch-function modes of types `modes`; returns the restore."""
+    check = has_torch_function_besides(modes)
+    view = _Namespace(torch, overrides=_Namespace(torch.overrides, has_torch_function=check))
+    classes = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+    originals = {cls: cls.__dict__["forward"] for cls in classes}
+    for cls, forward in originals.items():
+        cls.forward = clone_with_globals(forward, torch=view)  # type: ignore[method-assign]
+
+    def restore() -> None:
+        for cls, forward in originals.items():
+            cls.forward = forward  # type: ignore[method-assign]
+    return restore
+
+
+# -- the fused kernels ---------------------------------------------------------------------------
+def masked_softmax_cuda(x: torch.Tensor, mask: torch.Tensor, dim: int | None, mask_type: int | None) -> torch.Tensor:
+    """``masked_softmax_cuda`` (native/cuda/SoftMax.cu): ``empty_like(input)`` first; the persistent
+    kernel (row <= 1024 elements and <= 4096 bytes, contiguous mask, last dim) writes it; otherwise
+    ``softmax(input.masked_fill(mask, -inf), dim)`` replaces it (a [B, T] padding mask viewed and
+    expanded to the input first)."""
+    out = torch.empty_like(x)
+    if mask_type not in (0, 1, 2):
+        raise RuntimeError("Mask Type should be 0 (src_mask), 1 (src_key_padding_mask), or 2 (default_mask)")
+    bxt = (mask_type == 1 and x.dim() == 4 and mask.dim() == 2 and x.size(0) == mask.size(0)
+           and x.size(2) == mask.size(1) and x.size(3) == mask.size(1))
+    txt = (mask_type == 0 and x.dim() == 4 and mask.dim() == 2 and x.size(3) == mask.size(1)
+           and x.size(2) == mask.size(0) and mask.size(0) == mask.size(1))
+    if not (mask.shape == x.shape or bxt or txt):
+        raise RuntimeError(f"Mask shape should match input. mask: {list(mask.shape)} input: {list(x.shape)}")
+    if txt:
+        mask = mask.expand(x.shape)
+    dim = x.dim() - 1 if dim is None else dim
+    n = x.size(dim)
+    if n > 1024 or n * x.element_size() > 4096 or not mask.is_contiguous() or dim < x.dim() - 1:
+        if bxt:
+            mask = mask.view(mask.size(0), 1, 1, mask.size(1)).expand(x.shape)
+        filled = x.masked_fill(mask, -math.inf)
+        res = torch.softmax(filled, dim)
+        del out, filled  # `output = at::softmax(...)` frees empty_like's block, then the temporary
+        return res
+    return out
+
+
+def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None, mask_type: int | None) -> torch.Tensor:
+    """attention.cpp ``masked_softmax``: a non-bool mask becomes a bool copy (freed on return);
+    without a mask, ``_softmax_out(scores, scores, ...)`` works in place."""
+    if mask is None:
+        torch.ops.aten._softmax.out(scores, scores.dim() - 1, False, out=scores)
+        return scores
+    if mask.dtype != torch.bool:
+        mask = mask.to(torch.bool)
+    return masked_softmax_cuda(scores, mask, scores.dim() - 1, mask_type)
+
+
+def native_mha_cuda(args: tuple[Any, ...], kwargs: dict[str, Any], major: int, minor: int) -> tuple[Any, Any]:
+    """``native_multi_head_attention_cuda`` (native/transformers/cuda/attention.cu), dense inputs."""
+    names = ("query", "key", "value", "embed_dim", "num_head", "qkv_weight", "qkv_bias", "proj_weight",
+             "proj_bias", "mask", "need_weights", "average_attn_weights", "mask_type")
+    p: dict[str, Any] = {"mask": None, "need_weights": True, "average_attn_weights": True, "mask_type": None}
+    p.update(zip(names, args))
+    p.update(kwargs)
+    query, key, value, mask = p["query"], p["key"], p["value"], p["mask"]
+    d, heads, need_weights = p["embed_dim"], p["num_head"], p["need_weights"]
+    if any(t.is_nested for t in (query, key, value)):
+        raise NotImplementedError(_NESTED)
+    b, dh = query.size(0), d // heads
+    if query is key and key is value and not need_weights:
+        # views of the input only to ask select_sdp_backend; no mask and a fused choice: SDPA
+        q = query.view(b, -1, heads, dh).transpose(1, 2)
+        backend = select_sdpa_backend(sdpa_args((q, q, q), {"attn_mask": mask}), major, minor)
+        if mask is None and backend in _FUSED_SDPA:
+            x = F.linear(query, p["qkv_weight"], p["qkv_bias"])  # [B, T, 3D]
+            c = [t.view(b, -1, heads, dh).transpose(1, 2) for t in x.chunk(3, -1)]
+            y = F.scaled_dot_product_attention(c[0], c[1], c[2], None, 0.0, False)
+            past = y.transpose(1, 2).reshape(b, -1, d)  # a view of a [B, T, NH, DH] kernel output
+            out = F.linear(past, p["proj_weight"], p["proj_bias"])
+            del past, y, c, x  # the C++ locals, last declared first
+            return out, None
+    qkv = _qkv_projection(query, key, value, d, p["qkv_weight"])  # attention.cpp qkv_projection
+    if qkv.numel() == 0:
+        return torch.empty_like(query), None
+    t = qkv.size(1)
+    # transform_bias_rescale_qkv_cuda: at::empty({3, B, NH, T, DH}, qkv_bias.options()), split in 3
+    q, k, v = torch.empty((3, b, heads, t, dh), dtype=p["qkv_bias"].dtype,
+                          device=p["qkv_bias"].device).view(3 * b, heads, t, dh).split(b, 0)
+    del qkv  # `qkv = Tensor(); // Not used any more, allow free`
+    # bmm_nt, then masked_softmax; the bmm output is freed when the softmax result replaces it
+    qkt = torch.bmm(q.view(b * heads, t, dh), k.view(b * heads, t, dh).transpose(2, 1)).view(b, heads, t, t)
+    qkt = _masked_softmax(qkt, mask, p["mask_type"])
+    # bmm_nn(q, qkt, v): the context is written into q's storage (bmm_out), "reuse storage for q"
+    ctx = torch.bmm(qkt.view(b * heads, t, t), v.view(b * heads, t, dh), out=q.reshape(b * heads, t, dh))
+    ctx = ctx.view(b, heads, t, dh)
+    if not need_weights:
+        qkt = None
+    # transform0213_gemm_nt_bias: permute(0, 2, 1, 3).contiguous(), linear on [B*T, D]; its copy is
+    # freed when it returns, the q/k/v block when this function does
+    a = ctx.permute(0, 2, 1, 3).contiguous().view(b * t, d)
+    proj = F.linear(a, p["proj_weight"], p["proj_bias"]).view(b, t, -1)
+    del a
+    if need_weights and p["average_attn_weights"]:
+        assert qkt is not None
+        qkt = qkt.sum(1)
+        qkt.div_(heads)
+    del ctx, q, k, v  # the q/k/v block: a local of the C++ function until it returns
+    return proj, qkt
+
+
+def _qkv_projection(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, d: int,
+                    w: torch.Tensor) -> torch.Tensor:
+    """attention.cpp ``qkv_projection``: ``gemm_nt`` is ``at::native::matmul(x, w.t())``."""
+    if key is value:
+        if query is key:
+            return torch.matmul(query, w.t())
+        wq, wkv = w.split_with_sizes([d, 2 * d], 0)
+        return torch.cat([torch.matmul(query, wq.t()), torch.matmul(key, wkv.t())], 2)
+    wq, wk, wv = w.chunk(3, 0)
+    return torch.cat([torch.matmul(query, wq.t()), torch.matmul(key, wk.t()), torch.matmul(value, wv.t())], 2)
+
+
+def encoder_layer_cuda(args: tuple[Any, ...], kwargs: dict[str, Any], major: int, minor: int) -> torch.Tensor:
+    """``transformer_encoder_layer_forward`` (native/transformers/transformer.cpp), dense input."""
+    names = ("src", "embed_dim", "num_heads", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "use_gelu",
+             "norm_first", "layer_norm_eps", "ln1_w", "ln1_b", "ln2_w", "ln2_b", "w1", "b1", "w2", "b2",
+             "mask", "mask_type")
+    p: dict[str, Any] = {"mask": None, "mask_type": None}
+    p.update(zip(names, args))
+    p.update(kwargs)
+    src, d, eps = p["src"], p["embed_dim"], p["layer_norm_eps"]
+    if src.is_nested:
+        raise NotImplementedError(_NESTED)
+    if src.numel() == 0:
+        return src.clone()
+
+    def norm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, [d], w, bias, eps)
+
+    x = norm(src, p["ln1_w"], p["ln1_b"]) if p["norm_first"] else src
+    x = native_mha_cuda((x, x, x, d, p["num_heads"], p["qkv_weight"], p["qkv_bias"], p["proj_weight"],
+                         p["proj_bias"], p["mask"], False, True, p["mask_type"]), {}, major, minor)[0]
+    x.add_(src)
+    if not p["norm_first"]:
+        x = norm(x, p["ln1_w"], p["ln1_b"])
+    pre_ffn = x
+    if p["norm_first"]:
+        x = norm(x, p["ln2_w"], p["ln2_b"])
+    # ffn / linear_for_ffn: _addmm_activation(b1, x[B*T, D], w1.t(), use_gelu), then addmm(b2, ., w2.t())
+    bt = x.size(0) * x.size(1)
+    h = torch._addmm_activation(p["b1"], x.view(bt, x.size(2)), p["w1"].t(), use_gelu=bool(p["use_gelu"]))
+    h = h.view(x.size(0), x.size(1), -1)
+    x = torch.addmm(p["b2"], h.view(bt, h.size(2)), p["w2"].t()).view(h.size(0), h.size(1), -1)
+    del h
+    x.add_(pre_ffn)
+    if not p["norm_first"]:
+        x = norm(x, p["ln2_w"], p["ln2_b"])
+    del pre_ffn  # freed when the C++ function returns
+    return x
+
+
+_NESTED = ("vram run: nn.TransformerEncoder's nested-tensor fast path (eval, no grad, src_key_padding_mask) "
+           "is not modelled; build the encoder with enable_nested_tensor=False to measure the dense path")
+
+
+def _refuse_nested(args: tuple[Any, ...], kwargs: dict[str, Any], major: int, minor: int) -> Any:
+    raise NotImplementedError(_NESTED)
+
+
+#: fused ops -> their CUDA composite, called with (args, kwargs, major, minor) under the function mode
+FUSED: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], int, int], Any]] = {
+    torch._native_multi_head_attention: native_mha_cuda,
+    torch._transformer_encoder_layer_fwd: encoder_layer_cuda,
+    torch._nested_tensor_from_mask: _refuse_nested,
+}
