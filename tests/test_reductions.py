@@ -157,3 +157,38 @@ def test_pow_of_a_scalar_base_makes_a_cuda_tensor_of_it(base, scratch) -> None:
     mine = [(e["action"], e["size"]) for e in trace if e["action"] in ("alloc", "free_requested")]
     out = [("alloc", x.numel() * x.element_size())]
     assert mine == out + ([("alloc", scratch), ("free_requested", scratch)] if scratch else [])
+
+
+def test_foreach_norm_fast_path_takes_its_partials_first() -> None:
+    # ForeachReduceOp.cu foreach_tensor_norm_cuda_internal: output_per_tensor = zeros(ntensors *
+    # max_chunks_per_tensor) in opmath (fp32 for bf16), chunks of 65,536 elements
+    # (MultiTensorApply.cuh kChunkSize); then one 0-dim output per tensor; partials freed on return.
+    from vram.run.kernels import foreach_norm_plan
+
+    grads = [_meta(3_000_000), _meta(100), _meta(256, 256)]
+    outs = [[_meta(), _meta(), _meta()]]
+    # 3,000,000 / 65,536 -> 46 chunks: 3 x 46 x 4 B
+    assert foreach_norm_plan("_foreach_norm", (grads, 2.0), outs) == [("tmp", 552), ("out", 0), ("free", 0)]
+    bf16 = [g.to(torch.bfloat16) for g in grads]
+    assert foreach_norm_plan("_foreach_powsum", (bf16, 1), outs) == [("tmp", 552), ("out", 0), ("free", 0)]
+    # the slow path (linalg_vector_norm per tensor): another ord, mixed dtypes, a strided view
+    assert foreach_norm_plan("_foreach_norm", (grads, 3.0), outs) is None
+    assert foreach_norm_plan("_foreach_powsum", (grads, float("inf")), outs) is None
+    assert foreach_norm_plan("_foreach_norm", ([grads[0], bf16[1]], 2.0), [[_meta(), _meta()]]) is None
+    assert foreach_norm_plan("_foreach_norm", ([grads[2][:, :7]], 2.0), [[_meta()]]) is None
+
+
+@pytest.mark.parametrize("backend", ["privateuse1", "meta"])
+def test_clip_grad_norm_allocates_the_partials_before_the_norms(backend: str) -> None:
+    with simulated_cuda(gpu="A100-80GB", backend=backend):
+        ps = [torch.nn.Parameter(torch.empty(n, device="cuda")) for n in (3_000_000, 100, 70_000)]
+        for p in ps:
+            p.grad = torch.empty_like(p)
+        torch.cuda.memory._record_memory_history()
+        torch.nn.utils.clip_grad_norm_(ps, 1.0)
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        torch.cuda.memory._record_memory_history(enabled=None)
+    sizes = [(e["action"], e["size"]) for e in trace if e["action"] in ("alloc", "free_completed")]
+    # _foreach_norm: partials, three norms, partials freed; then torch.stack of the norms
+    assert sizes[:6] == [("alloc", 552), ("alloc", 4), ("alloc", 4), ("alloc", 4), ("free_completed", 552),
+                         ("alloc", 12)]

@@ -25,6 +25,8 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
 * **bmm / baddbmm / mm / addmm** copy operands cuBLAS cannot read in place (an expanded
   gradient) before the cuBLAS call and free them on return (``native/cuda/Blas.cpp``,
   ``cuBlasCommonArgs.h``; `bmm_plan`, `mm_plan`).
+* **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
+  before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
 * **scaled_dot_product_attention**: backend choice (flash / memory-efficient / cuDNN / math, by the
   simulated compute capability) and what each kernel allocates, forward and backward, live in
   `vram.run.sdpa` (re-exported here); `op_plan` asks it first.
@@ -34,7 +36,7 @@ the shared cuBLASLt workspace, each Lt matmul allocated and freed its own 1 MiB)
 
 Not modelled (documented limitations) — mostly transient scratch that raises a peak without
 changing steady state: cuDNN convolution workspaces; sort buffers of
-embedding backward; ``_foreach_norm`` intermediates; NCCL buffers; CUDA graphs. Refused instead
+embedding backward; NCCL buffers; CUDA graphs. Refused instead
 (`RNN_OPS`: not scratch, the saved state differs): cuDNN's recurrent layers.
 """
 from __future__ import annotations
@@ -120,6 +122,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         plan = bmm_plan(name, args, outs)
     if plan is None:
         plan = mm_plan(name, args, outs)
+    if plan is None:
+        plan = foreach_norm_plan(name, args, outs)
     if plan is None:
         plan = [("out", i) for i in range(len(outs))]
         base = scalar_base_bytes(name, args)
@@ -269,6 +273,38 @@ def mm_plan(name: str, args: tuple[Any, ...], outs: list[Any]) -> list[tuple[str
     index = {k: i for i, (k, _) in enumerate(copies)}
     plan += [("tmp", c) for _, c in copies] + [("blas", None)]
     return plan + [("free", index[k]) for k in ("result", "matb", "mata") if k in index]
+
+
+#: ``MultiTensorApply.cuh``: each tensor is cut into chunks of this many elements
+FOREACH_CHUNK = 65536
+_FOREACH_NORMS = {"_foreach_norm": (1.0, 2.0, float("inf")), "_foreach_powsum": (1.0, 2.0)}
+
+
+def foreach_norm_plan(name: str, args: tuple[Any, ...], outs: list[Any]) -> list[tuple[str, Any]] | None:
+    """``_foreach_norm`` / ``_foreach_powsum`` on their fast path (``ForeachReduceOp.cu``,
+    ``foreach_tensor_norm_cuda_internal``; what ``clip_grad_norm_`` calls): first
+    ``output_per_tensor = at::zeros({ntensors * max_chunks_per_tensor}, opmath)``, one partial
+    result per chunk of `FOREACH_CHUNK` elements; then a 0-dim output per tensor; the partials
+    are freed when the function returns. The slow path (integer or complex tensors, another
+    ``ord``, tensors that are not all of one dtype or not dense: ``can_use_fast_route``) runs
+    ``linalg_vector_norm`` per tensor: None here. None too when a tensor is empty: its result
+    is a ``zeros({})`` made after every other output."""
+    ords = _FOREACH_NORMS.get(name)
+    if ords is None or not args or not isinstance(args[0], (list, tuple)) or not args[0]:
+        return None
+    tensors = args[0]
+    if len(outs) not in (1, len(tensors)):  # the list as one return (PrivateUse1), or its items (meta)
+        return None
+    ord_ = float(args[1]) if len(args) > 1 and isinstance(args[1], (int, float)) else 2.0
+    dtype = args[2] if len(args) > 2 and isinstance(args[2], torch.dtype) else tensors[0].dtype
+    first = tensors[0]
+    if ord_ not in ords or not all(
+            isinstance(t, torch.Tensor) and t.dtype == first.dtype and t.numel() > 0
+            and non_overlapping_and_dense(t) for t in tensors) or not first.is_floating_point():
+        return None
+    chunks = max(-(-t.numel() // FOREACH_CHUNK) for t in tensors)
+    opmath = 8 if dtype == torch.float64 else 4
+    return [("tmp", len(tensors) * chunks * opmath), *(("out", i) for i in range(len(outs))), ("free", 0)]
 
 
 def scalar_base_bytes(name: str, args: tuple[Any, ...]) -> int:
