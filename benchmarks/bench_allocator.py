@@ -18,28 +18,42 @@ allocator (``python3 -m vram.allocator.native_build`` first); the first line say
    (the whole replay: reading the events, rewind, the loop) is divided by the pairs (each pair
    is three events: alloc, free_requested, free_completed); so is the time spent in each of the
    C core's entry points (``scan``, ``rewind``, ``run``), to show which part grows.
+4. ``--loops``: loop against loop on the same scaling stream, paired rounds: vram's C loop alone
+   (``_ccore.run`` over the recorded events, the set-up alone subtracted), a plain std::set
+   best-fit loop (``bfc_harness.cpp``: PyTorch's large-pool logic and nothing else) and, with
+   ALLOCATORSIM_SRC set (see bench_replay.py), allocatorSim's core, both fed the program as an op
+   array and timed from its first pair; ns per pair, and each loop's growth over its own cost at
+   11 cached blocks. Needs g++.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import pickle
 import random
+import struct
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_replay import _time_ccore  # noqa: E402  (benchmarks/, the script's folder)
+from bench_replay import _time_ccore, build_allocatorsim  # noqa: E402  (benchmarks/, the script's folder)
 from vram import CachingAllocator, SimulatedDevice  # noqa: E402
 from vram.allocator import native  # noqa: E402
 from vram.allocator.history import STATE  # noqa: E402
 from vram.replay import ccore  # noqa: E402
 from vram.replay.engine import replay  # noqa: E402
 from vram.replay.loader import load_snapshot  # noqa: E402
+from vram.replay.safe_pickle import gc_paused  # noqa: E402
 from vram.views.snapshot import snapshot  # noqa: E402
 
 MiB = 1 << 20
+HERE = Path(__file__).resolve().parent
 
 
 def mixed_sizes(rng: random.Random, n: int) -> list[int]:
@@ -96,17 +110,27 @@ def bench_scaling(n_free: int, pairs: int) -> float:
     return dt / pairs * 1e6, nfree
 
 
+def _scaling_program(n_free: int, pairs: int) -> list[tuple[int, int, int]]:
+    """`bench_scaling`'s program as ops: (0, id, size) a malloc, (1, id, 0) the free of malloc `id`'s
+    block; the set-up (2 `n_free` mallocs, every second one freed), then `pairs` malloc+free pairs."""
+    ops = [(0, k, 2 * MiB + (k % 4096) * 512) for k in range(2 * n_free)]
+    ops += [(1, k, 0) for k in range(1, 2 * n_free, 2)]
+    rng = random.Random(1)
+    for k in range(2 * n_free, 2 * n_free + pairs):
+        ops += [(0, k, 2 * MiB + rng.randrange(4096) * 512), (1, k, 0)]
+    return ops
+
+
 def _scaling_trace(n_free: int, pairs: int) -> dict[str, object]:
     """`bench_scaling`'s program (with `pairs` timed pairs), recorded from an empty allocator."""
     a = CachingAllocator(SimulatedDevice("1TiB"), "")
     a.history.configure(True, STATE, 10**8, True)
-    ptrs = [a.malloc(2 * MiB + (k % 4096) * 512) for k in range(2 * n_free)]
-    for k, p in enumerate(ptrs):
-        if k % 2:
-            a.free(p)
-    rng = random.Random(1)
-    for _ in range(pairs):
-        a.free(a.malloc(2 * MiB + rng.randrange(4096) * 512))
+    ptr: dict[int, int] = {}
+    for op, k, size in _scaling_program(n_free, pairs):
+        if op == 0:
+            ptr[k] = a.malloc(size)
+        else:
+            a.free(ptr.pop(k))
     return snapshot([a])
 
 
@@ -133,17 +157,106 @@ def bench_scaling_ccore(n_free: int, pairs: int, repeat: int = 3) -> tuple[float
     return (times[1] - times[0]) / pairs * 1e6, cached, per
 
 
+def _c_loop_args(snap: dict[str, object]) -> tuple[object, ...]:
+    """The arguments `replay` hands the C loop (`_ccore.run`) for `snap`, captured from one replay."""
+    module = ccore.loaded()
+    got: list[tuple[object, ...]] = []
+    proxy = type("Capture", (), {k: getattr(module, k) for k in dir(module) if not k.startswith("__")})
+    proxy.run = staticmethod(lambda *a: got.append(a) or module.run(*a))  # type: ignore[attr-defined]
+    ccore._module = proxy  # type: ignore[assignment]
+    try:
+        replay(snap, skip_cycles=False)
+    finally:
+        ccore._module = module
+    return got[0]
+
+
+def _c_loop_seconds(args: tuple[object, ...], n: int) -> float:
+    """Seconds of one `_ccore.run` over the first `n` events (a bump-pointer device: no recording)."""
+    top = [1 << 40]
+
+    def malloc(size: int) -> int:
+        top[0] += size
+        return top[0] - size
+
+    run = ccore.loaded().run  # type: ignore[union-attr]
+    call = (args[0], n, *args[2:6], malloc, lambda p: None, *args[8:])
+    t0 = time.perf_counter()
+    out = run(*call)
+    dt = time.perf_counter() - t0
+    assert not isinstance(out, str), out
+    del out  # (freeing the result is not the loop's time)
+    return dt
+
+
+def _peer_seconds(exe: Path, ops: Path, start: int) -> float:
+    got = subprocess.run([str(exe), str(ops), str(start)], check=True, capture_output=True, text=True)
+    return float(json.loads(got.stdout)["seconds_after"])
+
+
+def loops_per_pair(sizes: Sequence[int], pairs: int, rounds: int) -> None:
+    """ns per malloc+free pair of the scaling stream, loop against loop: vram's C loop (`_ccore.run`
+    over the recorded program's events, the set-up alone subtracted; best of 3) and, on the same op
+    stream (allocatorsim_harness.cpp's format, timed from the first pair on), a plain std::set
+    best-fit loop (bfc_harness.cpp) and allocatorSim's core (ALLOCATORSIM_SRC). `rounds` rounds,
+    each vram then the peers; the median of each, and its ratio to the same loop at the first size."""
+    with tempfile.TemporaryDirectory(prefix="bench_allocator_") as tmp:
+        work = Path(tmp)
+        peers = {"std::set BFC": work / "bfc"}
+        subprocess.run(["g++", "-O2", "-std=c++17", str(HERE / "bfc_harness.cpp"), "-o", str(peers["std::set BFC"])],
+                       check=True, capture_output=True)
+        if os.environ.get("ALLOCATORSIM_SRC"):
+            (work / "asim").mkdir()
+            peers["allocatorSim"] = build_allocatorsim(Path(os.environ["ALLOCATORSIM_SRC"]), work / "asim")
+        names = ["vram C loop", *peers]
+        print(f"loop against loop, ns per malloc+free pair (median of {rounds} rounds; x: over the first row)")
+        print(f"{'free blocks':>12} " + " ".join(f"{name:>20}" for name in names))
+        first: dict[str, float] = {}
+        for n in sizes:
+            program = _scaling_program(n, pairs)
+            start = 3 * n  # (the set-up's ops)
+            stream = work / "ops.bin"
+            stream.write_bytes(b"".join(struct.pack("<4q", op, k, size, 0) for op, k, size in program))
+            setup_events = len(_scaling_trace(n, 0)["device_traces"][0])  # type: ignore[index]
+            snap = load_snapshot(pickle.dumps(_scaling_trace(n, pairs)))
+            cached = sum(b["state"] == "inactive" for seg in snap["segments"] for b in seg["blocks"])
+            args = _c_loop_args(snap)
+            got: dict[str, list[float]] = {name: [] for name in names}
+            for _ in range(rounds):
+                with gc_paused():
+                    setup = min(_c_loop_seconds(args, setup_events) for _ in range(3))
+                    whole = min(_c_loop_seconds(args, len(snap["device_traces"][0])) for _ in range(3))
+                got["vram C loop"].append((whole - setup) / pairs * 1e9)
+                for name, exe in peers.items():
+                    got[name].append(_peer_seconds(exe, stream, start) / pairs * 1e9)
+            cols = []
+            for name in names:
+                med = sorted(got[name])[rounds // 2]
+                first.setdefault(name, med)
+                cols.append(f"{med:>12,.0f} ({med / first[name]:.2f}x)")
+            print(f"{cached:>12,} " + " ".join(f"{c:>20}" for c in cols), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    ap.add_argument("--loops", action="store_true",
+                    help="only the loop-against-loop table (vram's C loop, a std::set BFC, allocatorSim)")
+    ap.add_argument("--rounds", type=int, default=3, help="paired rounds of the loop-against-loop table")
     args = ap.parse_args()
+    sizes = (10, 100, 1_000, 10_000, 100_000)
+    if args.loops:
+        if ccore.available() is not None:
+            raise SystemExit(f"the C replay core is not used here: {ccore.available()}")
+        loops_per_pair(sizes, 20_000 if args.quick else 200_000, args.rounds)
+        return
     pairs = 20_000 if args.quick else 200_000
     print(f"Python {sys.version.split()[0]}, allocator: "
           f"{'compiled (mypyc, VRAM_NATIVE)' if native.ACTIVE else 'pure Python'}")
     rate = bench_mixed(pairs)
     print(f"mixed workload: {rate:,.0f} malloc+free pairs/s ({1e6 / rate:.2f} µs per pair)")
     print(f"{'free blocks':>12} {'µs per pair':>12}")
-    for n in (10, 100, 1_000, 10_000, 100_000):
+    for n in sizes:
         us, nfree = bench_scaling(n, 5_000 if args.quick else 50_000)
         print(f"{nfree:>12,} {us:>12.2f}")
     if ccore.available() is not None:
@@ -152,7 +265,7 @@ def main() -> None:
     print("replayed by the C replay core (vram.replay.ccore); the whole replay() per pair, then the part")
     print("of it in each C entry point: reading the events' dicts, the rewind, the C loop (best of 3 each):")
     print(f"{'free blocks':>12} {'ns per pair':>12} {'scan':>6} {'rewind':>6} {'loop':>6}")
-    for n in (10, 100, 1_000, 10_000, 100_000):
+    for n in sizes:
         us, nfree, per = bench_scaling_ccore(n, 20_000 if args.quick else 200_000)
         cols = " ".join(f"{per.get(k, 0) * 1e3:>6.0f}" for k in ("scan", "rewind", "run"))
         print(f"{nfree:>12,} {us * 1e3:>12.0f} {cols}")

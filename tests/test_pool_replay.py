@@ -162,7 +162,7 @@ def test_the_c_core_leaves_private_pools_to_python():
     assert "private memory pools" in r.engine or "not built" in r.engine
     a = CachingAllocator(SimulatedDevice("1GiB"), "")
     a.create_pool(G)
-    why = ccore.unsupported(a, a.device, skip_cycles=False, empty_cache_at=())
+    why = ccore.unsupported(a, a.device, empty_cache_at=())
     assert why is not None
 
 

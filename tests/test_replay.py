@@ -12,6 +12,7 @@ import pytest
 
 from paths import RECORDINGS as TRACES  # noqa: E402
 from vram.cli.commands import main
+from vram.replay import ccore
 from vram.replay.engine import replay
 from vram.replay.loader import load_snapshot
 
@@ -178,23 +179,37 @@ def _everything(r):
     {"conf": "per_process_memory_fraction:0.9,garbage_collection_threshold:0.5", "gpu": "1GiB"},
     {"conf": "max_split_size_mb:20,roundup_power2_divisions:4"},
     {"conf": "roundup_power2_divisions:2", "gpu": "840MiB"}])  # OOMs from event 2,629 on
-def test_cycle_skipping_changes_nothing(kw):
+def test_cycle_skipping_changes_nothing(kw, monkeypatch):
     """A periodic trace (the steady-state recording repeated) gives identical results — every
-    stat, the final segments, the report and the timeline — with and without skipping."""
+    stat, the final segments, the report and the timeline — with and without skipping. Skipping
+    is the Python engine's (the C core, where built, replays every event even when asked to
+    skip: the replay without skipping runs it where it models the config)."""
     snap = load("cs336-s-forward-bf16-128")
     snap["device_traces"] = [snap["device_traces"][0] * 12]
-    fast = replay(snap, timeline=True, skip_cycles=True, **kw)
     slow = replay(snap, timeline=True, skip_cycles=False, **kw)
+    monkeypatch.setenv(ccore.ENV, "0")
+    fast = replay(snap, timeline=True, skip_cycles=True, **kw)
     assert _everything(fast) == _everything(slow)
     if not kw:
         assert fast.skipped_events > 0.7 * fast.events
 
 
-def test_cycle_skipping_on_a_non_periodic_trace():
+def test_cycle_skipping_on_a_non_periodic_trace(monkeypatch):
     snap = load("ftcourse-memory-snapshot")
-    fast = replay(snap, timeline=True)
     slow = replay(snap, timeline=True, skip_cycles=False)
+    monkeypatch.setenv(ccore.ENV, "0")
+    fast = replay(snap, timeline=True)
     assert _everything(fast) == _everything(slow)
+
+
+def test_the_c_core_replays_every_event_when_skipping_is_asked_for():
+    """Where the C core is used, the default replay (skipping on) runs it, every event."""
+    snap = load("cs336-s-forward-bf16-128")
+    snap["device_traces"] = [snap["device_traces"][0] * 3]
+    r = replay(snap)
+    if ccore.available() is not None:
+        pytest.skip(f"the C core is not used here: {ccore.available()}")
+    assert (r.engine, r.skipped_events) == ("C", 0)
 
 
 def test_rmm_log_replays_from_an_empty_allocator(tmp_path):

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 import vram.replay.engine as engine
+from vram.replay import ccore
 from vram.replay.engine import replay
 
 MiB = 1 << 20
@@ -20,6 +21,7 @@ def _snap() -> dict[str, Any]:
 
 
 def test_replay_pauses_the_collector_and_restores_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ccore.ENV, "0")  # the Python engine's loop (`_run`), spied on below
     seen: list[bool] = []
     real = engine._run
 

@@ -369,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alloc", metavar="SIZE", help="after the replay, try allocating SIZE (e.g. 2GiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--no-cycle-skip", action="store_true",
-                   help="replay every event even where a period provably repeats (same results, slower)")
+                   help="replay every event even where a period provably repeats (same results; "
+                        "the C core, where it is built, replays every event anyway)")
     p.set_defaults(func=cmd_replay)
 
     p = snapshot_cmd("summary", "print torch.cuda.memory_summary() for the recorded state")

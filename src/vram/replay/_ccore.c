@@ -668,17 +668,19 @@ static const Op *ops_of(PyObject *ops, Py_ssize_t n, int exact) {
 
 /* scan(trace) -> None (an event that is not a dict, without a hashable action, or a segment_alloc
  * / segment_map without addr or size: the Python paths read such traces) or (ops, segment_allocs,
- * segment_maps, first_pool_id): ops the Op array as bytes; segment_allocs / segment_maps the
+ * segment_maps, first_pool_id, rare): ops the Op array as bytes; segment_allocs / segment_maps the
  * (addr, size) of every segment_alloc / segment_map (engine.py's `recorded`, `recorded_maps`);
- * first_pool_id the index of the first event with a ``pool_id`` key, or None */
+ * first_pool_id the index of the first event with a ``pool_id`` key, or None; rare the indices of
+ * the events whose action is none of alloc, free_requested, free_completed, segment_alloc (the
+ * only ones checks.py's verification has to read) */
 static PyObject *scan(PyObject *self, PyObject *trace) {
     (void)self;
     PyObject *fast = PySequence_Fast(trace, "trace must be a sequence"), *bytes = NULL, *result = NULL;
-    PyObject *segs[2] = {PyList_New(0), PyList_New(0)};
+    PyObject *segs[2] = {PyList_New(0), PyList_New(0)}, *rare = PyList_New(0);
     KeyCache keys, actions;  /* key -> field, action -> code */
     memset(&keys, 0, sizeof(keys));
     memset(&actions, 0, sizeof(actions));
-    if (!fast || !segs[0] || !segs[1]) goto done;
+    if (!fast || !segs[0] || !segs[1] || !rare) goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), first_pool_id = -1;
     PyObject **items = PySequence_Fast_ITEMS(fast);
     bytes = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(Op));
@@ -706,6 +708,12 @@ static PyObject *scan(PyObject *self, PyObject *trace) {
         }
         if (!f.stream || as_u64(f.stream, STREAM_MAX, &op->stream)) op->ok |= OK_STREAM;
         if (first_pool_id < 0 && f.pool_id) first_pool_id = i;
+        if (op->action > A_SEGMENT_ALLOC) {
+            PyObject *ix = PyLong_FromSsize_t(i);
+            int bad = !ix || PyList_Append(rare, ix) < 0;
+            Py_XDECREF(ix);
+            if (bad) goto done;
+        }
         if (op->action == A_SEGMENT_ALLOC || op->action == A_SEGMENT_MAP) {
             if (!addr_key || !size) { refused = 1; break; }
             PyObject *t = PyTuple_Pack(2, addr_key, size);
@@ -717,12 +725,12 @@ static PyObject *scan(PyObject *self, PyObject *trace) {
     if (refused) { result = Py_NewRef(Py_None); goto done; }
     PyObject *fp = first_pool_id < 0 ? Py_NewRef(Py_None) : PyLong_FromSsize_t(first_pool_id);
     if (fp)
-        result = PyTuple_Pack(4, bytes, segs[0], segs[1], fp);
+        result = PyTuple_Pack(5, bytes, segs[0], segs[1], fp, rare);
     Py_XDECREF(fp);
 done:
     key_cache_clear(&keys);
     key_cache_clear(&actions);
-    Py_XDECREF(fast); Py_XDECREF(bytes); Py_XDECREF(segs[0]); Py_XDECREF(segs[1]);
+    Py_XDECREF(fast); Py_XDECREF(bytes); Py_XDECREF(segs[0]); Py_XDECREF(segs[1]); Py_XDECREF(rare);
     return result;
 }
 

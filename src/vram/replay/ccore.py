@@ -11,8 +11,8 @@ the same as in a pure-Python replay.
 It refuses, and the pure-Python engine replays, anything else — `unsupported` says why before the
 run; the C loop stops (and the replay starts again in Python, from the start) at what it meets
 on the way: expandable segments, ``garbage_collection_threshold``, history recording,
-``PYTORCH_NO_CUDA_MEMORY_CACHING``, blocks pending on events at the start, cycle skipping and
-``empty_cache_at`` (engine options), a free that completes later (held back with an event), a
+``PYTORCH_NO_CUDA_MEMORY_CACHING``, blocks pending on events at the start and ``empty_cache_at``
+(an engine option), a free that completes later (held back with an event), a
 ``cudaMalloc`` that fails (the retry and OOM paths), a recorded ``oom`` and values outside 64-bit
 ranges. ``ReplayResult.engine`` says which engine ran, and why not C. Every event's dict is read once (`scan`: an
 array of ops), which the rewind's backward walk over the trace (``_ccore.rewind``, see
@@ -97,6 +97,9 @@ class Scan(NamedTuple):
     segment_allocs: list[tuple[Any, Any]]  #: the (addr, size) of every segment_alloc
     segment_maps: list[tuple[Any, Any]]  #: ... and of every segment_map
     first_pool_id: int | None  #: the first event with a ``pool_id`` key (None: no event has one)
+    #: the events whose action is none of alloc, free_requested, free_completed, segment_alloc:
+    #: all that verification (`vram.replay.checks.Checks`) reads of the trace
+    rare: list[int]
 
 
 def scan(trace: Sequence[Mapping[str, Any]]) -> Scan | None:
@@ -111,15 +114,14 @@ def scan(trace: Sequence[Mapping[str, Any]]) -> Scan | None:
     return None if got is None else Scan(*got)
 
 
-def unsupported(alloc: CachingAllocator, dev: TraceDevice, *, skip_cycles: bool,
-                empty_cache_at: Collection[int]) -> str | None:
-    """Why the C core cannot replay on `alloc` (checked before the run), or None."""
+def unsupported(alloc: CachingAllocator, dev: TraceDevice, *, empty_cache_at: Collection[int]) -> str | None:
+    """Why the C core cannot replay on `alloc` (checked before the run), or None. Cycle skipping
+    is no reason: the C core replays every event faster than the Python engine skips periods
+    (README, Speed), so `replay` runs it whether skipping was asked for or not."""
     why = available()
     if why is not None:
         return why
     config = alloc.config
-    if skip_cycles:
-        return "cycle skipping is on (the C core replays every event)"
     if empty_cache_at:
         return "empty_cache_at is given"
     if config.expandable_segments or alloc.expandable_segments:

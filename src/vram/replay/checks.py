@@ -15,10 +15,14 @@ from .validate import KNOWN_ACTIONS, private_pool
 
 
 class Checks:
-    """Event-by-event comparison with the recording (verification mode)."""
+    """Event-by-event comparison with the recording (verification mode). `rare`: the indices of
+    the events whose action is none of alloc, free_requested, free_completed, segment_alloc
+    (`vram.replay.ccore.Scan.rare`), the only ones read here; None: every event is read."""
 
-    def __init__(self, trace: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(self, trace: Sequence[Mapping[str, Any]], rare: Sequence[int] | None = None) -> None:
         self.trace = trace
+        n = len(trace)
+        self.rare: Sequence[Mapping[str, Any]] = trace if rare is None else [trace[i] for i in rare if i < n]
         self.allocs_total = 0
         self.allocs_matched = 0
         self.ooms_matched = 0  # recorded OOMs that failed in the replay too
@@ -26,7 +30,7 @@ class Checks:
         self.divergences: list[dict[str, Any]] = []
         self.notes: list[str] = []  # what the replay could not reproduce exactly
         self.unknown_actions: dict[str, int] = {}  # events vram does not know: not replayed
-        for e in trace:
+        for e in self.rare:
             if e["action"] == "oom":
                 self.ooms_total += 1
             elif e["action"] not in KNOWN_ACTIONS:
@@ -50,10 +54,10 @@ class Checks:
                recorded: Sequence[tuple[int, int]]) -> dict[str, Any]:
         ours = [(a, s) for a, s, _ in dev.mallocs]
         seg_matched = sum(1 for x, y in zip(ours, recorded) if x == y)
-        rec_frees = [(e["addr"], e["size"]) for e in self.trace if e["action"] == "segment_free"]
+        rec_frees = [(e["addr"], e["size"]) for e in self.rare if e["action"] == "segment_free"]
         free_matched = sum(1 for x, y in zip(dev.frees, rec_frees) if x == y)
-        maps = _matched(self.trace, "segment_map", dev.maps)
-        unmaps = _matched(self.trace, "segment_unmap", dev.unmaps)
+        maps = _matched(self.rare, "segment_map", dev.maps)
+        unmaps = _matched(self.rare, "segment_unmap", dev.unmaps)
         mine = snapshot_segments(alloc)
         want_segs = {(s["address"], s["total_size"], private_pool(s.get("segment_pool_id"))) for s in final}
         have_segs = {(s["address"], s["total_size"], private_pool(s.get("segment_pool_id"))) for s in mine}
@@ -82,9 +86,9 @@ class Checks:
         }
 
 
-def _matched(trace: Sequence[Mapping[str, Any]], action: str, ours: Sequence[tuple[int, int]]) -> dict[str, int]:
+def _matched(events: Sequence[Mapping[str, Any]], action: str, ours: Sequence[tuple[int, int]]) -> dict[str, int]:
     """Recorded `action` events (address, size) equal to ours, in order."""
-    rec = [(e["addr"], e["size"]) for e in trace if e["action"] == action]
+    rec = [(e["addr"], e["size"]) for e in events if e["action"] == action]
     return {"matched": sum(1 for x, y in zip(ours, rec) if x == y), "total": max(len(rec), len(ours))}
 
 
