@@ -166,3 +166,47 @@ def test_mish_backward_is_cudas_kernel() -> None:
         y = nn.functional.mish(x)
         g = torch.ones_like(y)
         assert _allocs(lambda: y.backward(g)) == [4 << 20]
+
+
+def test_inference_batch_norm_is_cudnns() -> None:
+    """``_batch_norm_impl_index`` sends inference batch norm to ``cudnn_batch_norm`` when
+    ``_select_batch_norm_backend`` allows it; in inference that returns ``save_mean``/``save_var``
+    as ``empty({0})`` (cudnn/BatchNorm.cpp): the output is the only allocation. A bfloat16
+    input takes the native kernel, which allocates both [C] statistics in float."""
+    with simulated_cuda(gpu="24GiB", backend="privateuse1"):
+        bn = nn.BatchNorm2d(8).cuda().eval()
+        x = torch.randn(4, 8, 5, 5, device="cuda")
+        with torch.no_grad():
+            assert _allocs(lambda: bn(x)) == [4 * 8 * 25 * 4]
+            xb, bnb = x.bfloat16(), nn.BatchNorm2d(8).cuda().eval().bfloat16()
+            assert _allocs(lambda: bnb(xb)) == [4 * 8 * 25 * 2, 8 * 4, 8 * 4]
+        x.requires_grad_(True)
+        bn(x).sum().backward()  # eval backward reads the running statistics, not save_*
+        assert x.grad is not None and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("backend", ["privateuse1", "meta"])
+def test_small_inference_batch_norm_runs(backend: str) -> None:
+    """Values of small tensors are known (issue 10 §3): the CPU kernel's eval statistics are
+    [0]-shaped, unlike the simulated output's, which once stopped every CNN in eval mode."""
+    with simulated_cuda(gpu="24GiB", backend=backend):
+        bn = nn.BatchNorm2d(8).cuda().eval()
+        with torch.no_grad():
+            y = bn(torch.ones(2, 8, 3, 3, device="cuda"))
+        assert y.shape == (2, 8, 3, 3)
+
+
+def test_vram_run_names_cudnn_scratch_it_leaves_out(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from vram.run.runtime import run_script
+
+    script = tmp_path / "cnn.py"
+    script.write_text("import torch\n"
+                      "m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)).cuda()\n"
+                      "m(torch.randn(2, 3, 16, 16, device='cuda')).sum().backward()\n"
+                      "m.eval()\n"
+                      "with torch.no_grad():\n"
+                      "    m(torch.randn(2, 3, 16, 16, device='cuda'))\n")
+    assert run_script(str(script), [], gpu="24GiB") == 0
+    err = capsys.readouterr().err
+    assert "3 call(s) with cuDNN convolution workspaces" in err  # forward, backward, eval forward
+    assert "2 call(s) with cuDNN batch-norm workspaces" in err   # training forward and backward only

@@ -25,6 +25,8 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
 * **bmm / baddbmm / mm / addmm** copy operands cuBLAS cannot read in place (an expanded
   gradient) before the cuBLAS call and free them on return (``native/cuda/Blas.cpp``,
   ``cuBlasCommonArgs.h``; `bmm_plan`, `mm_plan`).
+* **cuDNN's scratch** (convolution workspaces, batch-norm workspace and reserve) is sized by cuDNN
+  at run time: not charged, counted per call and named at the end of a run (`uncharged_scratch`).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
   before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
 * **scaled_dot_product_attention**: backend choice (flash / memory-efficient / cuDNN / math, by the
@@ -129,7 +131,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         base = scalar_base_bytes(name, args)
         if base:
             plan += [("tmp", base), ("free", 0)]
-    return plan
+    note = uncharged_scratch(name, args)
+    return plan if note is None else [*plan, ("note", note)]
 
 
 #: pointwise losses whose reduced forms compute the unreduced loss into a temporary first
@@ -273,6 +276,66 @@ def mm_plan(name: str, args: tuple[Any, ...], outs: list[Any]) -> list[tuple[str
     index = {k: i for i, (k, _) in enumerate(copies)}
     plan += [("tmp", c) for _, c in copies] + [("blas", None)]
     return plan + [("free", index[k]) for k in ("result", "matb", "mata") if k in index]
+
+
+_CONV = ("cuDNN convolution workspaces: cuDNN picks each at run time, up to max(free device memory, the "
+         "largest cached free block) (Conv_v8.cpp get_available_workspace, CUDACachingAllocator cacheInfo), "
+         "and PyTorch frees it when the call returns")
+_BN = ("cuDNN batch-norm workspaces and reserve space (training): sized by cuDNN "
+       "(cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize / ...TrainingExReserveSpaceSize, "
+       "cudnn/BatchNorm.cpp), which a CPU machine cannot ask")
+#: batch-norm ops on a CPU build of torch -> the index of their ``training``/``train`` flag
+#: (None: always training); backward ops take ``grad_out`` first
+_BN_TRAINING = {"native_batch_norm": 5, "_batch_norm_with_update": None,
+                "native_batch_norm_backward": 7, "batch_norm_backward": 7}
+
+
+def uncharged_scratch(name: str, args: tuple[Any, ...]) -> str | None:
+    """What a CUDA kernel takes from the caching allocator in a size only the GPU's library knows,
+    or None: every convolution (cuDNN), and batch norm in training when cuDNN runs it
+    (Normalization.cpp ``_select_batch_norm_backend``: not for bfloat16 inputs or weights, nor for
+    fewer than 3 dims; inference has no workspace). `vram run` counts such calls and says so at
+    the end (`uncharged_note`), charging nothing."""
+    if name in ("convolution", "_convolution", "convolution_backward"):
+        return _CONV
+    if name not in _BN_TRAINING:
+        return None
+    flag = _BN_TRAINING[name]
+    first = 1 if name.endswith("backward") else 0
+    if len(args) < first + 2 or not isinstance(args[first], torch.Tensor):
+        return None
+    x, weight = args[first], args[first + 1]
+    training = flag is None or (len(args) > flag and args[flag] is True)
+    low = torch.bfloat16 in (x.dtype, getattr(weight, "dtype", None))
+    return _BN if training and not low and x.dim() >= 3 else None
+
+
+def uncharged_note(calls: dict[str, int]) -> str:
+    """The end-of-run note for `UNCHARGED_SCRATCH` calls ("" when none ran)."""
+    if not calls:
+        return ""
+    lines = ["vram run: kernel scratch not charged (a GPU's peak can exceed these figures by the largest "
+             "such buffer live at that moment):"]
+    lines += [f"  {n:,} call(s) with {what}" for what, n in calls.items()]
+    return "\n".join(lines)
+
+
+def cudnn_batch_norm_outputs(name: str, args: tuple[Any, ...], out: Any) -> Any:
+    """``native_batch_norm`` in inference returns what CUDA's does: ``_batch_norm_impl_index``
+    (Normalization.cpp) hands it to ``cudnn_batch_norm`` when ``_select_batch_norm_backend`` says
+    so (no bfloat16 input or weight; a half input only with a float weight; weight, bias and
+    running stats given; 3 or more dims; batch ≤ 65,535; eps ≥ 1e-5, CUDNN_BN_MIN_EPSILON), and
+    in inference that returns ``save_mean``/``save_var`` as ``empty({0})`` (cudnn/BatchNorm.cpp):
+    only the output is allocated. Other ops and cases: `out` as it is."""
+    if name != "native_batch_norm" or len(args) < 8 or args[5] is not False or not isinstance(out, tuple):
+        return out
+    x, w, b, rm, rv = args[:5]
+    if not all(isinstance(t, torch.Tensor) for t in (x, w, b, rm, rv)):
+        return out
+    if (torch.bfloat16 in (x.dtype, w.dtype) or (x.dtype == torch.float16 and w.dtype != torch.float32)
+            or x.dim() < 3 or x.shape[0] > 65535 or args[7] < 1e-5):
+        return out
+    return (out[0], *(o.new_empty((0,)) for o in out[1:]))
 
 
 #: ``MultiTensorApply.cuh``: each tensor is cut into chunks of this many elements

@@ -86,6 +86,7 @@ from .cuda_api import DeviceProperties, patch_storages, patch_torch_cuda, patch_
 from .distributed import install as install_distributed
 from .fastpath import patch_fast_paths
 from .host_rng import patch_rng
+from .kernels import uncharged_note
 from .modes import DispatchMode, FunctionMode
 from .storages import SimState
 from .values import DataDependentError
@@ -262,9 +263,10 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                 del result
                 _ACTIVE[-1].host.ledger.drop()  # the script is over: nothing will draw again
                 report = _ACTIVE[-1].report
-                if report.sites:
+                notes = [n for n in (report.render(), uncharged_note(_ACTIVE[-1].uncharged)) if n]
+                if notes:
                     sys.stdout.flush()
-                    print(report.render(), file=sys.stderr, flush=True)
+                    print("\n".join(notes), file=sys.stderr, flush=True)
                 if value_report is not None:
                     with open(value_report, "w") as f:
                         f.write(report.as_json() + "\n")

@@ -54,6 +54,7 @@ class SimState:
         self.host_factory = False            # the running torch function is a CPU factory
         self.host = LazyHost(VALUE_LIMIT, lambda t: None, self._host_unknown)  # lazy host tensors
         self.ops: dict[Any, Any] = {}        # aten/custom op -> what it does on a GPU instead (meta differs)
+        self.uncharged: dict[str, int] = {}  # kernel scratch left out (`kernels.UNCHARGED_SCRATCH`): calls
 
     def _host_unknown(self, what: str) -> None:
         self.report.record("a host tensor's recipe read a simulated tensor", what)
@@ -93,7 +94,8 @@ class SimState:
                  on_out: Callable[[int], None], on_blas: Callable[[], None]) -> None:
         """Walk a kernel's allocation plan (`vram.run.kernels.op_plan`) on device `idx`: scratch
         ("tmp", "free"), outputs (`on_out(i)`), the cuBLAS call (`on_blas`; after everything for a
-        cuBLAS op whose plan does not place it). On an OOM the scratch still held is freed."""
+        cuBLAS op whose plan does not place it), scratch left uncharged ("note": counted in
+        `uncharged`). On an OOM the scratch still held is freed."""
         tmps: list[int] = []
         try:
             for step, arg in plan:
@@ -105,6 +107,8 @@ class SimState:
                 elif step == "blas":  # the cuBLAS call, between the kernel's own scratch
                     on_blas()
                     cublas_op = False
+                elif step == "note":
+                    self.uncharged[arg] = self.uncharged.get(arg, 0) + 1
                 else:
                     on_out(arg)
             if cublas_op:

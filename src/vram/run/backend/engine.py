@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .. import kernels as _k
 from .. import known
 from ..modes import DATA_ERRORS, DispatchMode, FunctionMode
 from ..storages import ChargedStorage, SimState
@@ -251,6 +252,7 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
             what = describe(sim.call) if sim.call is not None else f"{op}"
             raise value_error(what, f"{op} has no meta kernel" if "no fake impl" in str(e) else "") from None
         out = known.meta_outputs(computed)
+    out = _k.cudnn_batch_norm_outputs(op.overloadpacket.__name__, margs, out)
     single = not isinstance(out, tuple)
     outs = [out] if single else list(out)
     schema = op._schema
@@ -310,8 +312,6 @@ def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> Non
 
 def _charge(sim: BackendState, op: Any, idx: int, margs: Any, mkwargs: Any, outs: list[Any],
             results: list[Any]) -> None:
-    from .. import kernels as _k
-
     name = op.overloadpacket.__name__
     props = sim.props[idx]
     plan = _k.op_plan(name, margs, outs, props.multi_processor_count, props.max_threads_per_multi_processor)
