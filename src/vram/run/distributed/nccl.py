@@ -29,12 +29,14 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+import torch.distributed as dist
+
 from vram.devices.gpus import GpuPreset
 from vram.devices.nccl import Communicator, NcclEnv, NcclMemory, nccl_memory, node_for
 from vram.frontend import memory as _memory
 
-__all__ = ["note_connect", "note_collective", "note_p2p", "note_destroy", "rank_figure", "rank_memory",
-           "reset", "oom_text"]
+__all__ = ["NcclOutOfMemoryError", "note_connect", "note_collective", "note_p2p", "note_destroy",
+           "rank_figure", "rank_memory", "reset", "oom_text"]
 
 _COMMS: dict[tuple[int, str], Communicator] = {}
 _WHERE: dict[tuple[int, str], int | None] = {}   # the GPU each communicator lives on
@@ -47,6 +49,11 @@ def reset() -> None:
     _WHERE.clear()
     _TAKEN.clear()
     _GONE.clear()
+
+
+class NcclOutOfMemoryError(dist.DistBackendError):  # type: ignore[misc]
+    """PyTorch's ``DistBackendError`` for NCCL memory that did not fit on the simulated GPU (a
+    subclass, so a front end can tell it from other backend errors: a run out of memory)."""
 
 
 def oom_text() -> str:
@@ -106,8 +113,7 @@ def _settle(device: int | None) -> None:
         return
     gpu, delta = _memory.get_device(device), m.bytes - _TAKEN.get(device, 0)
     if delta > 0 and not gpu.take_outside(delta):
-        import torch.distributed as dist
-        raise dist.DistBackendError(oom_text())
+        raise NcclOutOfMemoryError(oom_text())
     if delta < 0:
         gpu.give_outside(-delta)
     _TAKEN[device] = m.bytes
