@@ -169,8 +169,11 @@ class SimulatedDevice:
         self.event_completion = event_completion
         self.nvml = nvml
         self.pid = os.getpid() if pid is None else pid
-        #: bytes this process holds from the driver (cudaMalloc'd plus mapped pages)
+        #: bytes this process holds from the driver (cudaMalloc'd plus mapped pages, the caching
+        #: allocator's and `outside`)
         self.used = 0
+        #: of `used`, what other libraries took directly from the driver (NCCL's buffers)
+        self.outside = 0
         offset = index * DEVICE_VA_STRIDE
         self._va = VirtualAddressSpace(VA_BOTTOM + offset, VA_TOP + offset)
         self._allocations: dict[int, int] = {}  # cudaMalloc base -> size
@@ -219,6 +222,25 @@ class SimulatedDevice:
             raise ValueError(f"cudaFree of an address the device never allocated: {ptr:#x}")
         self._va.free(ptr)
         self.used -= size
+
+    def take_outside(self, size: int) -> bool:
+        """Physical memory another library of this process takes from the driver itself, never
+        through the caching allocator (NCCL's ``cuMemCreate``'d buffers): it counts toward this
+        process's use like a segment (``cudaMemGetInfo``, NVML) and can make a later ``cudaMalloc``
+        fail. False, nothing taken, when it does not fit. No address is modelled: the caching
+        allocator's segments keep theirs."""
+        if size < 0 or not self._fits(size):
+            return False
+        self.used += size
+        self.outside += size
+        return True
+
+    def give_outside(self, size: int) -> None:
+        """Give back `size` bytes taken by `take_outside` (the library freed them)."""
+        if not 0 <= size <= self.outside:
+            raise ValueError(f"giving back {size} bytes outside the allocator, {self.outside} were taken")
+        self.used -= size
+        self.outside -= size
 
     def reserve(self, size: int) -> int:
         """cuMemAddressReserve; raises `DriverError` ("CUDA driver error: out of memory") when no

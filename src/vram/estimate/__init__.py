@@ -3,7 +3,10 @@ it under the simulated-CUDA runtime (`vram.run`) and attributing every allocatio
 a category and a module. Needs the ``torch`` extra.
 
 ``vram.estimate`` is this package, and it is callable: ``vram.estimate(model, inputs, ...)`` calls
-`vram.estimate.engine.estimate`.
+`vram.estimate.engine.estimate`; with ``layout=`` (a `vram.estimate.layout.Layout` or a dict such
+as ``{"fsdp": 8}``; ``max_batch=True`` searches the largest per-rank batch), every rank of that
+multi-GPU layout, as ``vram estimate --ddp/--fsdp/--tp/--pp`` does
+(`vram.estimate.distributed.estimate_on_layout`, returning a ``LayoutEstimate``).
 """
 from __future__ import annotations
 
@@ -19,7 +22,11 @@ __all__ = ["CATEGORIES", "EstimateResult", "estimate", "fits", "max_batch"]
 class _CallableModule(types.ModuleType):
     """``vram.estimate`` is both this package and, called, the `estimate` function."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> EstimateResult:
+    def __call__(self, *args: Any, layout: Any = None, **kwargs: Any) -> Any:
+        if layout is not None:
+            from .distributed import estimate_on_layout
+
+            return estimate_on_layout(*args, layout=layout, **kwargs)
         return estimate(*args, **kwargs)
 
 

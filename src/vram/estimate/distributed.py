@@ -26,7 +26,7 @@ from vram.units import format_size
 from .engine import EstimateResult, search_largest
 from .layout import Layout
 
-__all__ = ["LayoutEstimate", "estimate_layout"]
+__all__ = ["LayoutEstimate", "estimate_layout", "estimate_on_layout"]
 
 
 @dataclass
@@ -155,3 +155,49 @@ def estimate_layout(model: str, inputs: list[tuple[list[int], str]], layout: Lay
     return LayoutEstimate(layout, stands_for, results, best,
                           {r: layout.coords(r) for r in range(layout.world_size)},
                           {r: a["nccl"] for r, a in answers.items() if "nccl" in a})
+
+
+def estimate_on_layout(model: Any, example_inputs: Any, layout: Any, *, max_batch: bool = False,
+                       **kw: Any) -> LayoutEstimate:
+    """``vram.estimate(model, inputs, layout=...)``: `estimate_layout` from Python.
+
+    `layout` is a `Layout` or its fields as a dict (``{"fsdp": 8}``, ``{"tp": 2, "tp_plan":
+    "mymodels:plan"}``). Every rank runs in its own process and rebuilds the model there, so
+    `model` must be importable: ``"MODULE:FACTORY"`` or a module-level function (not one of
+    ``__main__``, which the ranks would re-run); `example_inputs` a tensor, ``torch.Size`` or a
+    tuple/list of them (the first dimension of the first is each rank's batch); the other
+    settings those of `vram.estimate.estimate` that a rank can receive: names, numbers, flags,
+    not callables (``step``, ``loss``, an optimizer factory, checkpoint classes)."""
+    import torch
+
+    lay = layout if isinstance(layout, Layout) else Layout(**dict(layout)) if isinstance(layout, dict) else None
+    if lay is None:
+        raise TypeError(f"layout must be a vram.estimate.layout.Layout or a dict of its fields, not "
+                        f"{type(layout).__name__}")
+    if isinstance(model, str):
+        target = model
+    elif callable(model) and not isinstance(model, torch.nn.Module) and "<" not in getattr(model, "__qualname__", "<"):
+        if model.__module__ == "__main__":
+            raise ValueError("layout: the model factory is defined in __main__, which each rank would re-run; "
+                             "move it to a module and pass it (or 'MODULE:FACTORY')")
+        target = f"{model.__module__}:{model.__qualname__}"
+    else:
+        raise ValueError("layout: each rank rebuilds the model in its own process, so model must be "
+                         "'MODULE:FACTORY' or a module-level factory function, not an nn.Module or a local function")
+    items = example_inputs if isinstance(example_inputs, (tuple, list)) and not isinstance(
+        example_inputs, torch.Size) else (example_inputs,)
+    inputs = []
+    for t in items:
+        if isinstance(t, torch.Size):
+            t = torch.empty(t, device="meta")
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"layout: example_inputs must be tensors or torch.Size, not {type(t).__name__}")
+        inputs.append((list(t.shape), str(t.dtype).replace("torch.", "")))
+    for name, value in kw.items():
+        if callable(value) or (name == "checkpoint" and not isinstance(value, bool)):
+            raise ValueError(f"layout: {name}={value!r} cannot be sent to the ranks (a name, number or flag only)")
+    try:
+        json.dumps(kw)
+    except TypeError as e:
+        raise ValueError(f"layout: a setting cannot be sent to the ranks: {e}") from None
+    return estimate_layout(target, inputs, lay, max_batch=max_batch, **kw)

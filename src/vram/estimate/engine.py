@@ -54,6 +54,7 @@ import torch.nn as nn
 
 from vram.devices.gpus import GpuPreset, resolve_gpu
 from vram.frontend import memory as _memory
+from vram.run.distributed.nccl import NcclOutOfMemoryError
 from vram.run.runtime import active_sim, simulated_cuda
 from vram.units import parse_size
 
@@ -199,7 +200,7 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
                                 tr.mark(t, "optimizer_state")
                     tr.set_phase("end")
                 del inputs
-            except torch.OutOfMemoryError as e:
+            except (torch.OutOfMemoryError, NcclOutOfMemoryError) as e:   # NCCL's buffers count too
                 tr.auto = False
                 oom = {"iteration": tr.iteration, "phase": tr.phase if tr.iteration else "setup",
                        "message": str(e)}

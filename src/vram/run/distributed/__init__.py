@@ -44,6 +44,7 @@ def install(sim: SimState) -> Callable[[], None]:
     import torch.distributed.rendezvous  # noqa: F401 - the module; the package's name is a function
     from torch.distributed import HashStore
 
+    from . import nccl
     from .ddp import verify_params_across_processes
     from .functional import overrides
     from .gloo import SimProcessGroupGloo
@@ -73,6 +74,10 @@ def install(sim: SimState) -> Callable[[], None]:
     put(c10d, "_NCCL_AVAILABLE", True)
     put(rdzv, "_create_c10d_store", create_store)
     put(dist, "_verify_params_across_processes", verify_params_across_processes)
+    batch = coalesced_p2p(c10d.batch_isend_irecv)
+    put(c10d, "batch_isend_irecv", batch)
+    put(dist, "batch_isend_irecv", batch)
+    nccl.reset()   # this run's communicators only
     put(torch.Tensor, "_make_wrapper_subclass", make_wrapper_subclass(torch.Tensor._make_wrapper_subclass))
     staged = stage_snapshots(_memory._dump_snapshot)  # a launched rank: dumps wait for the launcher
     if staged is not None:
@@ -85,9 +90,33 @@ def install(sim: SimState) -> Callable[[], None]:
     def restore() -> None:
         for op in ops:
             sim.ops.pop(op, None)
-        _SIMS.remove(sim)
         if dist.is_initialized():
             dist.destroy_process_group()
+        _SIMS.remove(sim)
         undo()
 
     return restore
+
+
+def coalesced_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``batch_isend_irecv`` taking PyTorch's NCCL branch for vram's process groups: torch asks
+    ``type(group) is ProcessGroup``, which a ``ProcessGroup`` subclass fails, and would send each
+    operation alone (a two-rank communicator per pair, one Work each). The branch, as in
+    ``distributed_c10d.py``: the operations inside ``_coalescing_manager`` (``startCoalescing`` /
+    ``endCoalescing``), one Work for the batch."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from .gloo import SimProcessGroupGloo
+    from .process_group import SimProcessGroup
+
+    def batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
+        c10d._check_p2p_op_list(p2p_op_list)
+        group = p2p_op_list[0].group or c10d._get_default_group()
+        if not isinstance(group, SimProcessGroup) or isinstance(group, SimProcessGroupGloo):
+            return original(p2p_op_list)
+        with c10d._coalescing_manager(group, p2p_op_list[0].tensor.device, async_ops=True) as cm:
+            for op in p2p_op_list:
+                peer = {"group_dst" if op.op is c10d.isend else "group_src": op.group_peer}
+                op.op(op.tensor, group=op.group, tag=op.tag, **peer)
+        return cm.works
+    return batch_isend_irecv

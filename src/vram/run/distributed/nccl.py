@@ -1,29 +1,66 @@
-"""The NCCL communicators a simulated rank would have created, for its memory outside the caching
-allocator (`vram.devices.nccl` computes the bytes).
+"""The NCCL communicators a simulated rank creates, and their device memory outside the caching
+allocator (`vram.devices.nccl` computes the bytes), charged to the simulated GPU when PyTorch
+would create or connect them, so they count toward its capacity as on a real card.
 
-``ProcessGroupNCCL`` creates one communicator per group and device at the group's first
-operation (``getNCCLComm``); a send or receive outside a batch gets its own two-rank communicator
-keyed ``"low:high"``, while one inside ``batch_isend_irecv`` (a coalescing batch, as
-``torch.distributed.pipelining`` sends) uses the group's (``ProcessGroupNCCL::pointToPoint``:
-``batchP2P = ncclActiveGroupCounter_ > 0``). A collective connects the communicator's ring; a
-point-to-point operation connects the peer in its direction.
+When (``ProcessGroupNCCL``, torch 2.13): a group's communicator is created at its first operation
+(``getNCCLComm``/``initNCCLComm``), or at ``init_process_group``/``new_group`` when a ``device_id``
+binds the group (``eagerConnectSingleDevice``; subgroups are then ``ncclCommSplit`` from the
+default group, which with NCCL's default ``splitShare=0`` gives them resources of their own).
+Creating it allocates NCCL's bookkeeping; its ring is connected at its first collective and a
+peer at the first send to / receive from it (``NCCL_RUNTIME_CONNECT=1``). Which communicator a
+send or receive uses (``ProcessGroupNCCL::pointToPoint``): the group's own inside a coalescing
+batch (``batch_isend_irecv``: ``batchP2P = ncclActiveGroupCounter_ > 0``) or when the group was
+eagerly initialised (``eagerInit_``: "unbatched P2P ops are treated as independent collective
+ops"), else a two-rank communicator of its own keyed ``"low:high"``.
+
+Each time a rank's communicators change, the GPU they live on is charged the change in
+`nccl_memory`'s total (`vram.devices.simulated.SimulatedDevice.take_outside`), so a later
+``cudaMalloc`` of the caching allocator sees less free memory, and ``mem_get_info``/NVML count it.
+When it does not fit, NCCL's ``cuMemCreate`` fails and PyTorch raises its ``DistBackendError``
+(``C10D_NCCL_CHECK``: ``ncclUnhandledCudaError``, NCCL's last error "Cuda failure 2 'out of
+memory'"); the communicators are left as before. Where the figure is not derived (`nccl_memory`
+says why) nothing is charged. ``destroy_process_group`` gives a group's memory back
+(``ncclCommDestroy``).
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
+
+import torch.distributed as dist
 
 from vram.devices.gpus import GpuPreset
 from vram.devices.nccl import Communicator, NcclEnv, NcclMemory, nccl_memory, node_for
+from vram.frontend import memory as _memory
 
-__all__ = ["note_collective", "note_p2p", "rank_figure", "rank_memory", "reset"]
+__all__ = ["NcclOutOfMemoryError", "note_connect", "note_collective", "note_p2p", "note_destroy",
+           "rank_figure", "rank_memory", "reset", "oom_text"]
 
 _COMMS: dict[tuple[int, str], Communicator] = {}
+_WHERE: dict[tuple[int, str], int | None] = {}   # the GPU each communicator lives on
+_TAKEN: dict[int, int] = {}                       # GPU -> NCCL bytes charged to it
+_GONE: set[tuple[int, str]] = set()               # destroyed: memory freed, still in the rank's figure
 
 
 def reset() -> None:
     _COMMS.clear()
+    _WHERE.clear()
+    _TAKEN.clear()
+    _GONE.clear()
+
+
+class NcclOutOfMemoryError(dist.DistBackendError):  # type: ignore[misc]
+    """PyTorch's ``DistBackendError`` for NCCL memory that did not fit on the simulated GPU (a
+    subclass, so a front end can tell it from other backend errors: a run out of memory)."""
+
+
+def oom_text() -> str:
+    """``C10D_NCCL_CHECK``'s text for a ``cuMemCreate`` that ran out of memory (the file, line and
+    NCCL version of the real message are the build's; they are left out)."""
+    return ("NCCL error in: ProcessGroupNCCL.cpp, unhandled cuda error (run with NCCL_DEBUG=INFO for details)\n"
+            "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 2 'out of memory'")
 
 
 def _global_ranks(pg: Any) -> list[int]:
@@ -36,30 +73,87 @@ def _one_node(ranks: list[int]) -> bool:
     return per_node <= 0 or len({r // per_node for r in ranks}) == 1
 
 
-def _comm(pg: Any, key: str, ranks: list[int]) -> Communicator:
-    c = _COMMS.get((id(pg), key))
-    if c is None:
-        label = f"of group {pg.group_name!r}" + (f", ranks {key}" if key else "")
-        c = _COMMS[(id(pg), key)] = Communicator(label, len(ranks),
-                                                 _one_node(ranks))
-    return c
+def _change(pg: Any, key: str, ranks: list[int], device: int | None, what: str = "", peer: int = -1) -> None:
+    """Create (if new) `pg`'s communicator `key` on `device`, connect its ring (`what` "ring") or
+    a peer (`what` "send"/"recv"), and charge the GPU the change; undone if it does not fit."""
+    k = (id(pg), key)
+    old = _COMMS.get(k)
+    c = old if old is not None else Communicator(
+        f"of group {pg.group_name!r}" + (f", ranks {key}" if key else ""), len(ranks), _one_node(ranks))
+    saved = replace(c, sends=set(c.sends), recvs=set(c.recvs))
+    if what == "ring":
+        c.ring = True
+    elif what:
+        (c.sends if what == "send" else c.recvs).add(peer)
+    if old is None:
+        _COMMS[k], _WHERE[k] = c, device
+    try:
+        _settle(_WHERE[k])
+    except Exception:
+        if old is None:
+            del _COMMS[k], _WHERE[k]
+        else:
+            _COMMS[k] = saved
+        raise
 
 
-def note_collective(pg: Any) -> None:
+def _settle(device: int | None) -> None:
+    """Charge `device` the difference between its communicators' NCCL memory and what it holds."""
+    if device is None or not 0 <= device < _memory.device_count():
+        return
+    from . import current_sim
+    try:
+        env = NcclEnv.from_environ(os.environ)
+    except ValueError:   # the figure is "not derived" (rank_figure says why); nothing to charge
+        return
+    p = current_sim().props[device]
+    live = [c for k, c in _COMMS.items() if _WHERE[k] == device and k not in _GONE]
+    m = nccl_memory(live, node_for(p.name, p.major, p.minor), env)
+    if m.bytes is None:
+        return
+    gpu, delta = _memory.get_device(device), m.bytes - _TAKEN.get(device, 0)
+    if delta > 0 and not gpu.take_outside(delta):
+        raise NcclOutOfMemoryError(oom_text())
+    if delta < 0:
+        gpu.give_outside(-delta)
+    _TAKEN[device] = m.bytes
+
+
+def note_connect(pg: Any, device: int) -> None:
+    """``eagerConnectSingleDevice``: `pg`'s communicator is created on `device` now."""
+    _change(pg, "", _global_ranks(pg), device)
+
+
+def note_collective(pg: Any, device: int | None) -> None:
     """A collective ran on `pg`: its communicator exists and its ring is connected."""
-    _comm(pg, "", _global_ranks(pg)).ring = True
+    _change(pg, "", _global_ranks(pg), _where(pg, "", device), "ring")
 
 
-def note_p2p(pg: Any, peer: int, send: bool, batched: bool) -> None:
-    """A send to (or receive from) group rank `peer`, inside a batch or alone."""
+def note_p2p(pg: Any, peer: int, send: bool, shared: bool, device: int | None) -> None:
+    """A send to (or receive from) group rank `peer`, on the group's communicator (`shared`: in a
+    batch, or the group was eagerly initialised) or on the pair's own."""
     ranks = _global_ranks(pg)
     me, other = ranks[pg.rank()], ranks[peer]
-    if batched:
-        c = _comm(pg, "", ranks)
+    if shared:
+        key, members = "", ranks
     else:
         lo, hi = sorted((pg.rank(), peer))
-        c = _comm(pg, f"{lo}:{hi}", sorted({me, other}))
-    (c.sends if send else c.recvs).add(other)
+        key, members = f"{lo}:{hi}", sorted({me, other})
+    _change(pg, key, members, _where(pg, key, device), "send" if send else "recv", other)
+
+
+def note_destroy(pg: Any) -> None:
+    """``destroy_process_group``: `pg`'s communicators are destroyed and their memory freed (the
+    rank's figure, a peak for nvidia-smi, keeps them)."""
+    keys = [k for k in _COMMS if k[0] == id(pg) and k not in _GONE]
+    _GONE.update(keys)
+    for device in {_WHERE[k] for k in keys}:
+        _settle(device)
+
+
+def _where(pg: Any, key: str, device: int | None) -> int | None:
+    """The GPU of an existing communicator, else `device` (the operation's tensors')."""
+    return _WHERE.get((id(pg), key), device)
 
 
 def rank_memory(gpu: GpuPreset, environ: Mapping[str, str] | None = None) -> NcclMemory:

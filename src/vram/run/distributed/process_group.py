@@ -44,7 +44,7 @@ from vram.frontend import memory as _memory
 
 from .. import known
 from ..storages import SimState
-from .nccl import note_collective, note_p2p
+from .nccl import note_collective, note_connect, note_destroy, note_p2p
 from .p2p import post, take
 
 __all__ = ["Options", "SimProcessGroup", "SimWork"]
@@ -118,7 +118,8 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._unwaited: list[list[Any]] = []   # shelves of async works not waited for
         self._used: list[int] = []             # devices collectives ran on (guessDeviceId)
         self.bound_device_id: Any = None
-        self._batch = False                    # inside a coalescing batch (batch_isend_irecv)
+        self._batch: list[Any] | None = None   # a coalescing batch's tensors (batch_isend_irecv)
+        self._eager = False                    # eagerConnectSingleDevice ran (init with device_id)
 
     # -- identity ---------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's names
@@ -164,8 +165,35 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def _set_sequence_number_for_group(self) -> None:
         return None
 
+    # -- what torch.distributed asks a ProcessGroupNCCL backend ---------------------------------
+    def _get_backend(self, device: Any) -> SimProcessGroup:
+        """This group is its own backend (a ``ProcessGroup`` subclass, as ``_new_process_group_
+        helper`` allows), for every device."""
+        return self
+
+    @property
+    def supports_splitting(self) -> bool:
+        return True
+
+    @property
+    def supports_coalescing(self) -> bool:
+        return True
+
     def eager_connect_single_device(self, device: Any) -> None:
+        """``eagerConnectSingleDevice`` (``init_process_group``/``new_group`` with ``device_id``):
+        the communicator is created now, and sends and receives use it (`.nccl`)."""
+        index = device.index if getattr(device, "index", None) is not None else _memory.current_device()
+        note_connect(self, index)
+        self._eager = True
+
+    def perform_nocolor_split(self, device: Any) -> None:
+        """A rank outside a new subgroup joins ``ncclCommSplit`` with ``NCCL_SPLIT_NOCOLOR``: it
+        gets no communicator."""
         return None
+
+    def shutdown(self) -> None:
+        """``destroy_process_group``: ``ncclCommDestroy`` frees the communicators' memory."""
+        note_destroy(self)
 
     def __repr__(self) -> str:
         return f"<vram ProcessGroupNCCL rank={self._rank} size={self._size} name={self._group_name!r}>"
@@ -179,10 +207,10 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         `value` computes the outputs' values from the inputs' (CPU tensors) as if every rank held
         this rank's; `exact` when no other rank's data enters them; `ring`: a collective, which
         connects the NCCL communicator's ring (`.nccl`; a send or receive connects its peer)."""
-        if ring:
-            note_collective(self)
         sim = _sim()
         device = _device_of(sim, inputs[0] if inputs else outputs[0])
+        if ring:
+            note_collective(self, device)
         if device is not None and device not in self._used:
             self._used.append(device)
         shelf: list[Any] = []
@@ -206,11 +234,17 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 _forget_value(sim, t)
             else:
                 known.define(sim, t, results[i], assumed)
-        # workEnqueue: shelves of earlier works the watchdog saw complete are unstashed now
+        if self._batch is not None:   # coalesced: end_coalescing stashes and enqueues the batch
+            self._batch.extend(shelf)
+            return SimWork(list(outputs) if async_op else None, [])
+        return SimWork(list(outputs) if async_op else None, self._enqueue(shelf))
+
+    def _enqueue(self, shelf: list[Any]) -> list[Any]:
+        """``workEnqueue``: shelves of earlier works the watchdog saw complete are unstashed now."""
         for old in self._unwaited:
             old.clear()
         self._unwaited = [shelf] if shelf else []
-        return SimWork(list(outputs) if async_op else None, shelf)
+        return shelf
 
     # -- collectives --------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
@@ -318,12 +352,12 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> SimWork:
         """``pointToPoint``; under the launcher the known values go to `dst` (`.p2p`)."""
         post(self, tensors, dst)
-        note_p2p(self, dst, True, self._batch)
+        note_p2p(self, dst, True, self._batch is not None or self._eager, _device_of(_sim(), tensors[0]))
         return self._collective(tensors, [], True, ring=False)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> SimWork:
         """``pointToPoint``; under the launcher the values are what `src` sent (`.p2p`)."""
-        note_p2p(self, src, False, self._batch)
+        note_p2p(self, src, False, self._batch is not None or self._eager, _device_of(_sim(), tensors[0]))
         work = self._collective([], tensors, True, ring=False)
         take(self, tensors, src)
         return work
@@ -351,12 +385,14 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         return None
 
     def start_coalescing(self, device: Any = None) -> None:
-        """``ncclGroupStart``: sends and receives until the end use the group's communicator."""
-        self._batch = True
+        """``startCoalescing`` (``ncclGroupStart``): sends and receives until the end use the
+        group's communicator, and enqueue no Work of their own."""
+        self._batch = []
 
     def end_coalescing(self, device: Any = None) -> SimWork:
-        self._batch = False
-        return SimWork(None, [])
+        """``endCoalescing``: one Work for the batch, stashing all its tensors, enqueued now."""
+        shelf, self._batch = self._batch or [], None
+        return SimWork(None, self._enqueue(shelf))
 
     _start_coalescing = start_coalescing
     _end_coalescing = end_coalescing
