@@ -125,3 +125,56 @@ def test_a_placeholder_read_keeps_the_calls_dtype() -> None:
         host = grid.mul(255).add_(0.5).clamp_(0, 255).permute(1, 2, 0).to("cpu", torch.uint8)
         assert host.dtype == torch.uint8 and host.shape == (4, 5, 3) and not host.is_cuda
         assert grid.to("cpu", dtype=torch.float16).dtype == torch.float16
+
+
+@pytest.mark.parametrize("backend", ["privateuse1", "meta"])
+def test_a_move_to_meta_gives_meta_tensors(backend: str) -> None:
+    """accelerate's ``init_empty_weights`` (``param.to("meta")``), ``Module.to("meta")`` and
+    ``to_empty(device="meta")``: a CPU-built tensor (lazy when large) or a GPU one moved to meta is
+    a meta tensor, as on a GPU, and holds no GPU memory; a lazy one gave a CPU tensor that kept the
+    lazy-host mode alive for the whole run."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    with simulated_cuda(backend=backend):
+        lin = torch.nn.Linear(512, 512)  # 262,144 weights: a lazy host tensor
+        w = lin.weight.to("meta")
+        assert (w.device.type, w.is_meta, w.is_cpu, lin.weight.device.type) == ("meta", True, False, "cpu")
+        lin.to("meta")
+        assert all(p.is_meta and p.device.type == "meta" for p in lin.parameters())
+        del w
+        if backend == "privateuse1":  # no lazy host tensor lives: autograd sees no dispatch mode
+            torch.ones(2).add(1)
+            assert _get_current_dispatch_mode_stack() == []
+        x = torch.empty(1000, 1000, device="cuda")
+        before = torch.cuda.memory_allocated()
+        for m in (x.to("meta"), x.to(device=torch.device("meta")), torch.empty_like(x, device="meta")):
+            assert m.is_meta and m.device.type == "meta" and m.shape == x.shape
+        gpu = torch.nn.Linear(1000, 1000, device="cuda")
+        assert torch.cuda.memory_allocated() == before + 4_000_256 + 4_096  # weight and bias blocks
+        gpu.to_empty(device="meta")
+        assert gpu.weight.is_meta and torch.cuda.memory_allocated() == before
+
+
+def test_an_oom_in_backward_with_a_cpu_dataset_alive_is_catchable(tmp_path: Any) -> None:
+    """A large CPU tensor (a dataset of token ids) kept the lazy-host dispatch mode on the stack;
+    the backward's graph task took it to the autograd device thread, and an OOM raised there
+    aborted the process ("terminate called without an active exception") instead of reaching
+    the script, where ``accelerate.find_executable_batch_size`` and Trainer's
+    ``auto_find_batch_size`` catch it and retry smaller. A subprocess: an abort must fail here."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import torch\n"
+        "data = torch.randint(0, 1000, (1000, 512))\n"
+        "w = torch.nn.Parameter(torch.randn(1024, 1024, device='cuda'))\n"
+        "y = (torch.randn(4096, 1024, device='cuda') @ w).relu().sum()\n"
+        "filler = torch.empty(10 * 2**20 // 4, device='cuda')\n"
+        "try:\n    y.backward()\nexcept torch.OutOfMemoryError as e:\n"
+        "    print('caught', str(e).startswith('CUDA out of memory'))\n"
+        "print('done', data.shape)\n")
+    r = subprocess.run([sys.executable, "-m", "vram", "run", "--gpu", "100MiB", str(script)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[:2] == ["caught True", "done torch.Size([1000, 512])"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -119,7 +120,7 @@ class DispatchMode(TorchDispatchMode):
             else:
                 raise
         idx: int | None = sim.target if direct is None else direct
-        if idx is None:
+        if idx is None and not (sim.explicit_meta and kwargs.get("device") == _META):  # .to("meta"): no GPU
             for t in inputs:
                 b = sim.block_of(t)
                 if b is not None:
@@ -129,8 +130,8 @@ class DispatchMode(TorchDispatchMode):
                 if not sim.explicit_meta and not any(t.is_meta for t in inputs):
                     idx = _memory.current_device()
         if idx is None:
-            if lazy:
-                host.record(func, args, kwargs, out)
+            if lazy:  # a copy the script asked to have on meta is a meta tensor, not a lazy host one
+                host.record(func, args, kwargs, out, new_outputs=not sim.explicit_meta)
             return out
         if lazy:  # e.g. a copy from the GPU into a lazy host buffer: the buffer's recipe grows
             host.record(func, args, kwargs, out, new_outputs=False)
@@ -259,6 +260,10 @@ class FunctionMode(TorchFunctionMode):
         super().__init__()
         self.sim = sim
 
+    def backward_scope(self, roots: Any) -> AbstractContextManager[Any]:
+        """What a backward from `roots` runs under (see `vram.run.backend.lazy.outside_backward`)."""
+        return nullcontext()
+
     def device_for(self, idx: int) -> torch.device:
         """Where a tensor the script puts on ``cuda:idx`` lives: meta (`vram.run.backend`: its own device)."""
         return _META
@@ -306,7 +311,7 @@ class FunctionMode(TorchFunctionMode):
             if name == "to" and self._to_host(args, kwargs):  # already on the host: meta, as it is
                 args = tuple(_META if (d := parse_device(a)) is not None and d[0] == "cpu" else a for a in args)
                 kwargs = dict(kwargs, device=_META) if "device" in kwargs else kwargs
-                return self._call(func, lambda: func(*args, **kwargs), None, True, args, kwargs)
+                return self._call(func, lambda: func(*args, **kwargs), None, False, args, kwargs)
         if name == "cuda" and t0 is not None:
             return self._cuda(t0, b0, args, kwargs)
         if name in ("copy_", "copy_.default") and b0 is None and t0 is not None and t0.device.type == "cpu" \
@@ -349,6 +354,11 @@ class FunctionMode(TorchFunctionMode):
                 target = d[1]
             elif d is not None and d[0] == "meta":
                 explicit_meta = True
+        if name == "to" and t0 is not None and any(parse_device(a) == ("meta", None) for a in (
+                *args[1:], kwargs.get("device")) if not isinstance(a, torch.Tensor)):
+            explicit_meta = True  # Tensor.to("meta"), Module.to("meta"), accelerate's init_empty_weights
+            if sim.host.of(t0) is not None or (b0 is not None and self.device_for(0).type == "meta"):
+                kwargs = dict(kwargs, copy=True)  # meta inside (lazy host, meta engine): a copy, not itself
         if (target is None and not explicit_meta and name in LAZY_FACTORIES
                 and "out" not in kwargs and func in _device_constructors() and self.host_factories()):
             # a CPU factory: lazy if large

@@ -359,6 +359,9 @@ class BackendFunctionMode(FunctionMode):
     def device_for(self, idx: int) -> torch.device:
         return torch.device(NAME, idx)
 
+    def backward_scope(self, roots: Any) -> Any:
+        return lazy.outside_backward(self.sim, roots)
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         lazy.retire(self.sim)
         if getattr(func, "__name__", "") in _CUDA_CONTIGUOUS and args and self.sim.block_of(args[0]) is not None:

@@ -11,6 +11,8 @@ one died — usually the end of ``model.to("cuda")``, before any training step.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -64,7 +66,7 @@ class LazyHostMode(TorchDispatchMode):
             if any(s in str(e) for s in DATA_ERRORS):
                 return host.run_real(func, args, kwargs)  # a data-dependent op: on real bytes
             raise
-        host.record(func, args, kwargs, out)
+        host.record(func, args, kwargs, out, new_outputs=not sim.explicit_meta)  # .to("meta"): meta
         return out
 
 
@@ -101,3 +103,27 @@ def retire(sim: SimState, end: bool = False) -> None:
         _push_mode(mode)
     if end:
         _PUSHED.discard(sim)
+
+
+@contextmanager
+def outside_backward(sim: SimState, roots: Any) -> Iterator[None]:
+    """Run a backward from simulated `roots` without `LazyHostMode` when a live lazy host tensor
+    keeps it pushed (a CPU dataset built with ``torch.randint``, a meta copy of a model).
+
+    The graph task takes the dispatch modes it starts with to the autograd engine's device
+    thread, where a GPU has none: with it there, autograd takes its tensor-subclass formulas,
+    and an exception (an OOM) leaving the mode's ``__torch_dispatch__`` is still pending when
+    the node's stream guard unwinds, so the Python device guard's ``type_()`` fails inside a
+    ``noexcept`` ``exchangeStream`` and the process aborts ("terminate called without an active
+    exception"; torch/csrc/acc/Module.cpp). A backward from lazy host roots keeps the mode.
+    """
+    mode = _get_current_dispatch_mode()
+    if not (isinstance(mode, LazyHostMode) and mode.sim is sim) or any(
+            sim.host.of(t) is not None for t in tree_leaves(roots)):
+        yield
+        return
+    _pop_mode()
+    try:
+        yield
+    finally:
+        _push_mode(mode)
