@@ -284,34 +284,42 @@ _CONV = ("cuDNN convolution workspaces: cuDNN picks each at run time, up to max(
 _BN = ("cuDNN batch-norm workspaces and reserve space (training): sized by cuDNN "
        "(cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize / ...TrainingExReserveSpaceSize, "
        "cudnn/BatchNorm.cpp), which a CPU machine cannot ask")
-#: batch-norm ops on a CPU build of torch -> the index of their ``training``/``train`` flag
-#: (None: always training); backward ops take ``grad_out`` first
-_BN_TRAINING = {"native_batch_norm": 5, "_batch_norm_with_update": None,
-                "native_batch_norm_backward": 7, "batch_norm_backward": 7}
+#: batch-norm ops on a CPU build of torch -> the indices of their ``training``/``train`` flag (None:
+#: always training) and of ``eps``; backward ops take ``grad_out`` first
+_BN_ARGS = {"native_batch_norm": (5, 7), "_batch_norm_with_update": (None, 6),
+            "native_batch_norm_backward": (7, 8), "batch_norm_backward": (7, 8)}
+
+
+def cudnn_batch_norm(x: torch.Tensor, weight: Any, training: bool, eps: float) -> bool:
+    """Normalization.cpp ``_select_batch_norm_backend`` on a CUDA build with cuDNN: no bfloat16
+    input or weight, a half input only with a float weight, a weight, 3 or more dims, a batch of at
+    most 880,801 (training) or 65,535 (inference), eps ≥ 1e-5 (CUDNN_BN_MIN_EPSILON)."""
+    if not isinstance(weight, torch.Tensor) or torch.bfloat16 in (x.dtype, weight.dtype):
+        return False
+    if x.dtype == torch.float16 and weight.dtype != torch.float32:
+        return False
+    return x.dim() >= 3 and x.shape[0] <= (880801 if training else 65535) and eps >= 1e-5
 
 
 def uncharged_scratch(name: str, args: tuple[Any, ...]) -> str | None:
     """What a CUDA kernel takes from the caching allocator in a size only the GPU's library knows,
     or None: every convolution (cuDNN), and batch norm in training when cuDNN runs it
-    (Normalization.cpp ``_select_batch_norm_backend``: not for bfloat16 inputs or weights, nor for
-    fewer than 3 dims; inference has no workspace). `vram run` counts such calls and says so at
+    (`cudnn_batch_norm`; inference has no workspace). `vram run` counts such calls and says so at
     the end (`uncharged_note`), charging nothing."""
     if name in ("convolution", "_convolution", "convolution_backward"):
         return _CONV
-    if name not in _BN_TRAINING:
+    if name not in _BN_ARGS:
         return None
-    flag = _BN_TRAINING[name]
+    flag, eps = _BN_ARGS[name]
     first = 1 if name.endswith("backward") else 0
-    if len(args) < first + 2 or not isinstance(args[first], torch.Tensor):
+    if len(args) <= eps or not isinstance(args[first], torch.Tensor):
         return None
-    x, weight = args[first], args[first + 1]
-    training = flag is None or (len(args) > flag and args[flag] is True)
-    low = torch.bfloat16 in (x.dtype, getattr(weight, "dtype", None))
-    return _BN if training and not low and x.dim() >= 3 else None
+    training = flag is None or args[flag] is True
+    return _BN if training and cudnn_batch_norm(args[first], args[first + 1], True, args[eps]) else None
 
 
 def uncharged_note(calls: dict[str, int]) -> str:
-    """The end-of-run note for `UNCHARGED_SCRATCH` calls ("" when none ran)."""
+    """The end-of-run note for the calls `uncharged_scratch` named ("" when none ran)."""
     if not calls:
         return ""
     lines = ["vram run: kernel scratch not charged (a GPU's peak can exceed these figures by the largest "
@@ -322,18 +330,14 @@ def uncharged_note(calls: dict[str, int]) -> str:
 
 def cudnn_batch_norm_outputs(name: str, args: tuple[Any, ...], out: Any) -> Any:
     """``native_batch_norm`` in inference returns what CUDA's does: ``_batch_norm_impl_index``
-    (Normalization.cpp) hands it to ``cudnn_batch_norm`` when ``_select_batch_norm_backend`` says
-    so (no bfloat16 input or weight; a half input only with a float weight; weight, bias and
-    running stats given; 3 or more dims; batch ≤ 65,535; eps ≥ 1e-5, CUDNN_BN_MIN_EPSILON), and
-    in inference that returns ``save_mean``/``save_var`` as ``empty({0})`` (cudnn/BatchNorm.cpp):
-    only the output is allocated. Other ops and cases: `out` as it is."""
+    (Normalization.cpp) hands it to ``cudnn_batch_norm`` when `cudnn_batch_norm` (with bias and
+    running statistics given) says so, and in inference that returns ``save_mean``/``save_var`` as
+    ``empty({0})`` (cudnn/BatchNorm.cpp): only the output is allocated. Other ops and cases: `out`
+    as it is."""
     if name != "native_batch_norm" or len(args) < 8 or args[5] is not False or not isinstance(out, tuple):
         return out
     x, w, b, rm, rv = args[:5]
-    if not all(isinstance(t, torch.Tensor) for t in (x, w, b, rm, rv)):
-        return out
-    if (torch.bfloat16 in (x.dtype, w.dtype) or (x.dtype == torch.float16 and w.dtype != torch.float32)
-            or x.dim() < 3 or x.shape[0] > 65535 or args[7] < 1e-5):
+    if not all(isinstance(t, torch.Tensor) for t in (x, w, b, rm, rv)) or not cudnn_batch_norm(x, w, False, args[7]):
         return out
     return (out[0], *(o.new_empty((0,)) for o in out[1:]))
 
