@@ -286,7 +286,8 @@ class PrivatePoolsMixin(ReleaseMixin):
             return
         default = pool_id == DEFAULT_POOL
         forced = [pid for pid in self.release_order if pid in self.freeable_pools]
-        order = [pid for pid in self.freeable_slots if pid not in forced] + forced
+        last = set(forced)
+        order = [pid for pid in self.freeable_slots if pid not in last] + forced
         for pid in order:
             pp = self.freeable_pools[pid]
             if not default:

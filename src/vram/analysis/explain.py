@@ -263,9 +263,8 @@ def cache_peaks(allocated: Sequence[int], reserved: Sequence[int], end: int, lim
     the point, so no bisection: returning a segment early can make later requests split another
     one. Each point is therefore replayed.)"""
     cache = [reserved[j] - allocated[j] for j in range(end)]
-    peaks = [j + 1 for j in range(end) if cache[j] > 0 and (j + 1 >= end or cache[j + 1] < cache[j])
+    peaks = [j + 1 for j in range(end - 1) if cache[j] > 0 and cache[j + 1] < cache[j]
              and (j == 0 or cache[j] >= cache[j - 1])]
-    peaks = [p for p in peaks if p < end]
     best = sorted(peaks, key=lambda p: (-cache[p - 1], p))[:limit]
     return sorted(best)
 

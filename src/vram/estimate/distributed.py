@@ -44,17 +44,21 @@ class LayoutEstimate:
     def nvidia_smi(self, rank: int) -> int | None:
         """Steady-state peak reserved + CUDA context + NCCL (`vram.devices.nccl`); None when NCCL's
         figure is not derived (the report says why)."""
-        sim = next(r for r, rs in self.stands_for.items() if rank in rs)
+        sim = self.simulated_as(rank)
         res, n = self.results[sim], self.nccl.get(sim, {}).get("bytes")
         return None if n is None else res.peak_reserved + res.context + n
 
+    def simulated_as(self, rank: int) -> int:
+        """The simulated rank whose run stands for `rank`."""
+        return next(r for r, rs in self.stands_for.items() if rank in rs)
+
     def result_of(self, rank: int) -> EstimateResult:
-        return self.results[next(r for r, rs in self.stands_for.items() if rank in rs)]
+        return self.results[self.simulated_as(rank)]
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout.to_json(), "max_batch": self.max_batch,
-                "ranks": {str(r): {"coords": self.coords[r], "simulated_as": next(
-                    s for s, rs in self.stands_for.items() if r in rs)} for r in sorted(self.coords)},
+                "ranks": {str(r): {"coords": self.coords[r], "simulated_as": self.simulated_as(r)}
+                          for r in sorted(self.coords)},
                 "estimates": {str(r): res.to_json() for r, res in sorted(self.results.items())},
                 "nccl": {str(r): n for r, n in sorted(self.nccl.items())},
                 "nvidia_smi": {str(r): self.nvidia_smi(r) for r in sorted(self.coords)}}
