@@ -99,3 +99,26 @@ def test_a_communicator_that_does_not_fit_is_nccls_error_and_takes_nothing(two_r
         torch.cuda.empty_cache()
         dist.all_reduce(torch.ones(4, device="cuda"))
         assert free() == H100 - 2 * MiB - BOOK - RING
+
+
+def test_every_new_group_is_charged_and_gloo_has_no_communicator(two_ranks: Any) -> None:
+    """A group made after another was destroyed gets its own communicator (CPython reuses the
+    ``id()`` of a freed group; keyed by it, a new group found the destroyed one's and was charged
+    nothing). Gloo's collectives run on the host: no NCCL communicator, nothing charged."""
+    from vram.run.distributed import nccl
+
+    with simulated_cuda(gpu="H100", device_count=2):
+        torch.cuda.set_device(0)
+        for _ in range(6):
+            dist.init_process_group("nccl")
+            t = torch.ones(4, device="cuda")
+            dist.all_reduce(t)
+            assert free() == H100 - 2 * MiB - BOOK - RING  # the 2 MiB segment of t, one communicator
+            del t
+            dist.destroy_process_group()
+            torch.cuda.empty_cache()
+        dist.init_process_group("gloo")
+        out = torch.empty(4)
+        dist.all_to_all_single(out, torch.ones(4))
+        assert len(nccl._COMMS) == 6
+        dist.destroy_process_group()

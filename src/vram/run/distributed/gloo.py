@@ -33,6 +33,8 @@ def _host(tensors: list[torch.Tensor], what: str) -> None:
 class SimProcessGroupGloo(SimProcessGroup):
     """``ProcessGroupGloo(store, rank, size, timeout)`` on host tensors (see the module doc)."""
 
+    nccl = False
+
     def __init__(self, store: Any, rank: int, size: int, timeout: Any = timedelta(minutes=30)) -> None:
         super().__init__(store, rank, size, Options())
         self.options.backend = "gloo"

@@ -24,6 +24,7 @@ says why) nothing is charged. ``destroy_process_group`` gives a group's memory b
 """
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping
 from dataclasses import replace
@@ -73,10 +74,23 @@ def _one_node(ranks: list[int]) -> bool:
     return per_node <= 0 or len({r // per_node for r in ranks}) == 1
 
 
+_GROUP_IDS = itertools.count()
+
+
+def _gid(pg: Any) -> int:
+    """A number for `pg` that no later group reuses (``id()`` is reused once a group is freed, and
+    a new group would find a destroyed one's communicators)."""
+    gid = getattr(pg, "_vram_nccl_id", None)
+    if gid is None:
+        gid = next(_GROUP_IDS)
+        pg._vram_nccl_id = gid
+    return gid
+
+
 def _change(pg: Any, key: str, ranks: list[int], device: int | None, what: str = "", peer: int = -1) -> None:
     """Create (if new) `pg`'s communicator `key` on `device`, connect its ring (`what` "ring") or
     a peer (`what` "send"/"recv"), and charge the GPU the change; undone if it does not fit."""
-    k = (id(pg), key)
+    k = (_gid(pg), key)
     old = _COMMS.get(k)
     c = old if old is not None else Communicator(
         f"of group {pg.group_name!r}" + (f", ranks {key}" if key else ""), len(ranks), _one_node(ranks))
@@ -145,7 +159,7 @@ def note_p2p(pg: Any, peer: int, send: bool, shared: bool, device: int | None) -
 def note_destroy(pg: Any) -> None:
     """``destroy_process_group``: `pg`'s communicators are destroyed and their memory freed (the
     rank's figure, a peak for nvidia-smi, keeps them)."""
-    keys = [k for k in _COMMS if k[0] == id(pg) and k not in _GONE]
+    keys = [k for k in _COMMS if k[0] == _gid(pg) and k not in _GONE]
     _GONE.update(keys)
     for device in {_WHERE[k] for k in keys}:
         _settle(device)
@@ -153,7 +167,7 @@ def note_destroy(pg: Any) -> None:
 
 def _where(pg: Any, key: str, device: int | None) -> int | None:
     """The GPU of an existing communicator, else `device` (the operation's tensors')."""
-    return _WHERE.get((id(pg), key), device)
+    return _WHERE.get((_gid(pg), key), device)
 
 
 def rank_memory(gpu: GpuPreset, environ: Mapping[str, str] | None = None) -> NcclMemory:

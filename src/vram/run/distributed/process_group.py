@@ -106,6 +106,8 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     """``ProcessGroupNCCL(store, rank, size, options)`` on simulated GPUs (see the module doc)."""
 
     Options = Options
+    #: its collectives run on an NCCL communicator (`.nccl`); Gloo's run on the host
+    nccl = True
 
     def __init__(self, store: Any, rank: int, size: int, options: Options | None = None) -> None:
         super().__init__(rank, size)
@@ -209,7 +211,7 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         connects the NCCL communicator's ring (`.nccl`; a send or receive connects its peer)."""
         sim = _sim()
         device = _device_of(sim, inputs[0] if inputs else outputs[0])
-        if ring:
+        if ring and self.nccl:
             note_collective(self, device)
         if device is not None and device not in self._used:
             self._used.append(device)
