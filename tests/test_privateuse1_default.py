@@ -143,7 +143,8 @@ def test_half_softmax_to_float_is_one_kernel(backend: str) -> None:
 @pytest.mark.parametrize("reduction", ["max", "min", "median", "nanmedian"])
 def test_full_reduction_backward_takes_cudas_branch(reduction: str) -> None:
     """``evenly_distribute_backward`` (FunctionsManual.cpp) branches on ``input.is_cuda()``; its
-    CUDA branch, read off the source for N fp32 inputs: isnan(input) N bytes, isnan(value) 1,
+    CUDA branch, read off the source for N fp32 inputs (after ``backward()``'s seed gradient, a
+    0-dim fp32 ``ones``: 4 bytes): isnan(input) N bytes, isnan(value) 1,
     ``input == value`` N, ``mask.sum()`` an int64 output then the bool→int64 copy ``make_reduction``
     reduces (ReduceOpsUtils.h), ``grad / sum`` 4, ``mask * …`` 4N. The CPU branch PrivateUse1
     would take reads ``value.isnan().item()`` and fills ``new_zeros``."""

@@ -372,9 +372,11 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
         original_hooks_init(self, under_mode(pack_hook), under_mode(unpack_hook))
 
     restore_host = _patch_host_side(lambda: function_mode in _get_current_function_mode_stack())
+    engine_under_mode = under_mode(original_engine)
+
     def engine(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         with function_mode.backward_scope(t_outputs):
-            return under_mode(original_engine)(t_outputs, *args, **kwargs)
+            return engine_under_mode(t_outputs, *args, **kwargs)
 
     torch.autograd._engine_run_backward = autograd_graph._engine_run_backward = engine
     autograd_graph.saved_tensors_hooks.__init__ = hooks_init  # type: ignore[method-assign]

@@ -334,10 +334,11 @@ def cudnn_batch_norm_outputs(name: str, args: tuple[Any, ...], out: Any) -> Any:
     running statistics given) says so, and in inference that returns ``save_mean``/``save_var`` as
     ``empty({0})`` (cudnn/BatchNorm.cpp): only the output is allocated. Other ops and cases: `out`
     as it is."""
-    if name != "native_batch_norm" or len(args) < 8 or args[5] is not False or not isinstance(out, tuple):
+    flag, eps = _BN_ARGS["native_batch_norm"]
+    if name != "native_batch_norm" or len(args) <= eps or args[flag] is not False or not isinstance(out, tuple):
         return out
     x, w, b, rm, rv = args[:5]
-    if not all(isinstance(t, torch.Tensor) for t in (x, w, b, rm, rv)) or not cudnn_batch_norm(x, w, False, args[7]):
+    if not all(isinstance(t, torch.Tensor) for t in (x, w, b, rm, rv)) or not cudnn_batch_norm(x, w, False, args[eps]):
         return out
     return (out[0], *(o.new_empty((0,)) for o in out[1:]))
 

@@ -252,7 +252,8 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
             what = describe(sim.call) if sim.call is not None else f"{op}"
             raise value_error(what, f"{op} has no meta kernel" if "no fake impl" in str(e) else "") from None
         out = known.meta_outputs(computed)
-    out = _k.cudnn_batch_norm_outputs(op.overloadpacket.__name__, margs, out)
+    name = op.overloadpacket.__name__
+    out = _k.cudnn_batch_norm_outputs(name, margs, out)
     single = not isinstance(out, tuple)
     outs = [out] if single else list(out)
     schema = op._schema
@@ -271,7 +272,7 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
         else:
             results[i] = _AS_STRIDED._op_dk(_CPU, src, o.shape, o.stride(), o.storage_offset())
     idx = _device(args, kwargs)
-    _charge(sim, op, idx, margs, mkwargs, outs, results)
+    _charge(sim, op, name, idx, margs, mkwargs, outs, results)
     for i, o in enumerate(outs):  # outputs the kernel's plan leaves out live on the host (SDPA's
         if results[i] is o and isinstance(o, torch.Tensor):  # philox seed and offset)
             results[i] = torch.zeros(o.shape, dtype=o.dtype)
@@ -310,9 +311,8 @@ def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> Non
     dst.copy_(value)
 
 
-def _charge(sim: BackendState, op: Any, idx: int, margs: Any, mkwargs: Any, outs: list[Any],
+def _charge(sim: BackendState, op: Any, name: str, idx: int, margs: Any, mkwargs: Any, outs: list[Any],
             results: list[Any]) -> None:
-    name = op.overloadpacket.__name__
     props = sim.props[idx]
     plan = _k.op_plan(name, margs, outs, props.multi_processor_count, props.max_threads_per_multi_processor)
     returns = op._schema.returns
