@@ -332,7 +332,7 @@ class FunctionMode(TorchFunctionMode):
                 return self._call(func, lambda: _k.cross_entropy_autocast(args, kwargs, self._cast),
                                   None, False, args, kwargs)
             args, kwargs = _k.autocast_args(name, args, kwargs, self._eligible, self._cast)
-        if name in ("softmax", "log_softmax") and t0 is not None and sim.block_of(t0) is not None:
+        if name in ("softmax", "log_softmax") and b0 is not None:
             fused = _k.half_to_float_softmax(func, name, args, kwargs)
             if fused is not None:
                 return self._call(func, fused, None, False, args, kwargs)
