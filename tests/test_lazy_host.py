@@ -179,3 +179,31 @@ def test_dataloader_over_a_lazy_dataset_gives_the_cpu_batches() -> None:
     expected = batches()
     with simulated_cuda(gpu="24GiB"):
         assert batches() == expected
+
+
+_FACTORY_CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+    ("zeros", (4,), {}), ("zeros", (2, 3), {}), ("ones", ([4, 5],), {}), ("empty", ((2, 0, 3),), {}),
+    ("full", ((3, 7), 1.5), {}), ("rand", (3, 4), {}), ("randn", (), {"size": (6,)}),
+    ("randint", (10, (3, 2)), {}), ("randint", (2, 10, (5,)), {}), ("randint", (9,), {"size": [7]}),
+    ("randperm", (11,), {}), ("arange", (8,), {}), ("arange", (2, 9), {}), ("arange", (0, 1, 0.3), {}),
+    ("arange", (10, 0, -3), {}), ("arange", (5, 5), {}), ("eye", (4,), {}), ("eye", (3, 5), {}),
+    ("linspace", (0, 1, 7), {}), ("logspace", (0, 2), {"steps": 4}),
+    ("empty_strided", ((2, 3), (3, 1)), {}),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "kwargs"), _FACTORY_CALLS)
+def test_factory_size_read_off_the_arguments_is_the_tensors(name: str, args: tuple[Any, ...],
+                                                           kwargs: dict[str, Any]) -> None:
+    """The size hint that keeps small CPU factories off the lazy path (no dispatch mode pushed)
+    is the element count PyTorch's own call makes."""
+    from vram.run.lazy_host import factory_numel
+    assert factory_numel(name, args, kwargs) == getattr(torch, name)(*args, **kwargs).numel()
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    expected = getattr(torch, name)(*args, **kwargs)
+    with simulated_cuda(gpu="24GiB"):
+        t = getattr(torch, name)(*args, **kwargs)
+        pushed = _get_current_dispatch_mode()  # before any other torch call could pop it
+        assert pushed is None and not t.is_meta
+        if name not in ("empty", "empty_strided", "rand", "randn", "randint", "randperm"):
+            assert torch.equal(t, expected)

@@ -169,12 +169,13 @@ def test_mish_backward_is_cudas_kernel() -> None:
         assert _allocs(lambda: y.backward(g)) == [4 << 20]
 
 
-def test_inference_batch_norm_is_cudnns() -> None:
+@pytest.mark.parametrize("backend", ["privateuse1", "meta"])
+def test_inference_batch_norm_is_cudnns(backend: str) -> None:
     """``_batch_norm_impl_index`` sends inference batch norm to ``cudnn_batch_norm`` when
     ``_select_batch_norm_backend`` allows it; in inference that returns ``save_mean``/``save_var``
     as ``empty({0})`` (cudnn/BatchNorm.cpp): the output is the only allocation. A bfloat16
-    input takes the native kernel, which allocates both [C] statistics in float."""
-    with simulated_cuda(gpu="24GiB", backend="privateuse1"):
+    input takes the native kernel, which allocates both [C] statistics in float. Both engines."""
+    with simulated_cuda(gpu="24GiB", backend=backend):
         bn = nn.BatchNorm2d(8).cuda().eval()
         x = torch.randn(4, 8, 5, 5, device="cuda")
         with torch.no_grad():

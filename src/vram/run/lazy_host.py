@@ -24,6 +24,7 @@ ops then use the mirror); ``torch.default_generator.get_state()`` called directl
 """
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .host_rng import Draw, Ledger, word_count
+from .values import needs_data
 
 _CPU = torch.device("cpu")
 _META = torch.device("meta")
@@ -168,9 +170,9 @@ class LazyHost:
     # -- creation ---------------------------------------------------------------------------
     def factory(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """A CPU factory the function mode sent to meta: lazy when large, else real. (A size
-        given as the first argument decides without running the op on meta first.)"""
+        read off the arguments, `factory_numel`, decides without running the op on meta first.)"""
         host_kwargs = dict(kwargs, device=_CPU)
-        numel = _size_numel(args[0]) if args else None
+        numel = factory_numel(func.overloadpacket.__name__, args, kwargs)
         out = func(*args, **kwargs) if numel is None or numel > self.limit else None
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if (numel if numel is not None else sum(t.numel() for t in outs)) <= self.limit:
@@ -200,6 +202,21 @@ class LazyHost:
         if any(not t.is_meta for t in written):  # a real host tensor written from lazy ones
             return True
         return len({id(ls) for t in written if (ls := self.of(t)) is not None}) > 1
+
+    def on_host(self, func: Any, args: Any, kwargs: dict[str, Any], inputs: list[Any], explicit_meta: bool) -> Any:
+        """An op on lazy host tensors with no simulated GPU in it: played on meta and recorded
+        (its outputs lazy too; a copy the script asked to have on meta stays plain meta), or run
+        on real bytes when it must be (`needs_real`, or meta cannot run it: data-dependent)."""
+        if self.needs_real(func, args, kwargs, inputs):
+            return self.run_real(func, args, kwargs)
+        try:
+            out = func(*self.on_meta(args), **self.on_meta(kwargs))
+        except (RuntimeError, NotImplementedError) as e:
+            if needs_data(e):
+                return self.run_real(func, args, kwargs)
+            raise
+        self.record(func, args, kwargs, out, new_outputs=not explicit_meta)
+        return out
 
     @staticmethod
     def on_meta(tree: Any) -> Any:
@@ -371,6 +388,37 @@ def _size_numel(size: Any) -> int | None:
     for n in size:
         numel *= n
     return numel
+
+
+def factory_numel(name: str, args: Any, kwargs: dict[str, Any]) -> int | None:
+    """The elements a CPU factory call makes, read off its arguments at the torch-function level
+    (``torch.zeros(2, 3)``, ``torch.randint(0, 9, (4,))``, ``torch.arange(8)``) or the aten level
+    (sizes as lists); None when not plain numbers. A hint: deciding "small, so real" early skips
+    the lazy path, and a wrong answer only makes a tensor real or lazy, never a wrong value."""
+    if name in ("arange", "range"):
+        nums = args[:3]
+        if not nums or len(args) > 3 or not all(type(x) in (int, float) for x in nums):
+            return None
+        start, end, step = (0, nums[0], 1) if len(nums) == 1 else (*nums[:2], nums[2] if len(nums) == 3 else 1)
+        if step == 0:
+            return None
+        span = (end - start) / step
+        return max(0, math.ceil(span) if name == "arange" else math.floor(span) + 1)
+    if name == "randperm":
+        return args[0] if args and type(args[0]) is int else None
+    if name == "eye":
+        dims = args[:2]
+        return dims[0] * (dims[-1]) if dims and all(type(n) is int for n in dims) else None
+    if name in ("linspace", "logspace"):
+        steps = args[2] if len(args) > 2 else kwargs.get("steps")
+        return steps if type(steps) is int else None
+    if name == "randint":
+        return _size_numel(kwargs["size"] if "size" in kwargs else args[-1] if args else None)
+    if "size" in kwargs:
+        return _size_numel(kwargs["size"])
+    if args and all(type(n) is int for n in args) and name not in ("full", "empty_strided", "empty_permuted"):
+        return _size_numel(args)  # varargs sizes: torch.zeros(2, 3)
+    return _size_numel(args[0]) if args else None
 
 
 def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:

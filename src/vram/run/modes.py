@@ -20,20 +20,19 @@ from vram.frontend import memory as _memory
 from . import fastpath as _fast
 from . import kernels as _k
 from . import known
-from .lazy_host import LAZY_FACTORIES, seeded
+from .lazy_host import LAZY_FACTORIES, factory_numel, seeded
 from .storages import ChargedStorage, SimState
-from .values import describe, value_error
+from .values import describe, needs_data, value_error
 
 _SDPA = F.scaled_dot_product_attention
 _CPU_COPY = frozenset({"cpu", "numpy", "tolist", "__array__", "__repr__", "__format__", "equal",
                        "allclose", "__complex__"})
 _SCALAR = frozenset({"item", "__bool__", "__int__", "__float__", "__index__"})
 _HOST_READS = frozenset({"data_ptr", "__array__", "__dlpack__", "tobytes"})  # host bytes, read directly
-DATA_ERRORS = ("meta tensor", "meta device", "no data", "data-dependent", "data dependent",
-                "register_meta", "Meta tensors", "has no data")
 
 _META = torch.device("meta")
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
+_NATIVE_BN = torch.ops.aten.native_batch_norm.default
 _PARSE_TO = torch._C._nn._parse_to
 #: torch functions that build a tensor from host data below the modes (their values are known)
 _HOST_DATA = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
@@ -99,18 +98,15 @@ class DispatchMode(TorchDispatchMode):
             return host.factory(func, args, kwargs)
         lazy = bool(host.live) and any(host.of(t) is not None for t in inputs)
         if lazy:
-            if (sim.target is None and not any(sim.block_of(t) for t in inputs)
-                    and host.needs_real(func, args, kwargs, inputs)):
-                return host.run_real(func, args, kwargs)
+            if direct is None and sim.target is None and not any(sim.block_of(t) for t in inputs):
+                return host.on_host(func, args, kwargs, inputs, sim.explicit_meta)  # no GPU in it
         elif host.ledger.owing and seeded(func) and draws_host_default(func, kwargs, inputs, sim):
             host.ledger.settle()  # the CPU generator is about to be used: pay the deferred draws
         computed, computed_assumed = None, False
         try:
             out = func(*host.on_meta(args), **host.on_meta(kwargs)) if lazy else func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
-            if lazy and any(s in str(e) for s in DATA_ERRORS) and sim.target is None:
-                return host.run_real(func, args, kwargs)  # a data-dependent op: on real bytes
-            if any(s in str(e) for s in DATA_ERRORS) and any(sim.block_of(t) for t in inputs):
+            if needs_data(e) and any(sim.block_of(t) for t in inputs):
                 computed, computed_assumed = self._data_dependent(func, args, kwargs)
                 if computed is None:
                     what = describe(sim.call) if sim.call is not None else f"{func}"
@@ -135,6 +131,8 @@ class DispatchMode(TorchDispatchMode):
             return out
         if lazy:  # e.g. a copy from the GPU into a lazy host buffer: the buffer's recipe grows
             host.record(func, args, kwargs, out, new_outputs=False)
+        if func is _NATIVE_BN:  # inference on cuDNN: only the output (as the PrivateUse1 engine)
+            out = _k.cudnn_batch_norm_outputs("native_batch_norm", args, out)
         if func._schema.is_mutable:
             for t in inputs:
                 b = sim.block_of(t)
@@ -360,8 +358,10 @@ class FunctionMode(TorchFunctionMode):
             if sim.host.of(t0) is not None or (b0 is not None and self.device_for(0).type == "meta"):
                 kwargs = dict(kwargs, copy=True)  # meta inside (lazy host, meta engine): a copy, not itself
         if (target is None and not explicit_meta and name in LAZY_FACTORIES
-                and "out" not in kwargs and func in _device_constructors() and self.host_factories()):
-            # a CPU factory: lazy if large
+                and "out" not in kwargs and func in _device_constructors()
+                and ((n := factory_numel(name, args, kwargs)) is None or n > sim.host.limit)
+                and self.host_factories()):
+            # a CPU factory: lazy if large (one surely small is real at once, with no mode pushed)
             kwargs, host_factory = dict(kwargs, device=_META), True
         if name == "to" and t0 is not None:
             if b0 is not None and self._to_host(args, kwargs):
@@ -391,7 +391,7 @@ class FunctionMode(TorchFunctionMode):
                             b.value = host.untyped_storage()
             return out
         except (RuntimeError, NotImplementedError) as e:
-            if (isinstance(e, torch.OutOfMemoryError) or not any(s in str(e) for s in DATA_ERRORS)
+            if (isinstance(e, torch.OutOfMemoryError) or not needs_data(e)
                     or not any(sim.block_of(t) for t in tree_leaves((args, kwargs or {})))):
                 raise
             raise value_error(describe(func)) from None

@@ -22,6 +22,16 @@ from typing import Any
 
 from vram.allocator.history import PACKAGE_DIR as _VRAM_DIR
 
+#: what meta kernels say when an op needs values they do not have (data-dependent output shapes,
+#: ``.item()`` inside a kernel, an op with no meta kernel)
+DATA_ERRORS = ("meta tensor", "meta device", "no data", "data-dependent", "data dependent",
+               "register_meta", "Meta tensors", "has no data")
+
+
+def needs_data(e: BaseException) -> bool:
+    """Did an op fail on meta because it needs its inputs' values?"""
+    return any(s in str(e) for s in DATA_ERRORS)
+
 
 class DataDependentError(Exception):
     """An operation needs tensor values, which a simulated GPU does not have."""

@@ -21,9 +21,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import kernels as _k
 from .. import known
-from ..modes import DATA_ERRORS, DispatchMode, FunctionMode
+from ..modes import DispatchMode, FunctionMode
 from ..storages import ChargedStorage, SimState
-from ..values import describe, value_error
+from ..values import describe, needs_data, value_error
 from . import formulas, lazy
 from .storage import new_storage
 
@@ -244,7 +244,7 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     try:
         out = op(*margs, **mkwargs)
     except (RuntimeError, NotImplementedError) as e:
-        if not any(s in str(e) for s in DATA_ERRORS):
+        if not needs_data(e):
             raise
         # an output shape that depends on values (nonzero, boolean masks): from the CPU copies
         computed, computed_assumed = sim._blas._data_dependent(op, args, kwargs)

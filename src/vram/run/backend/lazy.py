@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves
 
 from ..lazy_host import seeded
-from ..modes import DATA_ERRORS, draws_host_default
+from ..modes import draws_host_default
 from ..storages import SimState
 
 #: the runs whose `LazyHostMode` is on the dispatch stack
@@ -58,17 +58,7 @@ class LazyHostMode(TorchDispatchMode):
             out = self.run_on_device(func, *args, **kwargs)
             host.record(func, args, kwargs, out, new_outputs=False)
             return out
-        if host.needs_real(func, args, kwargs, inputs):
-            return host.run_real(func, args, kwargs)
-        try:
-            out = func(*host.on_meta(args), **host.on_meta(kwargs))
-        except (RuntimeError, NotImplementedError) as e:
-            if any(s in str(e) for s in DATA_ERRORS):
-                return host.run_real(func, args, kwargs)  # a data-dependent op: on real bytes
-            raise
-        host.record(func, args, kwargs, out, new_outputs=not sim.explicit_meta)  # .to("meta"): meta
-        return out
-
+        return host.on_host(func, args, kwargs, inputs, sim.explicit_meta)
 
 def ready(sim: SimState, run_on_device: Any) -> bool:
     """Can a large CPU factory be lazy now? Yes when `LazyHostMode` is the innermost dispatch
