@@ -326,6 +326,15 @@ def model_file(tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> s
                 def forward(self, ids, x):
                     return self.emb(ids).sum(1) + self.lin(x)
 
+            class WithLoss(nn.Module):  # returns what a Hugging Face model returns given labels
+                def __init__(self):
+                    super().__init__()
+                    self.lin, self.aux = nn.Linear(64, 2048), nn.Linear(64, 64)
+
+                def forward(self, x, labels):
+                    loss = nn.functional.cross_entropy(self.lin(x), labels)
+                    return {"loss": loss, "hidden": self.aux(x)}
+
             def not_a_model():
                 return 42
             """))
@@ -351,6 +360,18 @@ def test_cli_estimate(model_file: str, capsys: pytest.CaptureFixture[str]) -> No
     assert obj["categories"]["parameters"] == r512(1000 * 64 * 4) + r512(64 * 64 * 4) + r512(64 * 4)
 
 
+def test_cli_named_inputs_and_a_returned_loss(model_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--input NAME=SHAPE`` calls forward with keywords; a ``loss`` the model returns (Hugging
+    Face with labels) is what backward runs from, not the sum of every output."""
+    assert cli.main(["estimate", "tinymodels:Two", "--input", "x=4x64", "--input", "ids=4x16:int64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"] == ["x=4x64 float32", "ids=4x16 int64"]
+    assert cli.main(["estimate", "tinymodels:WithLoss", "--input", "x=32x64", "--input", "labels=32:int64",
+                     "--json"]) == 0
+    # Adam makes state only for parameters that got a gradient: `aux` is outside the loss
+    lin = r512(2048 * 64 * 4) + r512(2048 * 4)
+    assert json.loads(capsys.readouterr().out)["categories"]["optimizer_state"] == 2 * lin
+
+
 def test_cli_max_batch(model_file: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["estimate", "tinymodels:mlp", "--input", "8x256", "--gpu", "200MiB",
                      "--optimizer", "sgd", "--max-batch", "--json"]) == 0
@@ -369,6 +390,8 @@ def test_cli_max_batch(model_file: str, capsys: pytest.CaptureFixture[str]) -> N
     (["tinymodels:mlp", "--input", "8x256:float8"], "unknown dtype"),
     (["tinymodels:mlp", "--input", "8x100"], "RuntimeError"),          # a shape mismatch in forward
     (["tinymodels:mlp"], "--input"),
+    (["tinymodels:Two", "--input", "ids=4x16:int64", "--input", "4x64"], "name every input"),
+    (["tinymodels:Two", "--input", "2d=4x16"], "not an argument name"),
     (["tinymodels", "--input", "8x256"], "MODULE:FACTORY"),
 ])
 def test_cli_errors_are_one_line(model_file: str, capsys: pytest.CaptureFixture[str],

@@ -454,8 +454,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "which modules' activations.", epilog=epilog("estimate"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODULE:FACTORY", help="e.g. mymodels:gpt2_small (FACTORY() -> nn.Module)")
-    p.add_argument("--input", action="append", metavar="SHAPE[:DTYPE]",
-                   help="an input tensor, first dimension the batch, e.g. 8x512:int64 (repeat for more)")
+    p.add_argument("--input", action="append", metavar="[NAME=]SHAPE[:DTYPE]",
+                   help="an input tensor, first dimension the batch, e.g. 8x512:int64 (repeat for more, "
+                        "in forward's order; or name them all: input_ids=8x512:int64 labels=8x512:int64; "
+                        "a 'loss' the model returns is what backward runs from)")
     p.add_argument("--dtype", help="the model's parameter dtype, and float inputs' default: "
                                    "float32, bf16, fp16")
     p.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd", "none"],

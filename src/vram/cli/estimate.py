@@ -39,16 +39,38 @@ def _parse_input(spec: str, default: Any) -> tuple[list[int], Any]:
     return shape, _dtype(dtype_text) if dtype_text else default
 
 
+def _input_names(specs: list[str]) -> tuple[list[str | None], list[str]]:
+    """"labels=8x512:int64" names a keyword argument of the model's forward; either every
+    --input is named or none is (the model is then called with them in order)."""
+    names: list[str | None] = []
+    rest: list[str] = []
+    for spec in specs:
+        name, eq, tail = spec.partition("=")
+        if eq and not name.isidentifier():
+            raise ValueError(f"invalid --input {spec!r}: {name!r} is not an argument name")
+        names.append(name if eq else None)
+        rest.append(tail if eq else spec)
+    if len(set(names)) != len(names) and any(names):
+        raise ValueError("--input: an argument name is given twice")
+    if any(names) and not all(names):
+        raise ValueError("--input: name every input (input_ids=8x512:int64 labels=8x512:int64) or none")
+    return names, rest
+
+
 def run_estimate(args: argparse.Namespace) -> int:
     """Run ``vram estimate`` for parsed `args`; prints the report (or JSON), returns the status."""
     if not args.input:
         raise ValueError("give the model's inputs with --input, e.g. --input 8x512:int64")
     model_dtype = _dtype(args.dtype) if args.dtype else None
+    names, specs = _input_names(args.input)
     shapes = [_parse_input(spec, model_dtype if model_dtype is not None else torch.float32)
-              for spec in args.input]
+              for spec in specs]
     if args.grad_accum < 1 or args.iterations < 1:
         raise ValueError("--grad-accum and --iterations must be positive")
     if (args.ddp, args.fsdp, args.tp, args.pp) != (1, 1, 1, 1) or args.tp_plan or args.microbatches is not None:
+        if names[0] is not None:
+            raise ValueError("--input names (labels=...) are not taken with --ddp/--fsdp/--tp/--pp yet: "
+                             "give the inputs in forward's order")
         return _run_layout(args, shapes, model_dtype)
     factory = load_factory(args.model)
 
@@ -61,6 +83,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     def inputs(batch: int | None = None) -> Any:
         ts = tuple(torch.empty([batch if batch is not None else s[0], *s[1:]], dtype=dt, device="meta")
                    for s, dt in shapes)
+        if names[0] is not None:
+            return dict(zip(names, ts))
         return ts[0] if len(ts) == 1 else ts
 
     kw: dict[str, Any] = dict(optimizer=None if args.optimizer == "none" else args.optimizer, amp=args.amp,

@@ -260,7 +260,8 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
     `model`: an ``nn.Module`` (CPU or meta; never modified) or a zero-argument factory returning one.
     `example_inputs`: a tensor, ``torch.Size``, or a tuple/list (``model(*inputs)``) or dict
     (``model(**inputs)``) of them; only shapes and dtypes are used. `step(model, inputs,
-    optimizer)` replaces the default step — forward; loss = sum of the outputs' sums, or
+    optimizer)` replaces the default step — forward; loss = the `"loss"` the model returns in a mapping
+    (Hugging Face with labels), else the sum of the outputs' sums, or
     ``loss(out)``; backward; ``optimizer.step()``; ``optimizer.zero_grad(set_to_none=True)`` — whose
     forward and loss run under ``torch.autocast("cuda", dtype)`` for `amp` "bf16"/"fp16" (fp16 adds
     a ``GradScaler``), and which runs `grad_accum` forward/backward micro-steps (loss / grad_accum)

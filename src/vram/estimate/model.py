@@ -123,6 +123,11 @@ def _float_leaves(out: Any) -> Iterable[torch.Tensor]:
 
 
 def sum_outputs(out: Any) -> torch.Tensor:
+    """The default loss: a ``loss`` the model returns in a mapping (Hugging Face's ``ModelOutput``
+    when given ``labels``) — what its users call ``backward()`` on; else the sum of every
+    floating-point output's sum."""
+    if isinstance(out, Mapping) and isinstance(out.get("loss"), torch.Tensor) and out["loss"].requires_grad:
+        return out["loss"]
     leaves = list(_float_leaves(out))
     if not leaves:
         raise ValueError("the model's output has no floating-point tensor that requires grad; pass loss=")
