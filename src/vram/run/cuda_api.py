@@ -109,6 +109,13 @@ def _exchange_device(device: int) -> int:
     return prev
 
 
+def _maybe_exchange_device(device: int) -> int:
+    """``torch.cuda._maybe_exchange_device``: the same as `_exchange_device` (one simulated
+    context per device), its own function: Dynamo keys its handlers by function
+    (``TorchInGraphFunctionVariable._get_handlers`` refuses one function registered twice)."""
+    return _exchange_device(device)
+
+
 def _replacements(props: list[DeviceProperties]) -> dict[str, Callable[..., Any] | type]:
     def props_of(device: Any = None) -> DeviceProperties:
         return props[_memory._device_index(device)]
@@ -135,7 +142,7 @@ def _replacements(props: list[DeviceProperties]) -> dict[str, Callable[..., Any]
         "current_device": _memory.current_device,
         "set_device": set_device,
         "_exchange_device": _exchange_device,
-        "_maybe_exchange_device": _exchange_device,
+        "_maybe_exchange_device": _maybe_exchange_device,
         "get_device_properties": props_of,
         "get_device_name": lambda device=None: props_of(device).name,
         "get_device_capability": lambda device=None: (props_of(device).major, props_of(device).minor),
@@ -177,7 +184,7 @@ def _accelerator() -> dict[str, Callable[..., Any]]:
         "_accelerator_getDeviceIndex": _memory.current_device,
         "_accelerator_setDeviceIndex": lambda idx: _memory.set_device(idx) if idx >= 0 else None,
         "_accelerator_exchangeDevice": _exchange_device,
-        "_accelerator_maybeExchangeDevice": _exchange_device,
+        "_accelerator_maybeExchangeDevice": _maybe_exchange_device,
         "_accelerator_getStream": _memory.current_stream,
         "_accelerator_synchronizeDevice": _memory.synchronize,
         "_accelerator_isAllocatorInitialized": lambda: True,
