@@ -49,8 +49,7 @@ def sp_plan(model, tp_mesh):
     on the local sequence shard (SequenceParallel, dim 1), up column-wise from the all-gathered
     sequence, down row-wise reduce-scattered back to sequence shards."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
     for block in model.blocks:
         parallelize_module(block, tp_mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
                                             "down": RowwiseParallel(output_layouts=Shard(1))})
