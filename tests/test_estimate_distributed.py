@@ -113,7 +113,7 @@ def test_sequence_parallel_estimate_equals_the_run_by_hand() -> None:
     reduce-scattered back) over ``norm_stack``: the estimate equals the loop by hand on both ranks.
     MemTracker is not compared here: the peak is in the backward, where CUDA's ``mm`` clones the
     loss's stride-0 gradient (``out.sum()``'s backward is an ``expand``) to a contiguous matrix
-    (``aten/src/ATen/native/cuda/Blas.cpp`` ``prepare_matrix_for_cublas``: neither stride is 1,
+    (``native/cuda/cuBlasCommonArgs.h`` ``prepare_matrix_for_cublas``, used by ``Blas.cpp``: neither stride is 1,
     ``tensor.clone(at::MemoryFormat::Contiguous)``), which the CPU's ``mm`` under the tracker
     does not, so the CPU peak lacks that copy (docs/estimate-accuracy.md)."""
     got = estimate("--input", "8x64x256", "--tp", "2", "--tp-plan", "tiny_stack:sp_plan", model="tiny_stack:norm_stack")
