@@ -124,7 +124,8 @@ def test_every_new_group_is_charged_and_gloo_has_no_communicator(two_ranks: Any)
         dist.destroy_process_group()
         # the rank's figure is the peak of the communicators alive together: one at a time here
         assert nccl.rank_memory(resolve_gpu("H100")).bytes == BOOK + RING
-        assert nccl._MADE[0] == 6 and not nccl._COMMS
+        assert nccl._MADE[0] == 6
+        assert not nccl._COMMS
 
 
 def test_the_rank_figure_is_the_peak_of_communicators_alive_together(two_ranks: Any) -> None:
