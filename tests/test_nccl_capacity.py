@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
+from vram.devices.gpus import resolve_gpu  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
 
 MiB = 1 << 20
@@ -120,5 +121,36 @@ def test_every_new_group_is_charged_and_gloo_has_no_communicator(two_ranks: Any)
         dist.init_process_group("gloo")
         out = torch.empty(4)
         dist.all_to_all_single(out, torch.ones(4))
-        assert len(nccl._COMMS) == 6
         dist.destroy_process_group()
+        # the rank's figure is the peak of the communicators alive together: one at a time here
+        assert nccl.rank_memory(resolve_gpu("H100")).bytes == BOOK + RING
+        assert nccl._MADE[0] == 6
+        assert not nccl._COMMS
+
+
+def test_the_rank_figure_is_the_peak_of_communicators_alive_together(two_ranks: Any) -> None:
+    """Two groups alive together hold two communicators (``new_group``: a communicator of its own,
+    ``ProcessGroupNCCL::getNCCLComm`` per group); destroying one gives its memory back
+    (``ncclCommDestroy``) and a group made after it takes its place: the card never holds more than
+    two, and the rank's figure is that peak, 2 x 484 MiB, not the 3 x 484 MiB ever created."""
+    from vram.run.distributed import nccl
+
+    with simulated_cuda(gpu="H100", device_count=2):
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl")
+        t = torch.ones(4, device="cuda")                  # a 2 MiB segment
+        dist.all_reduce(t)
+        for _ in range(2):
+            g = dist.new_group([0, 1])
+            dist.all_reduce(t, group=g)
+            assert free() == H100 - 2 * MiB - 2 * (BOOK + RING)
+            dist.all_reduce(t, group=g)                   # connected: nothing more
+            assert free() == H100 - 2 * MiB - 2 * (BOOK + RING)
+            dist.destroy_process_group(g)
+            assert free() == H100 - 2 * MiB - (BOOK + RING)
+        m = nccl.rank_memory(resolve_gpu("H100"))
+        assert m.bytes == 2 * (BOOK + RING)
+        assert "2 communicator(s) alive together; 3 were created" in m.lines[-1]
+        dist.destroy_process_group()
+        assert free() == H100 - 2 * MiB
+        assert nccl.rank_memory(resolve_gpu("H100")).bytes == 2 * (BOOK + RING)

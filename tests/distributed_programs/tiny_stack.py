@@ -8,10 +8,17 @@ class Block(nn.Module):
         self.up, self.act, self.down = nn.Linear(d, 4 * d), nn.ReLU(), nn.Linear(4 * d, d)
     def forward(self, x):
         return self.down(self.act(self.up(x)))
+class NormBlock(Block):
+    """A pre-norm residual block: x + down(relu(up(norm(x))))."""
+    def __init__(self, d=256):
+        super().__init__(d)
+        self.norm = nn.LayerNorm(d)
+    def forward(self, x):
+        return x + super().forward(self.norm(x))
 class Stack(nn.Module):
-    def __init__(self, d=256, n=4):
+    def __init__(self, d=256, n=4, block=Block):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.blocks = nn.ModuleList(block(d) for _ in range(n))
     def forward(self, x):
         for b in self.blocks:
             x = b(x)
@@ -30,3 +37,19 @@ def tp_plan(model, tp_mesh):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     for block in model.blocks:
         parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def norm_stack():
+    """`stack` with pre-norm residual blocks (`NormBlock`), for sequence parallel."""
+    return Stack(block=NormBlock)
+
+
+def sp_plan(model, tp_mesh):
+    """Megatron-style tensor + sequence parallel for `norm_stack` (torchtitan's pattern): the norm
+    on the local sequence shard (SequenceParallel, dim 1), up column-wise from the all-gathered
+    sequence, down row-wise reduce-scattered back to sequence shards."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                                            "down": RowwiseParallel(output_layouts=Shard(1))})

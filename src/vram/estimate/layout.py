@@ -254,13 +254,18 @@ class RankPlan:
         return self._pp_stage.submod
 
     def _pipeline_step(self, m: nn.Module, inputs: Any, opt: Any) -> None:
-        """One schedule step (forward and backward of every micro-batch), optimizer, zero_grad."""
+        """One schedule step (forward and backward of every micro-batch), optimizer, zero_grad.
+
+        The last stage's target and micro-batch losses die before the optimizer step, as the
+        default step deletes its loss and as torchtitan's ``pp_forward_backward_step`` returns
+        (``trainer.py``: only the losses' sum outlives it)."""
         first, last = self._pp_index == 0, self._pp_index == self.layout.pp - 1
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         kw: dict[str, Any] = {}
         if last:
             kw = {"target": torch.zeros(_batch_of(inputs), dtype=torch.int64, device="cuda"), "losses": []}
         self.schedule.step(*(args if first else ()), **kw)
+        del kw
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)

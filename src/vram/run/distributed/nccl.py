@@ -20,7 +20,12 @@ When it does not fit, NCCL's ``cuMemCreate`` fails and PyTorch raises its ``Dist
 (``C10D_NCCL_CHECK``: ``ncclUnhandledCudaError``, NCCL's last error "Cuda failure 2 'out of
 memory'"); the communicators are left as before. Where the figure is not derived (`nccl_memory`
 says why) nothing is charged. ``destroy_process_group`` gives a group's memory back
-(``ncclCommDestroy``).
+(``ncclCommDestroy``), so the card's usage goes down; the rank's figure (`rank_memory`) is the
+peak over time of the communicators alive together, not the sum of all it ever made.
+
+Collectives on a communicator whose ring is already connected (and sends to a peer already
+connected) change nothing and return at once: NCCL connects once (``ncclTransportRingConnect``
+runs when ``comm->runtimeConn`` and the channels are not yet connected, ``src/enqueue.cc``).
 """
 from __future__ import annotations
 
@@ -39,17 +44,21 @@ from vram.frontend import memory as _memory
 __all__ = ["NcclOutOfMemoryError", "note_connect", "note_collective", "note_p2p", "note_destroy",
            "rank_figure", "rank_memory", "reset", "oom_text"]
 
-_COMMS: dict[tuple[int, str], Communicator] = {}
+_COMMS: dict[tuple[int, str], Communicator] = {}   # alive (destroyed ones are removed)
 _WHERE: dict[tuple[int, str], int | None] = {}   # the GPU each communicator lives on
 _TAKEN: dict[int, int] = {}                       # GPU -> NCCL bytes charged to it
-_GONE: set[tuple[int, str]] = set()               # destroyed: memory freed, still in the rank's figure
+#: the communicators alive together just before each destroy (copies), by what sizes them: the
+#: candidates for the rank's peak besides those alive at the end (`rank_memory`)
+_BEFORE_DESTROY: dict[tuple[Any, ...], list[Communicator]] = {}
+_MADE = [0]                                       # communicators of 2+ ranks created in this run
 
 
 def reset() -> None:
     _COMMS.clear()
     _WHERE.clear()
     _TAKEN.clear()
-    _GONE.clear()
+    _BEFORE_DESTROY.clear()
+    _MADE[0] = 0
 
 
 class NcclOutOfMemoryError(dist.DistBackendError):  # type: ignore[misc]
@@ -109,6 +118,18 @@ def _change(pg: Any, key: str, ranks: list[int], device: int | None, what: str =
         else:
             _COMMS[k] = saved
         raise
+    if old is None and c.nranks > 1:
+        _MADE[0] += 1
+
+
+def _connected(pg: Any, key: str, what: str, peer: int = -1) -> bool:
+    """Whether `pg`'s communicator `key` exists with its ring (`what` "ring") or `peer`
+    ("send"/"recv") already connected: nothing to create, connect or charge."""
+    gid = getattr(pg, "_vram_nccl_id", None)
+    c = _COMMS.get((gid, key)) if gid is not None else None
+    if c is None:
+        return False
+    return c.ring if what == "ring" else peer in (c.sends if what == "send" else c.recvs)
 
 
 def _settle(device: int | None) -> None:
@@ -121,7 +142,7 @@ def _settle(device: int | None) -> None:
     except ValueError:   # the figure is "not derived" (rank_figure says why); nothing to charge
         return
     p = current_sim().props[device]
-    live = [c for k, c in _COMMS.items() if _WHERE[k] == device and k not in _GONE]
+    live = [c for k, c in _COMMS.items() if _WHERE[k] == device]
     m = nccl_memory(live, node_for(p.name, p.major, p.minor), env)
     if m.bytes is None:
         return
@@ -140,7 +161,8 @@ def note_connect(pg: Any, device: int) -> None:
 
 def note_collective(pg: Any, device: int | None) -> None:
     """A collective ran on `pg`: its communicator exists and its ring is connected."""
-    _change(pg, "", _global_ranks(pg), _where(pg, "", device), "ring")
+    if not _connected(pg, "", "ring"):
+        _change(pg, "", _global_ranks(pg), _where(pg, "", device), "ring")
 
 
 def note_p2p(pg: Any, peer: int, send: bool, shared: bool, device: int | None) -> None:
@@ -153,15 +175,29 @@ def note_p2p(pg: Any, peer: int, send: bool, shared: bool, device: int | None) -
     else:
         lo, hi = sorted((pg.rank(), peer))
         key, members = f"{lo}:{hi}", sorted({me, other})
-    _change(pg, key, members, _where(pg, key, device), "send" if send else "recv", other)
+    what = "send" if send else "recv"
+    if not _connected(pg, key, what, other):
+        _change(pg, key, members, _where(pg, key, device), what, other)
+
+
+def _sizing(comms: list[Communicator]) -> tuple[Any, ...]:
+    """What `nccl_memory` sizes a set of communicators by (names aside)."""
+    return tuple(sorted((c.nranks, c.one_node, c.ring, len(c.sends), len(c.recvs)) for c in comms))
 
 
 def note_destroy(pg: Any) -> None:
-    """``destroy_process_group``: `pg`'s communicators are destroyed and their memory freed (the
-    rank's figure, a peak for nvidia-smi, keeps them)."""
-    keys = [k for k in _COMMS if k[0] == _gid(pg) and k not in _GONE]
-    _GONE.update(keys)
-    for device in {_WHERE[k] for k in keys}:
+    """``destroy_process_group``: `pg`'s communicators are destroyed (``ncclCommDestroy``) and
+    their memory given back to the card; those alive until now are kept as a candidate for the
+    rank's peak."""
+    keys = [k for k in _COMMS if k[0] == _gid(pg)]
+    if not keys:
+        return
+    alive = [replace(c, sends=set(c.sends), recvs=set(c.recvs)) for c in _COMMS.values()]
+    _BEFORE_DESTROY.setdefault(_sizing(alive), alive)
+    devices = {_WHERE[k] for k in keys}
+    for k in keys:
+        del _COMMS[k], _WHERE[k]
+    for device in devices:
         _settle(device)
 
 
@@ -171,9 +207,25 @@ def _where(pg: Any, key: str, device: int | None) -> int | None:
 
 
 def rank_memory(gpu: GpuPreset, environ: Mapping[str, str] | None = None) -> NcclMemory:
-    """This process's communicators on `gpu` (the simulated card), the ``NCCL_*`` environment read."""
+    """This process's peak NCCL memory on `gpu` (the simulated card), the ``NCCL_*`` environment
+    read: the largest `nccl_memory` of the communicators alive together (just before each
+    destroy, and now); not derived if any of those sets is not."""
     env = NcclEnv.from_environ(os.environ if environ is None else environ)
-    return nccl_memory(list(_COMMS.values()), node_for(gpu.name, gpu.major, gpu.minor), env)
+    node = node_for(gpu.name, gpu.major, gpu.minor)
+    best: tuple[NcclMemory, int] | None = None
+    for comms in (*_BEFORE_DESTROY.values(), list(_COMMS.values())):
+        m = nccl_memory(comms, node, env)
+        if m.bytes is None:
+            return m
+        if best is None or m.bytes > best[0].bytes:   # type: ignore[operator]
+            best = (m, len([c for c in comms if c.nranks > 1]))
+    assert best is not None
+    m, alive = best
+    if _MADE[0] > alive and alive:
+        m.lines.append(f"peak over the run: these {alive} communicator(s) alive together; {_MADE[0]} were "
+                       "created in all, the others destroyed (ncclCommDestroy gave their memory back) before "
+                       "or after")
+    return m
 
 
 def rank_figure(gpu: GpuPreset) -> dict[str, Any]:
