@@ -126,3 +126,26 @@ def test_torch_save_stops_when_strict(tmp_path) -> None:
         w = torch.randn(512, 512, device="cuda")
         with pytest.raises(DataDependentError, match="needs tensor values"):
             torch.save(w, tmp_path / "w.pt")
+
+
+def test_a_failure_on_a_placeholder_read_is_blamed_on_the_simulation(tmp_path, capsys) -> None:
+    """pytorch/examples ``super_resolution``: ``10 * log10(1 / mse.item())`` divides by the 0.0
+    placeholder. The traceback stays (the script did fail), and one line says the failing line read
+    a placeholder; a failure elsewhere gets no such line."""
+    path = _script(tmp_path, """\
+        import math, sys, torch
+        net = torch.nn.Linear(300, 300).cuda()
+        x = torch.ones(300, 300, device="cuda")
+        mse = torch.nn.functional.mse_loss(net(x), torch.zeros_like(x))
+        if sys.argv[1] == "psnr":
+            print(10 * math.log10(1 / mse.item()))
+        raise KeyError("the script's own")
+        """)
+    assert run_script(path, ["psnr"]) == 1
+    err = capsys.readouterr().err
+    assert "ZeroDivisionError" in err
+    assert (f"vram run: the script failed at {path}:6 after `mse.item()` was answered with a placeholder "
+            "(0.0); on a GPU it has the model's value there") in err
+    assert run_script(path, ["other"]) == 1
+    err = capsys.readouterr().err
+    assert "KeyError" in err and "the script failed at" not in err

@@ -183,3 +183,31 @@ def test_an_oom_in_backward_with_a_cpu_dataset_alive_is_catchable(tmp_path: Any)
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split("\n")[:2] == ["caught True", "done torch.Size([1000, 512])"]
+
+
+@pytest.mark.parametrize("backend", ["privateuse1", "meta"])
+def test_a_cuda_generator_is_made_on_the_simulated_gpu(backend: str) -> None:
+    """diffusers' ``train_unconditional.py`` (``torch.Generator(device=pipeline.device).manual_seed(0)``)
+    stopped: a CPU build cannot make a CUDA generator. On a GPU its device is the given index, else
+    the current device (torch/csrc/Generator.cpp), ``manual_seed`` returns it, random ops take it,
+    a copy keeps device and state, and ``isinstance(_, torch.Generator)`` holds for every
+    generator; CPU generators are the real ones."""
+    import copy
+
+    with simulated_cuda(device_count=2, backend=backend):
+        g = torch.Generator(device="cuda")
+        assert g.manual_seed(0) is g and g.device == torch.device("cuda", 0)
+        x = torch.randn(2, 3, device="cuda", generator=g)
+        assert x.device == torch.device("cuda", 0) and x.shape == (2, 3)
+        twin = copy.deepcopy(g)
+        assert twin.device == g.device
+        assert torch.randn(4, device="cuda", generator=twin).tolist() == \
+            torch.randn(4, device="cuda", generator=g).tolist()  # the same state, the same draws
+        torch.cuda.set_device(1)
+        assert torch.Generator("cuda").device == torch.device("cuda", 1)
+        assert torch.Generator(device=torch.device("cuda", 0)).device == torch.device("cuda", 0)
+        assert torch.Generator(device=x.device).device == torch.device("cuda", 0)
+        cpu = torch.Generator()
+        assert type(cpu) is torch._C.Generator and cpu.device == torch.device("cpu")
+        assert all(isinstance(o, torch.Generator) for o in (g, cpu, torch.default_generator))
+    assert torch.Generator is torch._C.Generator  # put back after the run

@@ -89,7 +89,7 @@ from .host_rng import patch_rng
 from .kernels import uncharged_note
 from .modes import DispatchMode, FunctionMode
 from .storages import SimState
-from .values import DataDependentError
+from .values import DataDependentError, ValueReport
 
 __all__ = ["BACKENDS", "DataDependentError", "default_backend", "simulated_cuda", "run_script", "active_sim"]
 #: the engines of a simulated run: the Python PrivateUse1 backend (`vram.run.backend`, issue 12:
@@ -205,14 +205,17 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
             _backend.engine.pop(sim)  # type: ignore[arg-type]
 
 
-def _print_exception(e: BaseException) -> None:
-    """Print a traceback as Python would, without the frames the simulation itself adds."""
+def _print_exception(e: BaseException, report: ValueReport) -> None:
+    """Print a traceback as Python would, without the frames the simulation itself adds, then
+    `report`'s note when a line of it read a placeholder (`vram.run.values.ValueReport.blame`)."""
     te = traceback.TracebackException.from_exception(e)
     te.stack = traceback.StackSummary.from_list(
         [f for f in te.stack if not f.filename.startswith((_VRAM_DIR, "<frozen runpy"))
          and not f.filename.startswith(_MODE_FRAMES) and not f.filename.endswith("runpy.py")])
     sys.stdout.flush()
     sys.stderr.write("".join(te.format()))
+    note = report.blame([(f.filename, f.lineno or 0) for f in te.stack])
+    sys.stderr.write(note + "\n" if note else "")
     sys.stderr.flush()
 
 
@@ -253,7 +256,7 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                 print(f"vram run: {e}", file=sys.stderr, flush=True)
                 status = 1
             except Exception as e:  # noqa: BLE001 - the script's own failure, reported as python would
-                _print_exception(e)
+                _print_exception(e, _ACTIVE[-1].report)
                 status = 1
             finally:
                 if summary:

@@ -160,5 +160,18 @@ class ValueReport:
                      "--strict-values stops at the first such read.")
         return "\n".join(lines)
 
+    def blame(self, places: list[tuple[str, int]]) -> str:
+        """The note for a script that failed after a placeholder read on one of its traceback's
+        `places` (file, line; innermost last), e.g. ``1 / mse.item()`` with a 0.0 placeholder:
+        the failure comes from the simulation's assumed value, not from the script ("" if none)."""
+        for file, line in reversed(places):
+            for s in self.sites.values():
+                if (s.file, s.line) == (file, line):
+                    return (f"vram run: the script failed at {file}:{line} after `{s.expression}` was answered "
+                            f"with a placeholder ({s.assumed}); on a GPU it has the model's value there, so "
+                            "this failure is the simulation's, not the script's (--strict-values stops at "
+                            "such reads instead)")
+        return ""
+
     def as_json(self) -> str:
         return json.dumps({"placeholder_reads": [asdict(s) for s in self.sites.values()]}, indent=1)
