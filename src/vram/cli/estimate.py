@@ -68,10 +68,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.grad_accum < 1 or args.iterations < 1:
         raise ValueError("--grad-accum and --iterations must be positive")
     if (args.ddp, args.fsdp, args.tp, args.pp) != (1, 1, 1, 1) or args.tp_plan or args.microbatches is not None:
-        if names[0] is not None:
-            raise ValueError("--input names (labels=...) are not taken with --ddp/--fsdp/--tp/--pp yet: "
-                             "give the inputs in forward's order")
-        return _run_layout(args, shapes, model_dtype)
+        return _run_layout(args, shapes, model_dtype, names)
     factory = load_factory(args.model)
 
     def build() -> Any:
@@ -113,7 +110,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_layout(args: argparse.Namespace, shapes: list[tuple[list[int], Any]], model_dtype: Any) -> int:
+def _run_layout(args: argparse.Namespace, shapes: list[tuple[list[int], Any]], model_dtype: Any,
+                names: list[str | None]) -> int:
     """``--ddp/--fsdp/--tp/--pp``: every rank of the layout (`vram.estimate.distributed`)."""
     from vram.estimate.distributed import estimate_layout
     from vram.estimate.layout import Layout
@@ -129,7 +127,8 @@ def _run_layout(args: argparse.Namespace, shapes: list[tuple[list[int], Any]], m
                               checkpoint=args.checkpoint, grad_accum=args.grad_accum,
                               iterations=args.iterations, gpu=args.gpu, context=args.context, conf=args.conf,
                               arch=args.arch)
-    inputs = [(shape, str(dt).replace("torch.", "")) for shape, dt in shapes]
+    inputs = [(shape, str(dt).replace("torch.", ""), *([name] if name else []))
+              for (shape, dt), name in zip(shapes, names)]
     dtype = str(model_dtype).replace("torch.", "") if model_dtype is not None else None
     result = estimate_layout(args.model, inputs, layout, dtype=dtype, max_batch=args.max_batch, **kw)
     print(json.dumps(result.to_json()) if args.json else result)

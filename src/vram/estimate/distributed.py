@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,11 +43,11 @@ class LayoutEstimate:
     nccl: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def nvidia_smi(self, rank: int) -> int | None:
-        """Steady-state peak reserved + CUDA context + NCCL (`vram.devices.nccl`); None when NCCL's
-        figure is not derived (the report says why)."""
+        """Steady-state peak reserved + CUDA context + other processes + NCCL
+        (`vram.devices.nccl`); None when NCCL's figure is not derived (the report says why)."""
         sim = self.simulated_as(rank)
         res, n = self.results[sim], self.nccl.get(sim, {}).get("bytes")
-        return None if n is None else res.peak_reserved + res.context + n
+        return None if n is None else res.peak_device_used + n
 
     def simulated_as(self, rank: int) -> int:
         """The simulated rank whose run stands for `rank`."""
@@ -84,7 +85,8 @@ class LayoutEstimate:
         lines += ["  " + ln for ln in outside_lines({s: (self.results[s].context, self.nccl.get(s))
                                                       for s in self.stands_for})]
         for s, rs in self.stands_for.items():
-            lines += ["", f"=== rank {s} (stands for ranks {_ranges(rs)}) ===", render(self.results[s])]
+            lines += ["", f"=== rank {s} (stands for ranks {_ranges(rs)}) ===",
+                      render(self.results[s], nccl=self.nccl.get(s, {}).get("bytes"))]
         return "\n".join(lines)
 
 
@@ -122,10 +124,11 @@ def _launch(layout: Layout, simulated: list[int], config: dict[str, Any]) -> dic
         shutil.rmtree(work, ignore_errors=True)
 
 
-def estimate_layout(model: str, inputs: list[tuple[list[int], str]], layout: Layout, *, dtype: str | None = None,
+def estimate_layout(model: str, inputs: list[tuple[Any, ...]], layout: Layout, *, dtype: str | None = None,
                     max_batch: bool = False, **kw: Any) -> LayoutEstimate:
     """Estimate `model` ("MODULE:FACTORY") on every rank of `layout`; `inputs` are (shape, dtype
-    name) with the per-rank micro-batch first; `kw` are `vram.estimate.estimate`'s settings
+    name) in forward's order, or (shape, dtype name, argument name) passed as keywords, with the
+    per-rank micro-batch first; `kw` are `vram.estimate.estimate`'s settings
     (optimizer, amp, checkpoint, grad_accum, iterations, gpu, context, conf, arch)."""
     import torch
 
@@ -133,6 +136,8 @@ def estimate_layout(model: str, inputs: list[tuple[list[int], str]], layout: Lay
     from .model import load_factory
 
     layout.check()
+    if layout.pp > 1 and any(len(spec) > 2 for spec in inputs):
+        raise ValueError("--pp feeds the first stage its inputs in forward's order: name no --input")
     if layout.pp > 1 and (kw.get("amp") or kw.get("grad_accum", 1) != 1):
         raise ValueError("--pp runs the pipeline schedule's step: --amp and --grad-accum do not apply to it")
     factory = load_factory(model)
@@ -168,8 +173,8 @@ def estimate_on_layout(model: Any, example_inputs: Any, layout: Any, *, max_batc
     `layout` is a `Layout` or its fields as a dict (``{"fsdp": 8}``, ``{"tp": 2, "tp_plan":
     "mymodels:plan"}``). Every rank runs in its own process and rebuilds the model there, so
     `model` must be importable: ``"MODULE:FACTORY"`` or a module-level function (not one of
-    ``__main__``, which the ranks would re-run); `example_inputs` a tensor, ``torch.Size`` or a
-    tuple/list of them (the first dimension of the first is each rank's batch); the other
+    ``__main__``, which the ranks would re-run); `example_inputs` a tensor, ``torch.Size``, a
+    tuple/list of them or a dict of them (keyword arguments) (the first dimension of the first is each rank's batch); the other
     settings those of `vram.estimate.estimate` that a rank can receive: names, numbers, flags,
     not callables (``step``, ``loss``, an optimizer factory, checkpoint classes)."""
     import torch
@@ -188,15 +193,18 @@ def estimate_on_layout(model: Any, example_inputs: Any, layout: Any, *, max_batc
     else:
         raise ValueError("layout: each rank rebuilds the model in its own process, so model must be "
                          "'MODULE:FACTORY' or a module-level factory function, not an nn.Module or a local function")
-    items = example_inputs if isinstance(example_inputs, (tuple, list)) and not isinstance(
-        example_inputs, torch.Size) else (example_inputs,)
-    inputs = []
-    for t in items:
+    named = isinstance(example_inputs, Mapping)
+    items = list(example_inputs.items()) if named else [(None, t) for t in (
+        example_inputs if isinstance(example_inputs, (tuple, list)) and not isinstance(
+            example_inputs, torch.Size) else (example_inputs,))]
+    inputs: list[tuple[Any, ...]] = []
+    for name, t in items:
         if isinstance(t, torch.Size):
             t = torch.empty(t, device="meta")
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"layout: example_inputs must be tensors or torch.Size, not {type(t).__name__}")
-        inputs.append((list(t.shape), str(t.dtype).replace("torch.", "")))
+        spec = (list(t.shape), str(t.dtype).replace("torch.", ""))
+        inputs.append((*spec, str(name)) if named else spec)
     for name, value in kw.items():
         if callable(value) or (name == "checkpoint" and not isinstance(value, bool)):
             raise ValueError(f"layout: {name}={value!r} cannot be sent to the ranks (a name, number or flag only)")

@@ -21,8 +21,12 @@ __all__ = ["main"]
 
 
 def _inputs(config: dict[str, Any], batch: int | None) -> Any:
-    ts = tuple(torch.empty([batch if batch is not None else shape[0], *shape[1:]],
-                           dtype=getattr(torch, dtype), device="meta") for shape, dtype in config["inputs"])
+    """The inputs: (shape, dtype) in forward's order, or (shape, dtype, name) keywords."""
+    specs = config["inputs"]
+    ts = tuple(torch.empty([batch if batch is not None else spec[0][0], *spec[0][1:]],
+                           dtype=getattr(torch, spec[1]), device="meta") for spec in specs)
+    if specs and len(specs[0]) > 2:
+        return {spec[2]: t for spec, t in zip(specs, ts)}
     return ts[0] if len(ts) == 1 else ts
 
 

@@ -38,8 +38,13 @@ def _block_notes(blocks: dict[str, int], requested: dict[str, int]) -> list[str]
     return out
 
 
-def render(r: Any, top_modules: int = 10) -> str:
+def render(r: Any, top_modules: int = 10, nccl: int | None = 0) -> str:
+    """The report of one estimate; `nccl`: a rank's NCCL memory outside the caching allocator
+    (`vram.devices.nccl`), added to nvidia-smi's figures (None: not derived)."""
     s = r.settings
+    smi = None if nccl is None else r.peak_device_used + nccl
+    smi_text = format_size(smi) if smi is not None else "not derived (NCCL's share unknown)"
+    smi_what = "reserved + context + NCCL + others" if nccl else "reserved + context + others"
     its = s["iterations"]
     steady = f"iterations 2-{its}" if its > 2 else ("iteration 2" if its == 2 else "iteration 1 only")
     lines = [f"vram estimate: {r.model_name}, {r.parameters_count:,} parameters"
@@ -54,8 +59,8 @@ def render(r: Any, top_modules: int = 10) -> str:
     gpu = f"GPU{card} {format_size(r.gpu)}{arch}, CUDA context {format_size(r.context)}" + (
         f", allocator conf {s['conf']!r}" if s.get("conf") else "")
     if r.fits:
-        pct = 100.0 * r.peak_device_used / r.gpu if r.gpu else 0.0
-        lines.append(f"  {gpu}: fits, nvidia-smi peak {format_size(r.peak_device_used)} ({pct:.1f}% of the GPU)")
+        pct = f" ({100.0 * smi / r.gpu:.1f}% of the GPU)" if r.gpu and smi is not None else ""
+        lines.append(f"  {gpu}: fits, nvidia-smi peak {smi_text}{pct}")
     else:
         o = r.oom or {}
         lines.append(f"  {gpu}: DOES NOT FIT (out of memory in iteration {o.get('iteration')}, "
@@ -72,8 +77,7 @@ def render(r: Any, top_modules: int = 10) -> str:
                  format_size(r.peak_allocated), format_size(r.peak_reserved)])
     lines += _table(rows, ["peak per phase", "first: allocated", "reserved",
                            "steady: allocated", "reserved"])
-    lines.append(f"  nvidia-smi at the steady-state peak (reserved + context + others): "
-                 f"{format_size(r.peak_device_used)}")
+    lines.append(f"  nvidia-smi at the steady-state peak ({smi_what}): {smi_text}")
     lines.append(f"  kept between steps (allocated after the last step): {format_size(r.resident)}")
     lines.append("")
     at = r.peak_at
