@@ -175,8 +175,8 @@ def estimate_on_layout(model: Any, example_inputs: Any, layout: Any, *, max_batc
     `model` must be importable: ``"MODULE:FACTORY"`` or a module-level function (not one of
     ``__main__``, which the ranks would re-run); `example_inputs` a tensor, ``torch.Size``, a
     tuple/list of them or a dict of them (keyword arguments), the first dimension of the first
-    each rank's batch; the other settings those of `vram.estimate.estimate` that a rank can receive: names, numbers, flags,
-    not callables (``step``, ``loss``, an optimizer factory, checkpoint classes)."""
+    each rank's batch; the other settings those of `vram.estimate.estimate` that a rank can
+    receive: names, numbers, flags, not callables (``step``, ``loss``, an optimizer factory, checkpoint classes)."""
     import torch
 
     lay = layout if isinstance(layout, Layout) else Layout(**dict(layout)) if isinstance(layout, dict) else None
