@@ -211,3 +211,21 @@ def test_a_cuda_generator_is_made_on_the_simulated_gpu(backend: str) -> None:
         assert type(cpu) is torch._C.Generator and cpu.device == torch.device("cpu")
         assert all(isinstance(o, torch.Generator) for o in (g, cpu, torch.default_generator))
     assert torch.Generator is torch._C.Generator  # put back after the run
+
+
+def test_a_cuda_tensor_sent_to_another_process_stops_with_one_line() -> None:
+    """pytorch/examples mnist_hogwild: ``mp.Process(target=train, args=(model,))`` pickles the CUDA
+    model for CUDA IPC (torch/multiprocessing/reductions.py ``reduce_tensor``); the child would be
+    a GPU process of its own, which a `vram run` child is not. CPU tensors still travel."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+
+    with simulated_cuda(gpu="24GiB"):
+        model = torch.nn.Linear(8, 8).cuda()
+        with pytest.raises(RuntimeError, match="^vram run: a CUDA tensor sent to another process") as e:
+            ForkingPickler(io.BytesIO()).dump(model.weight)
+        assert "\n" not in str(e.value)
+        ForkingPickler(io.BytesIO()).dump(torch.zeros(4))  # a host tensor: shared memory as usual
+    ForkingPickler(io.BytesIO()).dump(torch.zeros(4))

@@ -16,6 +16,7 @@ import glob
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,3 +88,33 @@ def _defined(qualname: str) -> bool:
         return True
     except RuntimeError:
         return False
+
+
+def refuse_cuda_ipc(simulated: Callable[[Any], bool]) -> Callable[[], None]:
+    """A simulated tensor pickled for another process (``torch.multiprocessing``: a Hogwild
+    model passed to ``mp.Process``, a CUDA tensor put on an ``mp.Queue``) stops with one line.
+
+    On a GPU, ``torch/multiprocessing/reductions.py`` ``reduce_tensor`` sends a CUDA storage by
+    CUDA IPC, and the receiver is another process with its own CUDA context and caching allocator
+    on the same card; a child of ``vram run`` is a plain CPU process that has no simulated GPU,
+    and the CPU path fails with "_share_fd_: only available on CPU". Returns the restore."""
+    from multiprocessing.reduction import ForkingPickler
+
+    reducers = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    saved = {cls: fn for cls, fn in reducers.items() if issubclass(cls, torch.Tensor)}
+
+    def refusing(real: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def reduce(t: Any) -> Any:
+            if simulated(t):
+                raise RuntimeError("vram run: a CUDA tensor sent to another process (torch.multiprocessing, "
+                                   "CUDA IPC) is not simulated: the receiving process would be a GPU process of "
+                                   "its own; run each worker's code under its own `vram run`")
+            return real(t)
+        return reduce
+
+    for cls, fn in saved.items():
+        reducers[cls] = refusing(fn)
+
+    def restore() -> None:
+        reducers.update(saved)
+    return restore

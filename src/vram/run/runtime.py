@@ -81,7 +81,7 @@ from vram.devices.gpus import GpuPreset, resolve_gpu
 from vram.frontend import memory as _memory
 
 from . import known
-from .compat import define_torchvision_ops
+from .compat import define_torchvision_ops, refuse_cuda_ipc
 from .cuda_api import DeviceProperties, patch_storages, patch_torch_cuda, patch_torch_extras
 from .distributed import install as install_distributed
 from .fastpath import patch_fast_paths
@@ -182,6 +182,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     restore_rng = patch_rng(sim.host.ledger)
     restore_distributed = install_distributed(sim)  # init_process_group("nccl") on simulated GPUs
     restore_fast = patch_fast_paths((FunctionMode,))  # nn.MultiheadAttention's inference path, as on a GPU
+    restore_ipc = refuse_cuda_ipc(lambda t: sim.block_of(t) is not None)
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
     _ACTIVE.append(sim)
     try:
@@ -190,6 +191,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     finally:
         sim.host.ledger.settle()  # code after the block uses the CPU generator where a GPU run's would be
         _ACTIVE.remove(sim)
+        restore_ipc()
         restore_fast()
         restore_distributed()
         for prefix in _MODE_FRAMES:
