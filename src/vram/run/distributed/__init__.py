@@ -46,6 +46,7 @@ def install(sim: SimState) -> Callable[[], None]:
 
     from . import nccl
     from .ddp import verify_params_across_processes
+    from .dtensor import rebuild_on_meta
     from .functional import overrides
     from .gloo import SimProcessGroupGloo
     from .process_group import SimProcessGroup
@@ -78,6 +79,8 @@ def install(sim: SimState) -> Callable[[], None]:
     put(c10d, "batch_isend_irecv", batch)
     put(dist, "batch_isend_irecv", batch)
     nccl.reset()   # this run's communicators only
+    import torch.distributed.tensor._op_schema as schema
+    put(schema, "_rebuild_tensor_from_dtensor_meta", rebuild_on_meta(schema._rebuild_tensor_from_dtensor_meta))
     put(torch.Tensor, "_make_wrapper_subclass", make_wrapper_subclass(torch.Tensor._make_wrapper_subclass))
     staged = stage_snapshots(_memory._dump_snapshot)  # a launched rank: dumps wait for the launcher
     if staged is not None:
