@@ -47,6 +47,19 @@ def test_device_mesh_selects_local_rank_while_cuda_is_not_initialised(rank1: Non
         assert torch.cuda.current_device() == 0
 
 
+def test_nccl_default_timeout_is_a_cuda_builds(rank1: None) -> None:
+    """``_get_default_timeout("nccl")``: ``_DEFAULT_PG_NCCL_TIMEOUT`` of a CUDA build
+    (``kProcessGroupNCCLDefaultTimeout``, ProcessGroupNCCL.hpp: 10 minutes), without the CPU
+    build's "NCCL support is not compiled" warning."""
+    import warnings
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+    with simulated_cuda(gpu="24GiB", device_count=2, backend="meta"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert c10d._get_default_timeout("nccl") == timedelta(minutes=10)
+
+
 def test_in_place_init_of_fsdp2_parameters_outside_the_function_mode(rank1: None) -> None:
     """``Linear.reset_parameters`` -> ``nn.init.kaiming_uniform_`` (a Python torch function: its
     body runs with the function mode off) -> ``uniform_`` on a DTensor, whose sharding propagation

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from vram.frontend import memory as _memory
@@ -73,6 +74,10 @@ def install(sim: SimState) -> Callable[[], None]:
     put(c10d, "is_nccl_available", lambda: True)
     put(dist, "is_nccl_available", lambda: True)
     put(c10d, "_NCCL_AVAILABLE", True)
+    # torch/distributed/constants.py: a CUDA build's ``_DEFAULT_PG_NCCL_TIMEOUT``
+    # (``kProcessGroupNCCLDefaultTimeout``, 10 minutes); a CPU build has None, and
+    # ``_get_default_timeout("nccl")`` warned "NCCL support is not compiled" in every run
+    put(c10d, "default_pg_nccl_timeout", timedelta(minutes=10))
     put(rdzv, "_create_c10d_store", create_store)
     put(dist, "_verify_params_across_processes", verify_params_across_processes)
     batch = coalesced_p2p(c10d.batch_isend_irecv)
