@@ -7,6 +7,7 @@ original back. Memory statistics, ``memory_summary()``, ``empty_cache()``, snaps
 """
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -124,11 +125,14 @@ class LazyInit:
 
     def __call__(self) -> bool:
         """Is CUDA initialised? A charged CUDA tensor on any simulated GPU initialised it."""
-        return self.done or any(_memory.memory_stats(i)["allocation.all.allocated"]
-                                for i in range(_memory.device_count()))
+        if not self.done:   # once initialised, CUDA stays so
+            self.done = any(_memory.memory_stats(i)["allocation.all.allocated"]
+                            for i in range(_memory.device_count()))
+        return self.done
 
     def on(self, fn: Callable[..., Any], when: Callable[..., bool] = lambda *a, **k: True) -> Callable[..., Any]:
         """`fn`, which initialises CUDA first (when `when` holds for its arguments)."""
+        @functools.wraps(fn)
         def initialising(*args: Any, **kwargs: Any) -> Any:
             if when(*args, **kwargs):
                 self.done = True
@@ -140,7 +144,9 @@ def _non_negative(device: Any = None, *args: Any, **kwargs: Any) -> bool:
     return not (isinstance(device, int) and device < 0)
 
 
-def _replacements(props: list[DeviceProperties], init: LazyInit) -> dict[str, Callable[..., Any] | type]:
+def _replacements(props: list[DeviceProperties], init: LazyInit | None = None) -> dict[str, Callable[..., Any] | type]:
+    init = init or LazyInit()
+
     def props_of(device: Any = None) -> DeviceProperties:
         return props[_memory._device_index(device)]
 
