@@ -232,8 +232,8 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             with torch._C.DisableTorchFunction():
                 results = value([v.clone() for v in ins if v is not None])
         for i, t in enumerate(outputs):
-            if t.device.type == "cpu":  # a functional collective run on CPU copies for its values
-                if results is None:     # (`known.run_on_cpu`): what it returns is its value
+            if self.nccl and t.device.type == "cpu":  # NCCL takes no host tensor: a functional
+                if results is None:  # collective run on CPU copies for its values (`known.run_on_cpu`)
                     raise known.Unknown
                 with torch._C.DisableTorchFunction():
                     t.copy_(results[i])
