@@ -7,6 +7,7 @@ original back. Memory statistics, ``memory_summary()``, ``empty_cache()``, snaps
 """
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -116,7 +117,43 @@ def _maybe_exchange_device(device: int) -> int:
     return _exchange_device(device)
 
 
-def _replacements(props: list[DeviceProperties]) -> dict[str, Callable[..., Any] | type]:
+class LazyInit:
+    """``torch.cuda.is_initialized()``: False until something calls ``_lazy_init`` — creating a
+    CUDA tensor (``torch::utils::device_lazy_init``), ``set_device`` / ``current_device`` /
+    ``_exchange_device`` (``THCPModule_*Device_wrap``, torch/csrc/cuda/Module.cpp), the Python
+    functions that call ``_lazy_init()`` (device properties, streams, ``synchronize``), the
+    accelerator's ``set/getDeviceIndex`` (torch/csrc/DeviceAccelerator.cpp). It decides
+    something: ``DeviceMesh`` (FSDP2's default mesh, ``init_device_mesh``) calls
+    ``set_device(LOCAL_RANK)`` only while CUDA is not initialised (``_setup_world_group_and_device``);
+    a script that never selected its GPU gets ``cuda:LOCAL_RANK`` there, not ``cuda:0``."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def __call__(self) -> bool:
+        """Is CUDA initialised? A charged CUDA tensor on any simulated GPU initialised it."""
+        if not self.done:   # once initialised, CUDA stays so
+            self.done = any(_memory.memory_stats(i)["allocation.all.allocated"]
+                            for i in range(_memory.device_count()))
+        return self.done
+
+    def on(self, fn: Callable[..., Any], when: Callable[..., bool] = lambda *a, **k: True) -> Callable[..., Any]:
+        """`fn`, which initialises CUDA first (when `when` holds for its arguments)."""
+        @functools.wraps(fn)
+        def initialising(*args: Any, **kwargs: Any) -> Any:
+            if when(*args, **kwargs):
+                self.done = True
+            return fn(*args, **kwargs)
+        return initialising
+
+
+def _non_negative(device: Any = None, *args: Any, **kwargs: Any) -> bool:
+    return not (isinstance(device, int) and device < 0)
+
+
+def _replacements(props: list[DeviceProperties], init: LazyInit | None = None) -> dict[str, Callable[..., Any] | type]:
+    init = init or LazyInit()
+
     def props_of(device: Any = None) -> DeviceProperties:
         return props[_memory._device_index(device)]
 
@@ -135,17 +172,17 @@ def _replacements(props: list[DeviceProperties]) -> dict[str, Callable[..., Any]
 
     return {
         "is_available": lambda: True,
-        "is_initialized": lambda: True,
-        "init": noop(),
-        "_lazy_init": noop(),
+        "is_initialized": init,
+        "init": init.on(noop()),
+        "_lazy_init": init.on(noop()),
         "device_count": _memory.device_count,
-        "current_device": _memory.current_device,
-        "set_device": set_device,
-        "_exchange_device": _exchange_device,
-        "_maybe_exchange_device": _maybe_exchange_device,
-        "get_device_properties": props_of,
-        "get_device_name": lambda device=None: props_of(device).name,
-        "get_device_capability": lambda device=None: (props_of(device).major, props_of(device).minor),
+        "current_device": init.on(_memory.current_device),
+        "set_device": init.on(set_device, _non_negative),
+        "_exchange_device": init.on(_exchange_device, _non_negative),
+        "_maybe_exchange_device": init.on(_maybe_exchange_device, _non_negative),
+        "get_device_properties": init.on(props_of),
+        "get_device_name": init.on(lambda device=None: props_of(device).name),
+        "get_device_capability": init.on(lambda device=None: (props_of(device).major, props_of(device).minor)),
         "get_arch_list": lambda: [f"sm_{props[0].major}{props[0].minor}"],
         "is_bf16_supported": lambda including_emulation=True: props_of().major >= 8,
         "is_current_stream_capturing": _graphs.is_current_stream_capturing,
@@ -153,9 +190,9 @@ def _replacements(props: list[DeviceProperties]) -> dict[str, Callable[..., Any]
         "graph_pool_handle": _graphs.graph_pool_handle,
         "MemPool": _graphs.MemPool,
         "use_mem_pool": _graphs.use_mem_pool,
-        "synchronize": _memory.synchronize,
-        "current_stream": _memory.current_stream,
-        "default_stream": _memory.default_stream,
+        "synchronize": init.on(_memory.synchronize),
+        "current_stream": init.on(_memory.current_stream),
+        "default_stream": init.on(_memory.default_stream),
         "stream": _memory.stream,
         "Stream": _memory.Stream,
         "Event": _memory.Event,
@@ -172,7 +209,7 @@ def _replacements(props: list[DeviceProperties]) -> dict[str, Callable[..., Any]
     }
 
 
-def _accelerator() -> dict[str, Callable[..., Any]]:
+def _accelerator(init: LazyInit) -> dict[str, Callable[..., Any]]:
     """``torch._C``'s accelerator hooks, behind ``torch.accelerator`` and
     ``torch._C._get_accelerator()`` (FSDP2's default mesh, ``torch.distributed``'s default
     device): on a CPU build they say "cpu"; a simulated run's accelerator is CUDA."""
@@ -181,10 +218,11 @@ def _accelerator() -> dict[str, Callable[..., Any]]:
     return {
         "_get_accelerator": lambda check=False: cuda,
         "_accelerator_getAccelerator": lambda: cuda,
-        "_accelerator_getDeviceIndex": _memory.current_device,
-        "_accelerator_setDeviceIndex": lambda idx: _memory.set_device(idx) if idx >= 0 else None,
-        "_accelerator_exchangeDevice": _exchange_device,
-        "_accelerator_maybeExchangeDevice": _maybe_exchange_device,
+        "_accelerator_getDeviceIndex": init.on(_memory.current_device),
+        "_accelerator_setDeviceIndex": init.on(lambda idx: _memory.set_device(idx) if idx >= 0 else None,
+                                               _non_negative),
+        "_accelerator_exchangeDevice": init.on(_exchange_device, _non_negative),
+        "_accelerator_maybeExchangeDevice": init.on(_maybe_exchange_device, _non_negative),
         "_accelerator_getStream": _memory.current_stream,
         "_accelerator_synchronizeDevice": _memory.synchronize,
         "_accelerator_isAllocatorInitialized": lambda: True,
@@ -204,7 +242,8 @@ def patch_torch_cuda(props: list[DeviceProperties]) -> Callable[[], None]:
     import torch.cuda.random
 
     put, restore = attribute_patches()
-    for name, value in _replacements(props).items():
+    init = LazyInit()
+    for name, value in _replacements(props, init).items():
         put(torch.cuda, name, value)
         for module in (torch.cuda.random, torch.cuda.graphs, torch.cuda.memory):
             if hasattr(module, name):
@@ -217,7 +256,7 @@ def patch_torch_cuda(props: list[DeviceProperties]) -> Callable[[], None]:
     put(torch.cuda.nvtx, "_nvtx", NVTX())
     put(torch.cuda.graphs.graph, "default_capture_stream", None)  # made lazily: a simulated stream
     put(torch._C, "_host_emptyCache", lambda: None)  # torch.cuda.graph's entry: pinned host memory
-    for name, fn in _accelerator().items():
+    for name, fn in _accelerator(init).items():
         put(torch._C, name, fn)
     put(torch, "device", _device_type(torch.device))
     put(torch, "Generator", _generator_type(torch.Generator))

@@ -334,8 +334,10 @@ class FunctionMode(TorchFunctionMode):
             fused = _k.half_to_float_softmax(func, name, args, kwargs)
             if fused is not None:
                 return self._call(func, fused, None, False, args, kwargs)
-        if func is _SDPA and args and sim.block_of(args[0]) is not None:
-            p, cc = _k.sdpa_args(args, kwargs), sim.props[sim.block_of(args[0]).device]
+        if func is _SDPA and args and (q_idx := sim.seen_idx(args[0])) is not None:
+            # a DTensor too: its wrapper's device is cuda on a GPU, so attention.cpp's CUDA
+            # _fused_sdp_choice_stub picks the kernel and DTensor runs it on the local shards
+            p, cc = _k.sdpa_args(args, kwargs), sim.props[q_idx]
             return self._call(func, lambda: _k.sdpa_cuda(p, _k.select_sdpa_backend(p, cc.major, cc.minor), func,
                                                           cc.major, cc.minor), None, False, args, kwargs)
         target, explicit_meta = None, False

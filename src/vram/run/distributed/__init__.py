@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from vram.frontend import memory as _memory
@@ -46,6 +47,7 @@ def install(sim: SimState) -> Callable[[], None]:
 
     from . import nccl
     from .ddp import verify_params_across_processes
+    from .dtensor import rebuild_on_meta
     from .functional import overrides
     from .gloo import SimProcessGroupGloo
     from .process_group import SimProcessGroup
@@ -72,12 +74,18 @@ def install(sim: SimState) -> Callable[[], None]:
     put(c10d, "is_nccl_available", lambda: True)
     put(dist, "is_nccl_available", lambda: True)
     put(c10d, "_NCCL_AVAILABLE", True)
+    # torch/distributed/constants.py: a CUDA build's ``_DEFAULT_PG_NCCL_TIMEOUT``
+    # (``kProcessGroupNCCLDefaultTimeout``, 10 minutes); a CPU build has None, and
+    # ``_get_default_timeout("nccl")`` warned "NCCL support is not compiled" in every run
+    put(c10d, "default_pg_nccl_timeout", timedelta(minutes=10))
     put(rdzv, "_create_c10d_store", create_store)
     put(dist, "_verify_params_across_processes", verify_params_across_processes)
     batch = coalesced_p2p(c10d.batch_isend_irecv)
     put(c10d, "batch_isend_irecv", batch)
     put(dist, "batch_isend_irecv", batch)
     nccl.reset()   # this run's communicators only
+    import torch.distributed.tensor._op_schema as schema
+    put(schema, "_rebuild_tensor_from_dtensor_meta", rebuild_on_meta(schema._rebuild_tensor_from_dtensor_meta))
     put(torch.Tensor, "_make_wrapper_subclass", make_wrapper_subclass(torch.Tensor._make_wrapper_subclass))
     staged = stage_snapshots(_memory._dump_snapshot)  # a launched rank: dumps wait for the launcher
     if staged is not None:

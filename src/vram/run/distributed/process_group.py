@@ -232,7 +232,12 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             with torch._C.DisableTorchFunction():
                 results = value([v.clone() for v in ins if v is not None])
         for i, t in enumerate(outputs):
-            if results is None:
+            if self.nccl and t.device.type == "cpu":  # NCCL takes no host tensor: a functional
+                if results is None:  # collective run on CPU copies for its values (`known.run_on_cpu`)
+                    raise known.Unknown
+                with torch._C.DisableTorchFunction():
+                    t.copy_(results[i])
+            elif results is None:
                 _forget_value(sim, t)
             else:
                 known.define(sim, t, results[i], assumed)
@@ -289,15 +294,16 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         return self._collective([inp, *outs], list(outs), _async(opts))  # coalesced broadcasts
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:  # noqa: A002
-        n = self._size
-        return self._collective([input], [output], _async(opts),
-                                value=lambda vs: [torch.cat([vs[0].reshape(-1)] * n).reshape(output.shape)])
+        return self.all_gather_single_coalesced([output], [input], opts)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> SimWork:
-        return self._collective(inputs, outputs, _async(opts))
+        """Each output: `world` copies of its input, one after the other."""
+        n = self._size
+        return self._collective(inputs, outputs, _async(opts), value=lambda vs: [
+            torch.cat([v.reshape(-1)] * n).reshape(o.shape) for v, o in zip(vs, outputs)])
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -322,15 +328,16 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         return self._collective(list(ins), [out], _async(opts))  # coalesced reduces
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:  # noqa: A002
-        op, rank = _reduction(opts, self._size), self._rank
-        return self._collective([input], [output], _async(opts), value=op and (
-            lambda vs: [op(vs[0].reshape(-1).chunk(self._size)[rank].reshape(output.shape))]))
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> SimWork:
-        return self._collective(inputs, outputs, _async(opts))
+        """Each output: this rank's chunk of its input, reduced over `world` equal contributions."""
+        op, rank, n = _reduction(opts, self._size), self._rank, self._size
+        return self._collective(inputs, outputs, _async(opts), value=op and (lambda vs: [
+            op(v.reshape(-1).chunk(n)[rank].reshape(o.shape)) for v, o in zip(vs, outputs)]))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
