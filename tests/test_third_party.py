@@ -229,3 +229,22 @@ def test_a_cuda_tensor_sent_to_another_process_stops_with_one_line() -> None:
         assert "\n" not in str(e.value)
         ForkingPickler(io.BytesIO()).dump(torch.zeros(4))  # a host tensor: shared memory as usual
     ForkingPickler(io.BytesIO()).dump(torch.zeros(4))
+
+
+def test_warnings_name_the_scripts_line(tmp_path: Any) -> None:
+    """A warning from inside an intercepted call names the script's line, as on a GPU: a Python
+    torch function's ``stacklevel=2`` (F.softmax without dim) and C++'s ``TORCH_WARN``
+    (``new_tensor`` of a tensor) — not the simulation's own frame."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "warns.py"
+    script.write_text("import torch, torch.nn.functional as F\n"
+                      "x = torch.randn(4, 4, device='cuda')\n"
+                      "y = F.softmax(x)\n"
+                      "z = x.new_tensor(x)\n")
+    err = subprocess.run([sys.executable, "-m", "vram", "run", str(script)], capture_output=True,
+                         text=True, timeout=120).stderr
+    assert f"{script}:3: UserWarning: Implicit dimension choice for softmax" in err
+    assert f"{script}:4: UserWarning: To copy construct from a tensor" in err
+    assert "vram/run" not in err

@@ -70,6 +70,7 @@ import os
 import runpy
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -118,6 +119,43 @@ _MODE_FRAMES = tuple(os.path.join(_TORCH_DIR, p) for p in (  # frames only the m
     "_compile.py", os.path.join("_dynamo", "eval_frame.py"), os.path.join("utils", "_python_dispatch.py"),
     os.path.join("utils", "_device.py"), "overrides.py"))
 _ACTIVE: list[SimState] = []  # the running `simulated_cuda` blocks' state, innermost last
+
+
+def _script_frame(frame: Any) -> Any:
+    """Where a warning attributed to the simulation's own frame belongs: the frame that made the
+    call the modes intercepted. A torch function written in Python reached the mode through
+    ``handle_torch_function`` (torch/overrides.py), and its own frame is skipped too: on a GPU its
+    ``stacklevel=2`` names that function's caller. A C++ method (``TORCH_WARN``) reached it
+    directly: the caller is the frame outside the simulation."""
+    while frame is not None and (frame.f_code.co_filename.startswith((_VRAM_DIR, *_MODE_FRAMES))):
+        dispatched = frame.f_code.co_filename.endswith("overrides.py")
+        frame = frame.f_back
+        if dispatched and frame is not None:
+            frame = frame.f_back  # the Python torch function that dispatched to the mode
+    return frame
+
+
+def _attributing_warnings() -> Callable[[], None]:
+    """Warnings raised inside an intercepted torch call name the script's line, not the mode's
+    (`_script_frame`); returns the restore."""
+    original = warnings.showwarning
+
+    def showwarning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                    line: Any = None) -> None:
+        if filename.startswith(_VRAM_DIR):
+            frame = sys._getframe(1)  # up to the frame the warning names, then out of the simulation
+            while frame is not None and (frame.f_code.co_filename, frame.f_lineno) != (filename, lineno):
+                frame = frame.f_back
+            frame = _script_frame(frame)
+            if frame is not None:
+                filename, lineno, line = frame.f_code.co_filename, frame.f_lineno, None
+        original(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+
+    def restore() -> None:
+        warnings.showwarning = original
+    return restore
 
 
 def active_sim() -> SimState | None:
@@ -183,6 +221,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     restore_distributed = install_distributed(sim)  # init_process_group("nccl") on simulated GPUs
     restore_fast = patch_fast_paths((FunctionMode,))  # nn.MultiheadAttention's inference path, as on a GPU
     restore_ipc = refuse_cuda_ipc(lambda t: sim.block_of(t) is not None)
+    restore_warnings = _attributing_warnings()
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
     _ACTIVE.append(sim)
     try:
@@ -192,6 +231,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
         sim.host.ledger.settle()  # code after the block uses the CPU generator where a GPU run's would be
         _ACTIVE.remove(sim)
         restore_ipc()
+        restore_warnings()
         restore_fast()
         restore_distributed()
         for prefix in _MODE_FRAMES:
