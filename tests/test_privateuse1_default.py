@@ -212,3 +212,20 @@ def test_vram_run_names_cudnn_scratch_it_leaves_out(tmp_path, capsys) -> None:  
     err = capsys.readouterr().err
     assert "3 call(s) with cuDNN convolution workspaces" in err  # forward, backward, eval forward
     assert "2 call(s) with cuDNN batch-norm workspaces" in err   # training forward and backward only
+
+
+@pytest.mark.parametrize("backend", ["privateuse1", "meta"])
+def test_embedding_backwards_sort_path_is_named_as_uncharged(backend: str) -> None:
+    """Embedding.cu ``embedding_dense_backward_cuda``: up to 3,072 indices without
+    ``scale_grad_by_freq`` it launches one kernel into ``grad_weight``; beyond, it sorts the
+    indices and allocates scratch (EmbeddingBackwardKernel.cu) that vram does not model yet, so a
+    run names those calls rather than keep silent."""
+    from vram.run.runtime import active_sim
+
+    with simulated_cuda(gpu="24GiB", backend=backend):
+        emb = nn.Embedding(1000, 64).cuda()
+        emb(torch.zeros(4, 768, dtype=torch.long, device="cuda")).sum().backward()   # 3,072 indices
+        sim = active_sim()
+        assert sim is not None and not any("embedding" in what for what in sim.uncharged)
+        emb(torch.zeros(4, 769, dtype=torch.long, device="cuda")).sum().backward()
+        assert sum(n for what, n in sim.uncharged.items() if "embedding backward's sort path" in what) == 1

@@ -284,6 +284,9 @@ _CONV = ("cuDNN convolution workspaces: cuDNN picks each at run time, up to max(
 _BN = ("cuDNN batch-norm workspaces and reserve space (training): sized by cuDNN "
        "(cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize / ...TrainingExReserveSpaceSize, "
        "cudnn/BatchNorm.cpp), which a CPU machine cannot ask")
+_EMBEDDING = ("embedding backward's sort path (more than 3,072 indices, or scale_grad_by_freq: Embedding.cu "
+              "embedding_dense_backward_cuda): sorted and original index copies, segment tables, partial "
+              "sums and cub's temporary storage (EmbeddingBackwardKernel.cu), not modelled yet")
 #: batch-norm ops on a CPU build of torch -> the indices of their ``training``/``train`` flag (None:
 #: always training) and of ``eps``; backward ops take ``grad_out`` first
 _BN_ARGS = {"native_batch_norm": (5, 7), "_batch_norm_with_update": (None, 6),
@@ -303,11 +306,13 @@ def cudnn_batch_norm(x: torch.Tensor, weight: Any, training: bool, eps: float) -
 
 def uncharged_scratch(name: str, args: tuple[Any, ...]) -> str | None:
     """What a CUDA kernel takes from the caching allocator in a size only the GPU's library knows,
-    or None: every convolution (cuDNN), and batch norm in training when cuDNN runs it
-    (`cudnn_batch_norm`; inference has no workspace). `vram run` counts such calls and says so at
+    or None: every convolution (cuDNN), batch norm in training when cuDNN runs it
+    (`cudnn_batch_norm`; inference has no workspace), and embedding backward's sort path. `vram run` counts such calls and says so at
     the end (`uncharged_note`), charging nothing."""
     if name in ("convolution", "_convolution", "convolution_backward"):
         return _CONV
+    if name == "embedding_dense_backward" and len(args) > 4 and isinstance(args[1], torch.Tensor):
+        return _EMBEDDING if args[1].numel() > 3072 or args[4] is True else None
     if name not in _BN_ARGS:
         return None
     flag, eps = _BN_ARGS[name]
