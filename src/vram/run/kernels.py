@@ -305,10 +305,10 @@ def cudnn_batch_norm(x: torch.Tensor, weight: Any, training: bool, eps: float) -
 
 
 def uncharged_scratch(name: str, args: tuple[Any, ...]) -> str | None:
-    """What a CUDA kernel takes from the caching allocator in a size only the GPU's library knows,
-    or None: every convolution (cuDNN), batch norm in training when cuDNN runs it
-    (`cudnn_batch_norm`; inference has no workspace), and embedding backward's sort path. `vram run` counts such calls and says so at
-    the end (`uncharged_note`), charging nothing."""
+    """What a CUDA kernel takes from the caching allocator in a size only the GPU's library knows
+    (or vram does not model yet), or None: every convolution (cuDNN), batch norm in training when
+    cuDNN runs it (`cudnn_batch_norm`; inference has no workspace), and embedding backward's sort
+    path. `vram run` counts such calls and says so at the end (`uncharged_note`), charging nothing."""
     if name in ("convolution", "_convolution", "convolution_backward"):
         return _CONV
     if name == "embedding_dense_backward" and len(args) > 4 and isinstance(args[1], torch.Tensor):
