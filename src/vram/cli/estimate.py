@@ -50,10 +50,10 @@ def _input_names(specs: list[str]) -> tuple[list[str | None], list[str]]:
             raise ValueError(f"invalid --input {spec!r}: {name!r} is not an argument name")
         names.append(name if eq else None)
         rest.append(tail if eq else spec)
-    if len(set(names)) != len(names) and any(names):
-        raise ValueError("--input: an argument name is given twice")
     if any(names) and not all(names):
         raise ValueError("--input: name every input (input_ids=8x512:int64 labels=8x512:int64) or none")
+    if any(names) and len(set(names)) != len(names):
+        raise ValueError("--input: an argument name is given twice")
     return names, rest
 
 

@@ -408,7 +408,7 @@ def factory_numel(name: str, args: Any, kwargs: dict[str, Any]) -> int | None:
         return args[0] if args and type(args[0]) is int else None
     if name == "eye":
         dims = args[:2]
-        return dims[0] * (dims[-1]) if dims and all(type(n) is int for n in dims) else None
+        return dims[0] * dims[-1] if dims and all(type(n) is int for n in dims) else None
     if name in ("linspace", "logspace"):
         steps = args[2] if len(args) > 2 else kwargs.get("steps")
         return steps if type(steps) is int else None

@@ -118,6 +118,7 @@ _VRAM_DIR = _history.PACKAGE_DIR
 _MODE_FRAMES = tuple(os.path.join(_TORCH_DIR, p) for p in (  # frames only the modes add
     "_compile.py", os.path.join("_dynamo", "eval_frame.py"), os.path.join("utils", "_python_dispatch.py"),
     os.path.join("utils", "_device.py"), "overrides.py"))
+_SIMULATION_FRAMES = (_VRAM_DIR, *_MODE_FRAMES)  # frames a simulated run adds to the script's
 _ACTIVE: list[SimState] = []  # the running `simulated_cuda` blocks' state, innermost last
 
 
@@ -127,7 +128,7 @@ def _script_frame(frame: Any) -> Any:
     ``handle_torch_function`` (torch/overrides.py), and its own frame is skipped too: on a GPU its
     ``stacklevel=2`` names that function's caller. A C++ method (``TORCH_WARN``) reached it
     directly: the caller is the frame outside the simulation."""
-    while frame is not None and (frame.f_code.co_filename.startswith((_VRAM_DIR, *_MODE_FRAMES))):
+    while frame is not None and frame.f_code.co_filename.startswith(_SIMULATION_FRAMES):
         dispatched = frame.f_code.co_filename.endswith("overrides.py")
         frame = frame.f_back
         if dispatched and frame is not None:
@@ -252,8 +253,8 @@ def _print_exception(e: BaseException, report: ValueReport) -> None:
     `report`'s note when a line of it read a placeholder (`vram.run.values.ValueReport.blame`)."""
     te = traceback.TracebackException.from_exception(e)
     te.stack = traceback.StackSummary.from_list(
-        [f for f in te.stack if not f.filename.startswith((_VRAM_DIR, "<frozen runpy"))
-         and not f.filename.startswith(_MODE_FRAMES) and not f.filename.endswith("runpy.py")])
+        [f for f in te.stack if not f.filename.startswith((*_SIMULATION_FRAMES, "<frozen runpy"))
+         and not f.filename.endswith("runpy.py")])
     sys.stdout.flush()
     sys.stderr.write("".join(te.format()))
     note = report.blame([(f.filename, f.lineno or 0) for f in te.stack])

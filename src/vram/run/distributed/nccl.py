@@ -103,7 +103,7 @@ def _change(pg: Any, key: str, ranks: list[int], device: int | None, what: str =
     old = _COMMS.get(k)
     c = old if old is not None else Communicator(
         f"of group {pg.group_name!r}" + (f", ranks {key}" if key else ""), len(ranks), _one_node(ranks))
-    saved = replace(c, sends=set(c.sends), recvs=set(c.recvs))
+    saved = _copy(c)
     if what == "ring":
         c.ring = True
     elif what:
@@ -120,6 +120,11 @@ def _change(pg: Any, key: str, ranks: list[int], device: int | None, what: str =
         raise
     if old is None and c.nranks > 1:
         _MADE[0] += 1
+
+
+def _copy(c: Communicator) -> Communicator:
+    """A copy of `c` that later connections leave as it is."""
+    return replace(c, sends=set(c.sends), recvs=set(c.recvs))
 
 
 def _connected(pg: Any, key: str, what: str, peer: int = -1) -> bool:
@@ -192,7 +197,7 @@ def note_destroy(pg: Any) -> None:
     keys = [k for k in _COMMS if k[0] == _gid(pg)]
     if not keys:
         return
-    alive = [replace(c, sends=set(c.sends), recvs=set(c.recvs)) for c in _COMMS.values()]
+    alive = [_copy(c) for c in _COMMS.values()]
     _BEFORE_DESTROY.setdefault(_sizing(alive), alive)
     devices = {_WHERE[k] for k in keys}
     for k in keys:
