@@ -141,7 +141,7 @@ class LazyInit:
         """`fn`, which initialises CUDA first (when `when` holds for its arguments)."""
         @functools.wraps(fn)
         def initialising(*args: Any, **kwargs: Any) -> Any:
-            if when(*args, **kwargs):
+            if not self.done and when(*args, **kwargs):  # once initialised, CUDA stays so
                 self.done = True
             return fn(*args, **kwargs)
         return initialising
