@@ -215,11 +215,11 @@ def test_vram_run_names_cudnn_scratch_it_leaves_out(tmp_path, capsys) -> None:  
 
 
 @pytest.mark.parametrize("backend", ["privateuse1", "meta"])
-def test_embedding_backwards_sort_path_is_named_as_uncharged(backend: str) -> None:
+def test_embedding_backwards_sort_path_names_cub_storage_as_uncharged(backend: str) -> None:
     """Embedding.cu ``embedding_dense_backward_cuda``: up to 3,072 indices without
     ``scale_grad_by_freq`` it launches one kernel into ``grad_weight``; beyond, it sorts the
-    indices and allocates scratch (EmbeddingBackwardKernel.cu) that vram does not model yet, so a
-    run names those calls rather than keep silent."""
+    indices with cub, whose temporary storage is sized by the GPU's cub tuning (charged scratch:
+    tests/test_kernel_scratch.py), so a run names those calls rather than keep silent."""
     from vram.run.runtime import active_sim
 
     with simulated_cuda(gpu="24GiB", backend=backend):
@@ -228,4 +228,4 @@ def test_embedding_backwards_sort_path_is_named_as_uncharged(backend: str) -> No
         sim = active_sim()
         assert sim is not None and not any("embedding" in what for what in sim.uncharged)
         emb(torch.zeros(4, 769, dtype=torch.long, device="cuda")).sum().backward()
-        assert sum(n for what, n in sim.uncharged.items() if "embedding backward's sort path" in what) == 1
+        assert sum(n for what, n in sim.uncharged.items() if "embedding_dense_backward" in what) == 1

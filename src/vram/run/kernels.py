@@ -32,13 +32,16 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
 * **scaled_dot_product_attention**: backend choice (flash / memory-efficient / cuDNN / math, by the
   simulated compute capability) and what each kernel allocates, forward and backward, live in
   `vram.run.sdpa` (re-exported here); `op_plan` asks it first.
+* **embedding / layer-norm / RMS-norm backward**: sort buffers, segment tables and partial
+  gradients (``Embedding.cu``, ``EmbeddingBackwardKernel.cu``, ``layer_norm_kernel.cu``) live in
+  `vram.run.scratch`; cub's own temporary storage there is named, not charged.
 
 The rules follow the newest PyTorch sources read (2026); older releases differ in places (before
 the shared cuBLASLt workspace, each Lt matmul allocated and freed its own 1 MiB).
 
 Not modelled (documented limitations) — mostly transient scratch that raises a peak without
-changing steady state: cuDNN convolution workspaces; sort buffers of
-embedding backward; NCCL buffers; CUDA graphs. Refused instead
+changing steady state: cuDNN convolution workspaces; cub temporary storage; NCCL buffers;
+CUDA graphs. Refused instead
 (`RNN_OPS`: not scratch, the saved state differs): cuDNN's recurrent layers.
 """
 from __future__ import annotations
@@ -54,6 +57,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
 from . import reductions as _reductions
+from . import scratch as _scratch
 from . import sdpa as _sdpa
 from .sdpa import convert_boolean_attn_mask as convert_boolean_attn_mask
 from .sdpa import sdpa_args as sdpa_args
@@ -126,6 +130,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         plan = mm_plan(name, args, outs)
     if plan is None:
         plan = foreach_norm_plan(name, args, outs)
+    if plan is None:
+        plan = _scratch.scratch_plan(name, args, outs, sms, max_threads_sm)
     if plan is None:
         plan = [("out", i) for i in range(len(outs))]
         base = scalar_base_bytes(name, args)
@@ -284,9 +290,6 @@ _CONV = ("cuDNN convolution workspaces: cuDNN picks each at run time, up to max(
 _BN = ("cuDNN batch-norm workspaces and reserve space (training): sized by cuDNN "
        "(cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize / ...TrainingExReserveSpaceSize, "
        "cudnn/BatchNorm.cpp), which a CPU machine cannot ask")
-_EMBEDDING = ("embedding backward's sort path (more than 3,072 indices, or scale_grad_by_freq: Embedding.cu "
-              "embedding_dense_backward_cuda): sorted and original index copies, segment tables, partial "
-              "sums and cub's temporary storage (EmbeddingBackwardKernel.cu), not modelled yet")
 #: batch-norm ops on a CPU build of torch -> the indices of their ``training``/``train`` flag (None:
 #: always training) and of ``eps``; backward ops take ``grad_out`` first
 _BN_ARGS = {"native_batch_norm": (5, 7), "_batch_norm_with_update": (None, 6),
@@ -307,12 +310,11 @@ def cudnn_batch_norm(x: torch.Tensor, weight: Any, training: bool, eps: float) -
 def uncharged_scratch(name: str, args: tuple[Any, ...]) -> str | None:
     """What a CUDA kernel takes from the caching allocator in a size only the GPU's library knows
     (or vram does not model yet), or None: every convolution (cuDNN), batch norm in training when
-    cuDNN runs it (`cudnn_batch_norm`; inference has no workspace), and embedding backward's sort
-    path. `vram run` counts such calls and says so at the end (`uncharged_note`), charging nothing."""
+    cuDNN runs it (`cudnn_batch_norm`; inference has no workspace); cub's temporary storage is named
+    by the plans of `vram.run.scratch`. `vram run` counts such calls and says so at the end
+    (`uncharged_note`), charging nothing."""
     if name in ("convolution", "_convolution", "convolution_backward"):
         return _CONV
-    if name == "embedding_dense_backward" and len(args) > 4 and isinstance(args[1], torch.Tensor):
-        return _EMBEDDING if args[1].numel() > 3072 or args[4] is True else None
     if name not in _BN_ARGS:
         return None
     flag, eps = _BN_ARGS[name]
