@@ -17,6 +17,7 @@ import torch
 from vram.frontend import graphs as _graphs
 from vram.frontend import memory as _memory
 
+from .comm import comm_functions
 from .reductions import max_threads_per_sm
 
 MiB = 1024 * 1024
@@ -256,7 +257,7 @@ def patch_torch_cuda(props: list[DeviceProperties]) -> Callable[[], None]:
     put(torch.cuda.nvtx, "_nvtx", NVTX())
     put(torch.cuda.graphs.graph, "default_capture_stream", None)  # made lazily: a simulated stream
     put(torch._C, "_host_emptyCache", lambda: None)  # torch.cuda.graph's entry: pinned host memory
-    for name, fn in _accelerator(init).items():
+    for name, fn in {**_accelerator(init), **comm_functions()}.items():
         put(torch._C, name, fn)
     put(torch, "device", _device_type(torch.device))
     put(torch, "Generator", _generator_type(torch.Generator))
