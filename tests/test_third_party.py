@@ -299,3 +299,26 @@ def test_data_parallel_over_two_gpus_stops_at_the_nccl_broadcast() -> None:
         with pytest.raises(NotImplementedError, match=r"^vram run: a broadcast between 2 simulated GPUs"):
             comm.broadcast_coalesced(list(model.parameters()), [0, 1])
         assert [torch.cuda.memory_allocated(d) for d in range(2)] == before
+
+
+@pytest.mark.parametrize("backend", ["privateuse1", "meta"])
+def test_deepcopy_of_a_gpu_model_copies_each_storage_once(backend: str) -> None:
+    """timm's ``--model-ema`` (``ModelEmaV3``: ``deepcopy(model)`` after ``.cuda()``) crashed the
+    process: ``Tensor.__deepcopy__`` clones a storage with ``UntypedStorage(nbytes, device=...)``,
+    which the PrivateUse1 engine could not allocate. On a GPU the copy allocates every storage once
+    more (``deepcopy``'s memo keeps a tied weight tied) and ``UntypedStorage(n, device="cuda")``
+    allocates `n` bytes."""
+    import copy
+
+    with simulated_cuda(backend=backend):
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 16), torch.nn.Linear(16, 10, bias=False),
+                                    torch.nn.BatchNorm1d(10)).cuda()
+        model[1].weight = model[0].weight
+        once = torch.cuda.memory_allocated()
+        assert once == 1024 + 5 * 512  # the 640 B table and the norm's five tensors, rounded up to 512 B
+        twin = copy.deepcopy(model)
+        assert torch.cuda.memory_allocated() == 2 * once
+        assert twin[1].weight is twin[0].weight and twin[0].weight is not model[0].weight
+        assert twin[0].weight.is_cuda and isinstance(twin[0].weight, torch.nn.Parameter)
+        torch.UntypedStorage(1000, device="cuda")  # dies at once: allocated, then cached
+        assert torch.cuda.memory_allocated() == 2 * once and torch.cuda.max_memory_allocated() == 2 * once + 1024
