@@ -322,3 +322,33 @@ def test_deepcopy_of_a_gpu_model_copies_each_storage_once(backend: str) -> None:
         assert twin[0].weight.is_cuda and isinstance(twin[0].weight, torch.nn.Parameter)
         torch.UntypedStorage(1000, device="cuda")  # dies at once: allocated, then cached
         assert torch.cuda.memory_allocated() == 2 * once and torch.cuda.max_memory_allocated() == 2 * once + 1024
+
+
+def _collate_into_zeros(batch: list[int]) -> Any:
+    """timm's ``fast_collate``: a large ``torch.zeros`` batch written in place from NumPy."""
+    import numpy as np
+
+    out = torch.zeros((len(batch), 3, 100, 100), dtype=torch.uint8)  # over the lazy-host limit
+    for i, b in enumerate(batch):
+        out[i] += torch.from_numpy(np.full((3, 100, 100), b, dtype=np.uint8))
+    return out
+
+
+def test_a_large_host_batch_from_a_dataloader_worker_arrives_with_its_bytes() -> None:
+    """timm ``train.py --aug-splits 3`` (workers > 0): a batch collated into a large ``torch.zeros``
+    in a worker process is a lazy host tensor there; it crossed to the main process as a bare meta
+    tensor and ``.to("cuda")`` failed ("Cannot copy out of meta tensor"). It is the CPU tensor a
+    plain run sends: same values, and it moves to the GPU as a batch of its size."""
+    expected = [int(_collate_into_zeros(list(range(k, k + 3))).sum()) for k in (0, 3)]  # plain CPU torch
+    with simulated_cuda():
+        loader = torch.utils.data.DataLoader(list(range(6)), batch_size=3, collate_fn=_collate_into_zeros,
+                                             num_workers=1)
+        sums = []
+        for x in loader:
+            assert x.device.type == "cpu" and x.shape == (3, 3, 100, 100)
+            sums.append(int(x.sum()))
+            before = torch.cuda.memory_allocated()
+            y = x.to("cuda", non_blocking=True)
+            assert torch.cuda.memory_allocated() - before == 90112  # 90,000 B rounded up to 512
+            del y
+    assert sums == expected == [90000, 360000]

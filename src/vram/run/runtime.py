@@ -222,7 +222,8 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     restore_rng = patch_rng(sim.host.ledger)
     restore_distributed = install_distributed(sim)  # init_process_group("nccl") on simulated GPUs
     restore_fast = patch_fast_paths((FunctionMode,))  # nn.MultiheadAttention's inference path, as on a GPU
-    restore_ipc = refuse_cuda_ipc(lambda t: sim.block_of(t) is not None)
+    restore_ipc = refuse_cuda_ipc(lambda t: sim.block_of(t) is not None,
+                                  lambda t: sim.host.real(t) if sim.host.of(t) is not None else None)
     restore_warnings = _attributing_warnings()
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
     _ACTIVE.append(sim)
