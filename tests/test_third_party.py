@@ -14,6 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch.nn.parallel import comm  # noqa: E402  (torch.cuda.comm)
+
 from vram.frontend import memory as _memory  # noqa: E402
 from vram.run import cuda_api  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
@@ -248,3 +250,105 @@ def test_warnings_name_the_scripts_line(tmp_path: Any) -> None:
     assert f"{script}:3: UserWarning: Implicit dimension choice for softmax" in err
     assert f"{script}:4: UserWarning: To copy construct from a tensor" in err
     assert "vram/run" not in err
+
+
+@pytest.mark.parametrize("backend", ["privateuse1", "meta"])
+def test_data_parallel_on_one_gpu_runs_the_module_on_a_view_of_the_input(backend: str) -> None:
+    """pytorch/examples ``imagenet/main.py`` wraps the model in ``nn.DataParallel`` even on one GPU;
+    its forward scatters the input with ``torch._C._scatter``, which a CPU build lacks. comm.cpp's
+    ``scatter``: ``tensor.chunk(len(devices))`` and a copy only for a chunk on another device, so on
+    one GPU the module gets a view of the input and nothing is allocated for it."""
+    with simulated_cuda(backend=backend):
+        model = torch.nn.DataParallel(torch.nn.Linear(8, 4)).cuda()
+        x = torch.randn(6, 8, device="cuda")
+        before = torch.cuda.memory_allocated()
+        (chunk,) = comm.scatter(x, [0])
+        assert chunk.shape == (6, 8) and chunk.untyped_storage().nbytes() == 6 * 8 * 4
+        assert torch.cuda.memory_allocated() == before
+        y = model(x)
+        assert y.shape == (6, 4) and y.is_cuda
+        y.sum().backward()
+        assert model.module.weight.grad.shape == (4, 8)
+
+
+def test_comm_scatter_from_the_host_and_gather_allocate_as_comm_cpp() -> None:
+    """A host tensor scattered to GPU 0 is copied there (``.to(cuda:0, non_blocking)``); ``gather``
+    allocates its result with ``at::empty`` on the destination and copies each input into a slice."""
+    with simulated_cuda():
+        host = torch.zeros(10, 100)
+        (dev,) = comm.scatter(host, [0])
+        assert dev.is_cuda and dev.shape == (10, 100)
+        assert torch.cuda.memory_allocated() == 4096  # 4,000 B rounded up to 512 B
+        a, b = torch.ones(3, 5, device="cuda"), torch.ones(4, 5, device="cuda")
+        before = torch.cuda.memory_allocated()
+        out = comm.gather([a, b], dim=0, destination=0)
+        assert out.shape == (7, 5) and out.is_cuda
+        assert torch.cuda.memory_allocated() - before == 512  # 140 B rounded up
+        with pytest.raises(RuntimeError, match="Expected at least one device to scatter to"):
+            comm.scatter(host, [])
+        with pytest.raises(RuntimeError, match="Input tensor at index 1 has invalid shape"):
+            comm.gather([a, torch.ones(4, 6, device="cuda")], dim=0, destination=0)
+
+
+def test_data_parallel_over_two_gpus_stops_at_the_nccl_broadcast() -> None:
+    """Replicating a module over two GPUs broadcasts with NCCL (``nccl::is_available``), whose
+    single-process communicators vram does not model: one line, and nothing allocated for it."""
+    with simulated_cuda(device_count=2):
+        model = torch.nn.DataParallel(torch.nn.Linear(8, 4)).cuda()
+        before = [torch.cuda.memory_allocated(d) for d in range(2)]
+        with pytest.raises(NotImplementedError, match=r"^vram run: a broadcast between 2 simulated GPUs"):
+            comm.broadcast_coalesced(list(model.parameters()), [0, 1])
+        assert [torch.cuda.memory_allocated(d) for d in range(2)] == before
+
+
+@pytest.mark.parametrize("backend", ["privateuse1", "meta"])
+def test_deepcopy_of_a_gpu_model_copies_each_storage_once(backend: str) -> None:
+    """timm's ``--model-ema`` (``ModelEmaV3``: ``deepcopy(model)`` after ``.cuda()``) crashed the
+    process: ``Tensor.__deepcopy__`` clones a storage with ``UntypedStorage(nbytes, device=...)``,
+    which the PrivateUse1 engine could not allocate. On a GPU the copy allocates every storage once
+    more (``deepcopy``'s memo keeps a tied weight tied) and ``UntypedStorage(n, device="cuda")``
+    allocates `n` bytes."""
+    import copy
+
+    with simulated_cuda(backend=backend):
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 16), torch.nn.Linear(16, 10, bias=False),
+                                    torch.nn.BatchNorm1d(10)).cuda()
+        model[1].weight = model[0].weight
+        once = torch.cuda.memory_allocated()
+        assert once == 1024 + 5 * 512  # the 640 B table and the norm's five tensors, rounded up to 512 B
+        twin = copy.deepcopy(model)
+        assert torch.cuda.memory_allocated() == 2 * once
+        assert twin[1].weight is twin[0].weight and twin[0].weight is not model[0].weight
+        assert twin[0].weight.is_cuda and isinstance(twin[0].weight, torch.nn.Parameter)
+        torch.UntypedStorage(1000, device="cuda")  # dies at once: allocated, then cached
+        assert torch.cuda.memory_allocated() == 2 * once and torch.cuda.max_memory_allocated() == 2 * once + 1024
+
+
+def _collate_into_zeros(batch: list[int]) -> Any:
+    """timm's ``fast_collate``: a large ``torch.zeros`` batch written in place from NumPy."""
+    import numpy as np
+
+    out = torch.zeros((len(batch), 3, 100, 100), dtype=torch.uint8)  # over the lazy-host limit
+    for i, b in enumerate(batch):
+        out[i] += torch.from_numpy(np.full((3, 100, 100), b, dtype=np.uint8))
+    return out
+
+
+def test_a_large_host_batch_from_a_dataloader_worker_arrives_with_its_bytes() -> None:
+    """timm ``train.py --aug-splits 3`` (workers > 0): a batch collated into a large ``torch.zeros``
+    in a worker process is a lazy host tensor there; it crossed to the main process as a bare meta
+    tensor and ``.to("cuda")`` failed ("Cannot copy out of meta tensor"). It is the CPU tensor a
+    plain run sends: same values, and it moves to the GPU as a batch of its size."""
+    expected = [int(_collate_into_zeros(list(range(k, k + 3))).sum()) for k in (0, 3)]  # plain CPU torch
+    with simulated_cuda():
+        loader = torch.utils.data.DataLoader(list(range(6)), batch_size=3, collate_fn=_collate_into_zeros,
+                                             num_workers=1)
+        sums = []
+        for x in loader:
+            assert x.device.type == "cpu" and x.shape == (3, 3, 100, 100)
+            sums.append(int(x.sum()))
+            before = torch.cuda.memory_allocated()
+            y = x.to("cuda", non_blocking=True)
+            assert torch.cuda.memory_allocated() - before == 90112  # 90,000 B rounded up to 512
+            del y
+    assert sums == expected == [90000, 360000]

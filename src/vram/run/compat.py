@@ -90,9 +90,13 @@ def _defined(qualname: str) -> bool:
         return False
 
 
-def refuse_cuda_ipc(simulated: Callable[[Any], bool]) -> Callable[[], None]:
+def refuse_cuda_ipc(simulated: Callable[[Any], bool],
+                    host_bytes: Callable[[Any], Any]) -> Callable[[], None]:
     """A simulated tensor pickled for another process (``torch.multiprocessing``: a Hogwild
-    model passed to ``mp.Process``, a CUDA tensor put on an ``mp.Queue``) stops with one line.
+    model passed to ``mp.Process``, a CUDA tensor put on an ``mp.Queue``) stops with one line;
+    a lazy host tensor is sent as its bytes (`host_bytes`: a real host view of them, else None),
+    as the CPU tensor it is: a DataLoader worker's batch built with a large ``torch.zeros`` (timm's
+    ``fast_collate``) arrived in the main process as a bare meta tensor.
 
     On a GPU, ``torch/multiprocessing/reductions.py`` ``reduce_tensor`` sends a CUDA storage by
     CUDA IPC, and the receiver is another process with its own CUDA context and caching allocator
@@ -109,6 +113,9 @@ def refuse_cuda_ipc(simulated: Callable[[Any], bool]) -> Callable[[], None]:
                 raise RuntimeError("vram run: a CUDA tensor sent to another process (torch.multiprocessing, "
                                    "CUDA IPC) is not simulated: the receiving process would be a GPU process of "
                                    "its own; run each worker's code under its own `vram run`")
+            host = host_bytes(t)
+            if host is not None:
+                return real(host.requires_grad_(t.requires_grad) if t.is_leaf else host)
             return real(t)
         return reduce
 

@@ -17,6 +17,7 @@ import torch
 from vram.frontend import graphs as _graphs
 from vram.frontend import memory as _memory
 
+from .comm import comm_functions
 from .reductions import max_threads_per_sm
 
 MiB = 1024 * 1024
@@ -256,7 +257,7 @@ def patch_torch_cuda(props: list[DeviceProperties]) -> Callable[[], None]:
     put(torch.cuda.nvtx, "_nvtx", NVTX())
     put(torch.cuda.graphs.graph, "default_capture_stream", None)  # made lazily: a simulated stream
     put(torch._C, "_host_emptyCache", lambda: None)  # torch.cuda.graph's entry: pinned host memory
-    for name, fn in _accelerator(init).items():
+    for name, fn in {**_accelerator(init), **comm_functions()}.items():
         put(torch._C, name, fn)
     put(torch, "device", _device_type(torch.device))
     put(torch, "Generator", _generator_type(torch.Generator))
@@ -542,60 +543,4 @@ def _patch_host_side(on_mode_stack: Callable[[], bool]) -> Callable[[], None]:
 
     put(torch.Tensor, "pin_memory", pin_memory)
     put(autograd_profiler.profile, "__init__", profile_init)
-    return restore
-
-
-def patch_storages(address_of: Callable[[Any], int | None],
-                   to_device: Callable[[Any, torch.device], Any],
-                   location_of: Callable[[Any], str | None]) -> Callable[[], None]:
-    """Storage-level moves, which no mode sees; returns the restore function.
-
-    * ``UntypedStorage.data_ptr()``: a simulated storage's simulated address (`address_of` gives
-      it, None for other storages), as a CUDA storage's would be — meta storages all say 0, which
-      would make every pair of storages look shared (``torch.load`` keeps a storage for reuse by
-      the other tensors that share it only when its pointer is not 0; tied-weight detection compares
-      pointers).
-    * ``UntypedStorage.to(device=)`` / ``.cuda()``, behind ``torch.load(map_location="cuda")`` and
-      loading a checkpoint saved on a GPU: `to_device` returns the moved storage (a simulated
-      one, charged when CUDA's copy would allocate), or None to leave the move to PyTorch.
-    * ``UntypedStorage.cpu()`` (``torch.save``'s copy of every storage): `to_device` with the CPU;
-      ``torch.serialization.location_tag`` names a simulated storage's GPU (``cuda:N``, from
-      `location_of`), so a checkpoint saved in a simulated run records CUDA, as a GPU run's does
-      (and a lazy host storage's "cpu").
-    """
-    import torch.serialization as serialization
-    import torch.storage as storage_module
-
-    original_ptr = torch.UntypedStorage.data_ptr
-    original_to = storage_module._to
-    original_cpu = torch.UntypedStorage.cpu
-    original_tag = serialization.location_tag
-
-    def location_tag(storage: Any) -> str:
-        where = location_of(storage) if isinstance(storage, torch.UntypedStorage) else None
-        return original_tag(storage) if where is None else where
-
-    def data_ptr(self: Any) -> int:
-        ptr = address_of(self)
-        return original_ptr(self) if ptr is None else ptr
-
-    def to(self: Any, device: torch.device, non_blocking: bool = False) -> Any:
-        moved = to_device(self, device) if isinstance(self, torch.UntypedStorage) else None
-        return original_to(self, device, non_blocking) if moved is None else moved
-
-    def cpu(self: Any) -> Any:  # torch.save copies each storage with .cpu()
-        moved = to_device(self, torch.device("cpu"))
-        return original_cpu(self) if moved is None else moved
-
-    torch.UntypedStorage.data_ptr = data_ptr  # type: ignore[method-assign]
-    storage_module._to = to  # type: ignore[attr-defined]
-    torch.UntypedStorage.cpu = cpu  # type: ignore[method-assign]
-    serialization.location_tag = location_tag
-
-    def restore() -> None:
-        serialization.location_tag = original_tag
-        torch.UntypedStorage.data_ptr = original_ptr  # type: ignore[method-assign]
-        storage_module._to = original_to  # type: ignore[attr-defined]
-        torch.UntypedStorage.cpu = original_cpu  # type: ignore[method-assign]
-
     return restore

@@ -61,7 +61,7 @@ tensors and an active dispatch mode, both "subclass-like" to ``at::isTensorSubcl
 docs/estimate-accuracy.md §4).
 Storage-level moves, which no mode sees
 (``torch.load(map_location="cuda")``, a checkpoint saved on a GPU, ``storage.cuda()``), are
-charged by `vram.run.cuda_api.patch_storages`, which also makes a simulated storage's
+charged by `vram.run.storage_api.patch_storages`, which also makes a simulated storage's
 ``data_ptr()`` its simulated address.
 """
 from __future__ import annotations
@@ -83,12 +83,13 @@ from vram.frontend import memory as _memory
 
 from . import known
 from .compat import define_torchvision_ops, refuse_cuda_ipc
-from .cuda_api import DeviceProperties, patch_storages, patch_torch_cuda, patch_torch_extras
+from .cuda_api import DeviceProperties, patch_torch_cuda, patch_torch_extras
 from .distributed import install as install_distributed
 from .fastpath import patch_fast_paths
 from .host_rng import patch_rng
 from .kernels import uncharged_note
 from .modes import DispatchMode, FunctionMode
+from .storage_api import patch_storages
 from .storages import SimState
 from .values import DataDependentError, ValueReport
 
@@ -217,11 +218,12 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     restore_extras = patch_torch_extras(sim.autocast_cache.clear, lambda t: sim.block_of(t) is not None,
                                         sim.storage_resized, function)
     sim.host.known_value = lambda t: known.cpu_value(sim, t)
-    restore_storages = patch_storages(sim.storage_address, sim.storage_to, sim.storage_location)
+    restore_storages = patch_storages(sim.storage_address, sim.storage_to, sim.storage_location, sim.storage_new)
     restore_rng = patch_rng(sim.host.ledger)
     restore_distributed = install_distributed(sim)  # init_process_group("nccl") on simulated GPUs
     restore_fast = patch_fast_paths((FunctionMode,))  # nn.MultiheadAttention's inference path, as on a GPU
-    restore_ipc = refuse_cuda_ipc(lambda t: sim.block_of(t) is not None)
+    restore_ipc = refuse_cuda_ipc(lambda t: sim.block_of(t) is not None,
+                                  lambda t: sim.host.real(t) if sim.host.of(t) is not None else None)
     restore_warnings = _attributing_warnings()
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
     _ACTIVE.append(sim)

@@ -208,6 +208,14 @@ class SimState:
             return f"cuda:{b.device}"
         return "cpu" if self.host.storage(storage) is not None else None
 
+    def storage_new(self, nbytes: int, device: torch.device) -> Any:
+        """``torch.UntypedStorage(nbytes, device=)`` on a simulated GPU (``cuda``, or the engine's
+        own device type): a new storage charged to it; None for other devices."""
+        if device.type not in ("cuda", torch._C._get_privateuse1_backend_name()):
+            return None
+        idx = _memory.current_device() if device.index is None else device.index
+        return self.new_storage(nbytes, idx)[0]
+
     def storage_to(self, storage: Any, device: torch.device) -> Any:
         """``UntypedStorage.to(device)``: to a simulated GPU, a new charged meta storage (no values
         to copy; a host storage's known contents come along); to the host (``torch.save``,
