@@ -352,3 +352,19 @@ def test_a_large_host_batch_from_a_dataloader_worker_arrives_with_its_bytes() ->
             assert torch.cuda.memory_allocated() - before == 90112  # 90,000 B rounded up to 512
             del y
     assert sums == expected == [90000, 360000]
+
+
+@pytest.mark.parametrize("backend", ["privateuse1", "meta"])
+def test_storage_device_is_the_gpu(backend: str) -> None:
+    """On a GPU build ``tensor.untyped_storage().device`` is the tensor's CUDA device and
+    ``is_cuda`` holds (``UntypedStorage.is_cuda``: ``self.device.type == "cuda"``, torch/storage.py);
+    a host tensor's storage stays on the CPU, small or large."""
+    with simulated_cuda(gpu="24GiB", backend=backend):
+        t = torch.ones(4, device="cuda")
+        s = t.untyped_storage()
+        assert (s.device, s.is_cuda) == (torch.device("cuda", 0), True)
+        for n in (3, 1 << 20):
+            h = torch.zeros(n)
+            assert not h.untyped_storage().is_cuda
+            assert torch.equal(h.cuda().cpu(), torch.zeros(n))
+    assert torch.ones(2).untyped_storage().device == torch.device("cpu")  # restored

@@ -8,7 +8,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["patch_storages"]
+__all__ = ["patch_storages", "raw_device"]
+
+
+def raw_device(storage: Any) -> torch.device:
+    """The device of `storage` itself (``StorageBase.device``), past `patch_storages`' answer."""
+    return torch._C.StorageBase.device.__get__(storage)  # type: ignore[attr-defined,no-any-return]
 
 
 def patch_storages(address_of: Callable[[Any], int | None],
@@ -35,6 +40,11 @@ def patch_storages(address_of: Callable[[Any], int | None],
       ``torch.serialization.location_tag`` names a simulated storage's GPU (``cuda:N``, from
       `location_of`), so a checkpoint saved in a simulated run records CUDA, as a GPU run's does
       (and a lazy host storage's "cpu").
+    * ``UntypedStorage.device`` (and ``is_cuda``, which reads it): a simulated storage's GPU
+      (``cuda:N``, from `location_of`), as on a GPU build; the engine's own device name showed
+      through ``tensor.untyped_storage()``. (A lazy host storage still says ``meta``: its clone,
+      ``type(self)(nbytes, device=self.device).copy_(self)``, must stay lazy.) `raw_device` reads
+      the storage's own device for the simulation's use.
     """
     import torch.serialization as serialization
     import torch.storage as storage_module
@@ -57,6 +67,10 @@ def patch_storages(address_of: Callable[[Any], int | None],
         where = location_of(storage) if isinstance(storage, torch.UntypedStorage) else None
         return original_tag(storage) if where is None else where
 
+    def device(self: Any) -> torch.device:
+        where = location_of(self)
+        return torch.device(where) if where is not None and where != "cpu" else raw_device(self)
+
     def data_ptr(self: Any) -> int:
         ptr = address_of(self)
         return original_ptr(self) if ptr is None else ptr
@@ -71,6 +85,7 @@ def patch_storages(address_of: Callable[[Any], int | None],
 
     torch.UntypedStorage.__new__ = new  # type: ignore[method-assign]
     torch.UntypedStorage.data_ptr = data_ptr  # type: ignore[method-assign]
+    torch.UntypedStorage.device = property(device)  # type: ignore[assignment]
     storage_module._to = to  # type: ignore[attr-defined]
     torch.UntypedStorage.cpu = cpu  # type: ignore[method-assign]
     serialization.location_tag = location_tag
@@ -81,5 +96,6 @@ def patch_storages(address_of: Callable[[Any], int | None],
         storage_module._to = original_to  # type: ignore[attr-defined]
         torch.UntypedStorage.cpu = original_cpu  # type: ignore[method-assign]
         del torch.UntypedStorage.__new__
+        del torch.UntypedStorage.device
 
     return restore

@@ -14,6 +14,7 @@ from vram.frontend import memory as _memory
 
 from .cuda_api import DeviceProperties
 from .lazy_host import LazyHost
+from .storage_api import raw_device
 from .values import ValueReport, value_error
 
 _META = torch.device("meta")
@@ -230,7 +231,7 @@ class SimState:
             if b is not None and b.device == idx:
                 return storage
             moved, nb = self.new_storage(storage.nbytes(), idx)
-            if b is None and storage.device.type == "cpu" and storage.nbytes() <= VALUE_LIMIT * 4:
+            if b is None and raw_device(storage).type == "cpu" and storage.nbytes() <= VALUE_LIMIT * 4:
                 nb.value = storage.clone()
             return moved
         if b is not None and device.type != "meta":

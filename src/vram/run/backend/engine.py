@@ -23,6 +23,7 @@ from .. import kernels as _k
 from .. import known
 from ..modes import DispatchMode, FunctionMode
 from ..storages import ChargedStorage, SimState
+from ..storage_api import raw_device
 from ..values import describe, needs_data, value_error
 from . import formulas, lazy
 from .storage import new_storage
@@ -172,9 +173,10 @@ class BackendState(SimState):
         return self.blocks.get((idx, base)) or self._empty[idx]
 
     def storage_block(self, storage: Any) -> ChargedStorage | None:
-        if storage.device.type != NAME:
+        device = raw_device(storage)
+        if device.type != NAME:
             return None
-        return self.blocks.get((storage.device.index or 0, torch._C.StorageBase.data_ptr(storage)))
+        return self.blocks.get((device.index or 0, torch._C.StorageBase.data_ptr(storage)))
 
     def new_storage(self, nbytes: int, idx: int) -> Any:
         t = self.new(torch.empty(nbytes, dtype=torch.uint8, device=_META), idx)
