@@ -22,8 +22,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .. import kernels as _k
 from .. import known
 from ..modes import DispatchMode, FunctionMode
-from ..storages import ChargedStorage, SimState
 from ..storage_api import raw_device
+from ..storages import ChargedStorage, SimState
 from ..values import describe, needs_data, value_error
 from . import formulas, lazy
 from .storage import new_storage
