@@ -156,7 +156,8 @@ class ValueReport:
             kind = "computed from placeholders" if s.derived else "placeholder"
             lines.append(f"  {s.file}:{s.line}: {s.expression}  x{s.reads:,}  -> {s.assumed} ({kind})")
         lines.append("  Branches and data-dependent shapes that follow these values may differ from a GPU run "
-                     "(e.g. generate() never sees EOS and runs to max_new_tokens: the worst case); "
+                     "(e.g. greedy generate() picks token 0 from placeholder logits, so it runs to max_new_tokens, "
+                     "the worst case, unless 0 is the model's EOS id, as Mamba's, when it stops after one token); "
                      "--strict-values stops at the first such read.")
         lines += [f"  {note}" for note in self.notes()]
         return "\n".join(lines)
