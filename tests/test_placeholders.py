@@ -149,3 +149,27 @@ def test_a_failure_on_a_placeholder_read_is_blamed_on_the_simulation(tmp_path, c
     assert run_script(path, ["other"]) == 1
     err = capsys.readouterr().err
     assert "KeyError" in err and "the script failed at" not in err
+
+
+def test_sizes_computed_from_placeholders_are_said_and_a_later_failure_is_blamed(tmp_path, capsys) -> None:
+    """Whisper's ``generate`` strips padding with ``seek_sequence[:-num_paddings]`` and then reads
+    ``seek_sequence[-1]``; a mixture-of-experts layer's eager loop sizes each expert's batch with
+    ``torch.where(mask)``. Sizes that come from the model's arithmetic are assumed (here nonzero of a
+    placeholder: empty), the report says so, and a failure a few lines on names that assumption."""
+    path = _script(tmp_path, """\
+        import torch
+        net = torch.nn.Linear(300, 300).cuda()
+        y = net(torch.ones(300, 300, device="cuda")).sum(dim=1)  # the model's arithmetic (too big to compute)
+        hits = torch.nonzero(y > 0)
+        print("hits", len(hits))
+        last = hits[-1]
+        """)
+    report = tmp_path / "values.json"
+    assert run_script(path, [], value_report=str(report)) == 1
+    out, err = capsys.readouterr()
+    assert "hits 0" in out and "IndexError" in err
+    assert f"{path}:4: torch.nonzero(y > 0)  x1  -> output shape [0, 1] (computed from placeholders)" in err
+    assert "Sizes assumed: 1 data-dependent output shape(s)" in err and "tokens per expert are assumed" in err
+    assert (f"vram run: the script failed at {path}:6 after `torch.nonzero(y > 0)` at line 4 was answered with "
+            "a placeholder (output shape [0, 1]); this failure may be the simulation's") in err
+    assert json.loads(report.read_text())["notes"][0].startswith("Sizes assumed: 1 data-dependent")

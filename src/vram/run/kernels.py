@@ -29,6 +29,9 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   at run time: not charged, counted per call and named at the end of a run (`uncharged_scratch`).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
   before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
+* **_grouped_mm** (mixture-of-experts layers): the CUDA kernel's output layout and dtypes, which
+  torch 2.13's meta kernel does not follow (`CUDA_META`), and its kernel choice, in
+  `vram.run.grouped_mm`.
 * **scaled_dot_product_attention**: backend choice (flash / memory-efficient / cuDNN / math, by the
   simulated compute capability) and what each kernel allocates, forward and backward, live in
   `vram.run.sdpa` (re-exported here); `op_plan` asks it first.
@@ -59,6 +62,8 @@ from torch.utils._pytree import tree_leaves
 from . import reductions as _reductions
 from . import scratch as _scratch
 from . import sdpa as _sdpa
+from .grouped_mm import CUDA_META as CUDA_META
+from .grouped_mm import grouped_mm_plan
 from .sdpa import convert_boolean_attn_mask as convert_boolean_attn_mask
 from .sdpa import sdpa_args as sdpa_args
 from .sdpa import sdpa_cuda as sdpa_cuda
@@ -111,15 +116,17 @@ def uses_cublaslt(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out:
 
 
 def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
-            max_threads_sm: int = 2048) -> list[tuple[str, Any]]:
+            max_threads_sm: int = 2048, cc: tuple[int, int] = (9, 0)) -> list[tuple[str, Any]]:
     """The order in which a CUDA kernel allocates: ("out", i), ("tmp", nbytes) or ("free", j).
 
     ``("free", j)`` frees the j-th "tmp" of the plan. SDPA kernels follow `vram.run.sdpa.op_plan`,
     reductions `vram.run.reductions.reduction_plan` (staging buffers of multi-block launches, on a
-    device of `sms` SMs of `max_threads_sm` threads); ops without special knowledge allocate their
-    outputs in output order.
+    device of `sms` SMs of `max_threads_sm` threads), ``_grouped_mm`` `vram.run.grouped_mm` (by
+    the capability `cc`); ops without special knowledge allocate their outputs in output order.
     """
     plan = _sdpa.op_plan(name, args, outs, sms)
+    if plan is None:
+        plan = grouped_mm_plan(name, args, outs, cc)
     if plan is None:
         plan = _reductions.reduction_plan(name, args, outs, sms, max_threads_sm)
     if plan is None:

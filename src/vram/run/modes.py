@@ -104,7 +104,8 @@ class DispatchMode(TorchDispatchMode):
             host.ledger.settle()  # the CPU generator is about to be used: pay the deferred draws
         computed, computed_assumed = None, False
         try:
-            out = func(*host.on_meta(args), **host.on_meta(kwargs)) if lazy else func(*args, **kwargs)
+            run = _k.CUDA_META.get(func, func)  # a meta kernel that is not the CUDA kernel: CUDA's
+            out = run(*host.on_meta(args), **host.on_meta(kwargs)) if lazy else run(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
             if needs_data(e) and any(sim.block_of(t) for t in inputs):
                 computed, computed_assumed = self._data_dependent(func, args, kwargs)
@@ -163,7 +164,8 @@ class DispatchMode(TorchDispatchMode):
         outs = out if isinstance(out, (tuple, list)) else [out]
         name = func.overloadpacket.__name__
         props = sim.props[idx]
-        plan = _k.op_plan(name, args, outs, props.multi_processor_count, props.max_threads_per_multi_processor)
+        plan = _k.op_plan(name, args, outs, props.multi_processor_count, props.max_threads_per_multi_processor,
+                          (props.major, props.minor))
         done: list[Any] = []
         seen: set[int] = set()
 

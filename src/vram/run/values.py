@@ -156,14 +156,29 @@ class ValueReport:
             kind = "computed from placeholders" if s.derived else "placeholder"
             lines.append(f"  {s.file}:{s.line}: {s.expression}  x{s.reads:,}  -> {s.assumed} ({kind})")
         lines.append("  Branches and data-dependent shapes that follow these values may differ from a GPU run "
-                     "(e.g. generate() never sees EOS and runs to max_new_tokens: the worst case); "
+                     "(e.g. greedy generate() picks token 0 from placeholder logits, so it runs to max_new_tokens, "
+                     "the worst case, unless 0 is the model's EOS id, as Mamba's, when it stops after one token); "
                      "--strict-values stops at the first such read.")
+        lines += [f"  {note}" for note in self.notes()]
         return "\n".join(lines)
+
+    def notes(self) -> list[str]:
+        """What the report's assumptions change beyond single values: sizes of data-dependent
+        outputs (``nonzero``, boolean masks, ``torch.where(mask)``) computed from placeholders."""
+        shapes = sum(s.reads for s in self.sites.values() if s.assumed.startswith("output shape"))
+        if not shapes:
+            return []
+        return [f"Sizes assumed: {shapes:,} data-dependent output shape(s) above were computed from placeholder "
+                "values, so the tensors made from them have assumed sizes, not the GPU's (a mixture-of-experts "
+                "router over placeholder logits gives every token the same experts: tokens per expert are "
+                "assumed, and so is the memory of each expert's step)."]
 
     def blame(self, places: list[tuple[str, int]]) -> str:
         """The note for a script that failed after a placeholder read on one of its traceback's
         `places` (file, line; innermost last), e.g. ``1 / mse.item()`` with a 0.0 placeholder:
-        the failure comes from the simulation's assumed value, not from the script ("" if none)."""
+        the failure comes from the simulation's assumed value, not from the script ("" if none). A
+        failure on another line is blamed, as possible, on the nearest data-dependent size assumed
+        above it in the same file (an empty ``nonzero`` indexed later)."""
         for file, line in reversed(places):
             for s in self.sites.values():
                 if (s.file, s.line) == (file, line):
@@ -171,7 +186,17 @@ class ValueReport:
                             f"with a placeholder ({s.assumed}); on a GPU it has the model's value there, so "
                             "this failure is the simulation's, not the script's (--strict-values stops at "
                             "such reads instead)")
+        if places:  # no read on the failing line: the nearest size assumed above it in the innermost file
+            file, line = places[-1]
+            above = [s for s in self.sites.values()
+                     if s.file == file and s.line < line and s.assumed.startswith("output shape")]
+            if above:
+                s = max(above, key=lambda s: s.line)
+                return (f"vram run: the script failed at {file}:{line} after `{s.expression}` at line {s.line} "
+                        f"was answered with a placeholder ({s.assumed}); this failure may be the simulation's, "
+                        "not the script's (--strict-values stops at such reads instead)")
         return ""
 
     def as_json(self) -> str:
-        return json.dumps({"placeholder_reads": [asdict(s) for s in self.sites.values()]}, indent=1)
+        return json.dumps({"placeholder_reads": [asdict(s) for s in self.sites.values()], "notes": self.notes()},
+                          indent=1)

@@ -244,7 +244,7 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
     computed, computed_assumed = None, False
     try:
-        out = op(*margs, **mkwargs)
+        out = _k.CUDA_META.get(op, op)(*margs, **mkwargs)  # CUDA's output where the meta kernel's differs
     except (RuntimeError, NotImplementedError) as e:
         if not needs_data(e):
             raise
@@ -316,7 +316,8 @@ def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> Non
 def _charge(sim: BackendState, op: Any, name: str, idx: int, margs: Any, mkwargs: Any, outs: list[Any],
             results: list[Any]) -> None:
     props = sim.props[idx]
-    plan = _k.op_plan(name, margs, outs, props.multi_processor_count, props.max_threads_per_multi_processor)
+    plan = _k.op_plan(name, margs, outs, props.multi_processor_count, props.max_threads_per_multi_processor,
+                      (props.major, props.minor))
     returns = op._schema.returns
 
     def on_out(arg: int) -> None:
