@@ -387,7 +387,7 @@ class FunctionMode(TorchFunctionMode):
                     if isinstance(t, torch.Tensor) and t.is_meta and sim.block_of(t) is None \
                             and not is_traceable_wrapper_subclass(t):
                         b = sim.track(t.untyped_storage(), target)
-                        if func in _HOST_DATA and t.numel() <= known.VALUE_LIMIT:
+                        if func in _HOST_DATA and t.numel() <= sim.value_limit:
                             with torch._C.DisableTorchFunction():  # the same data, built on the host
                                 host = func(*args, **dict(kwargs, device="cpu"))
                             b.value = host.untyped_storage()
@@ -479,7 +479,7 @@ class FunctionMode(TorchFunctionMode):
         except known.Unknown:
             if not sim.strict_values and name in ("cpu", "to", "numpy"):  # too large for a value copy
                 host = known.placeholder(t)
-                sim.report.record(what, f"zeros {list(t.shape)}")
+                sim.report.record(what, f"zeros {list(t.shape)}{known.reason(sim, t)}")
                 if name == "to":  # with its other arguments (``.to("cpu", torch.uint8)``: uint8 zeros)
                     return _host_to(host, args, kwargs)
                 return host.numpy() if name == "numpy" else host
@@ -487,7 +487,8 @@ class FunctionMode(TorchFunctionMode):
         if used:
             placeholder = not known.known(sim, t)
             shown = f"zeros {list(t.shape)}" if isinstance(result, torch.Tensor) else repr(result)
-            sim.report.record(what, shown if len(shown) <= 40 else shown[:37] + "...", derived=not placeholder)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            sim.report.record(what, shown + known.reason(sim, t), derived=not placeholder)
         return result
 
     def _host_read(self, func: Any, name: str, t: torch.Tensor, args: Any, kwargs: Any) -> Any:

@@ -14,6 +14,7 @@ from vram.frontend import memory as _memory
 
 from .cuda_api import DeviceProperties
 from .lazy_host import LazyHost
+from .real_values import carry, reserve
 from .values import ValueReport, value_error
 
 _META = torch.device("meta")
@@ -26,12 +27,14 @@ class ChargedStorage:
     """One charged storage: its block, device, the weak reference that frees it, and a CPU copy
     of its contents when they are known (`vram.run.known`)."""
 
-    __slots__ = ("ptr", "nbytes", "device", "ref", "value", "assumed")
+    __slots__ = ("ptr", "nbytes", "device", "ref", "value", "assumed", "aux", "why")
 
     def __init__(self, ptr: int, nbytes: int, device: int, ref: weakref.ref[Any]) -> None:
         self.ptr, self.nbytes, self.device, self.ref = ptr, nbytes, device, ref
         self.value: torch.UntypedStorage | None = None
         self.assumed = False  # the value was computed from placeholders
+        self.aux: Any = None  # CPU state a CUDA-only kernel's backward needs (`vram.run.real_values`)
+        self.why = ""  # real-values mode: why the value is unknown (the op that failed on the CPU)
 
 
 class SimState:
@@ -49,6 +52,9 @@ class SimState:
         self.autocast_cache: dict[int, tuple[weakref.ref[Any], torch.Tensor]] = {}
         self.active = True
         self.strict_values = False           # unknown values: raise instead of placeholders
+        self.real_values = False             # every value computed on the CPU (`vram.run.real_values`)
+        self.value_limit = VALUE_LIMIT       # elements of a storage whose known values are kept
+        self.unchecked_bytes = 0             # value copies made since host memory was last checked
         self.device_rng: torch.Tensor | None = None  # the simulated GPUs' draws (vram.run.known)
         self.report = ValueReport()          # where placeholders were used
         self.host_factory = False            # the running torch function is a CPU factory
@@ -170,10 +176,11 @@ class SimState:
         nbytes = storage.nbytes()
         if nbytes == b.nbytes:
             return
-        old = b.ptr
+        old, kept = b.ptr, b.value
         b.ptr = self.malloc(b.device, nbytes) if nbytes else 0
         b.nbytes = nbytes
         b.value = None
+        carry(self, kept, b)  # a real-values run keeps the old bytes
         if old:
             _memory.get_allocator(b.device).free(old)
 
@@ -222,7 +229,8 @@ class SimState:
             if b is not None and b.device == idx:
                 return storage
             moved, nb = self.new_storage(storage.nbytes(), idx)
-            if b is None and storage.device.type == "cpu" and storage.nbytes() <= VALUE_LIMIT * 4:
+            if b is None and storage.device.type == "cpu" and storage.nbytes() <= self.value_limit * 4:
+                reserve(self, storage.nbytes())
                 nb.value = storage.clone()
             return moved
         if b is not None and device.type != "meta":

@@ -20,7 +20,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import kernels as _k
-from .. import known
+from .. import known, real_values
 from ..modes import DispatchMode, FunctionMode
 from ..storages import ChargedStorage, SimState
 from ..values import describe, needs_data, value_error
@@ -307,7 +307,7 @@ def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> Non
         used.append(True)
     if used:
         what = describe(sim.call) if sim.call is not None else "a copy to the host"
-        sim.report.record(what, f"zeros {list(src.shape)}", derived=known.known(sim, src))
+        sim.report.record(what, f"zeros {list(src.shape)}{known.reason(sim, src)}", derived=known.known(sim, src))
     dst.copy_(value)
 
 
@@ -338,6 +338,9 @@ def _materialise(sim: BackendState, alias: Any, outs: list[Any], results: list[A
         b = sim.block_of(t)
         if b is not None and o.untyped_storage().nbytes() > b.nbytes:
             _SET._op_dk(_CPU, t, sim.new(o, idx))
+            nb = sim.block_of(t)
+            if nb is not None:
+                real_values.carry(sim, b.value, nb)  # a real-values run keeps the old bytes
         elif (tuple(t.shape), t.stride(), t.storage_offset()) != (tuple(o.shape), o.stride(), o.storage_offset()):
             # as_strided_'s CPU kernel crashes on these tensors; set_ onto a restrided alias of
             # the same storage does what a shrinking resize_ does

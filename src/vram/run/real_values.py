@@ -1,0 +1,251 @@
+"""The real-values mode of a simulated run (``vram run --values real``; issue 10 §3).
+
+By default a simulated run knows only values that need no model arithmetic (`vram.run.known`:
+factories, host data, small ops on those), and a read of any other value gets a placeholder.
+In this mode every simulated storage keeps a CPU copy of its contents, whatever its size, and
+every aten op also runs on those copies: losses, logits, gradients and parameters after an
+optimizer step have the values the CPU computes, so data-dependent programs (``if loss.item() <
+best``, ``generate()`` stopping at EOS, MoE routing, ``1 / mse.item()``) take the branch the
+data gives. The simulated allocator sees exactly what it sees in the default mode: the copies
+are host memory, never charged.
+
+Cost: host memory for a copy of every live simulated storage (about the run's
+``memory_allocated()``, plus what the CPU kernels need while they run) and the CPU time of the
+model's arithmetic. Before a copy is made, `reserve` checks the host's available memory
+(``MemAvailable`` in ``/proc/meminfo``) and stops the run with `HostMemoryError` when the copy
+would leave less than `HOST_RESERVE` free: a run whose values do not fit is refused, never
+continued with some values missing.
+
+Kernels that exist only for CUDA have CPU implementations here (`CUDA_ONLY`): the fused
+attention kernels a GPU's ``scaled_dot_product_attention`` runs (flash, memory-efficient,
+cuDNN), computed by PyTorch's CPU flash kernel or, with dropout, by the math formula with a
+mask drawn from the CPU generator and kept for the backward. Any other op that fails on the CPU
+leaves its outputs unknown, and a read of them is reported as in the default mode (with the
+reason), never answered silently.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+if TYPE_CHECKING:
+    from .storages import ChargedStorage, SimState
+
+#: host memory left free when a value copy is made (bytes): below it the run is refused
+HOST_RESERVE = 1 << 30
+#: value copies smaller than this are checked together, once they add up to it
+_CHECK_EVERY = 16 << 20
+_META = torch.device("meta")
+_aten = torch.ops.aten
+
+
+class HostMemoryError(Exception):
+    """The CPU copies of the simulated GPU's values do not fit in host memory."""
+
+
+def host_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def reserve(sim: SimState, nbytes: int) -> None:
+    """Before a value copy of `nbytes` is made in real-values mode: refuse the run when it would
+    leave less than `HOST_RESERVE` of host memory available (small copies are checked once they
+    add up to `_CHECK_EVERY`)."""
+    if not sim.real_values:
+        return
+    sim.unchecked_bytes += nbytes
+    if sim.unchecked_bytes < _CHECK_EVERY:
+        return
+    pending, sim.unchecked_bytes = sim.unchecked_bytes, 0
+    available = host_available()
+    if available is not None and available - pending < HOST_RESERVE:
+        raise HostMemoryError(
+            f"--values real: the CPU copies of the simulated GPU's values need {pending / 2**20:,.0f} MiB more "
+            f"host memory, but only {available / 2**20:,.0f} MiB is available ({HOST_RESERVE >> 20:,} MiB is kept "
+            "free); run without --values real (placeholders) or with a smaller model")
+
+
+def zeros_storage(sim: SimState, nbytes: int) -> torch.UntypedStorage:
+    """A zeroed value copy of `nbytes` (what a real-values run assumes uninitialized memory holds)."""
+    reserve(sim, nbytes)
+    return torch.UntypedStorage(nbytes).fill_(0)
+
+
+def carry(sim: SimState, old: torch.UntypedStorage | None, new: ChargedStorage) -> None:
+    """A storage grew (``resize_``: CUDA allocates anew and copies the old bytes): in real-values
+    mode the new block's copy starts with the `old` copy's bytes (when known), then zeros."""
+    if not sim.real_values:
+        return
+    new.value, new.why = zeros_storage(sim, new.nbytes), ""
+    if old is not None:
+        n = min(old.nbytes(), new.nbytes)
+        with torch._C.DisableTorchFunction():
+            dst = torch.empty(0, dtype=torch.uint8).set_(new.value, 0, (n,), (1,))
+            dst.copy_(torch.empty(0, dtype=torch.uint8).set_(old, 0, (n,), (1,)))
+
+
+# -- CUDA-only kernels on the CPU -------------------------------------------------------------------
+def _shaped_like_meta(func: Any, args: Any, kwargs: Any) -> Any:
+    """The op's outputs on meta (sizes, dtypes, and where it returns None), as CPU zeros."""
+    def meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=_META)
+        return x
+    out = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+    return [torch.zeros(o.size(), dtype=o.dtype) if isinstance(o, torch.Tensor) else o for o in out]
+
+
+def _repeat_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention: `t` (key or value) with each head repeated for its query heads."""
+    groups = q.size(-3) // t.size(-3)
+    return t if groups == 1 else t.repeat_interleave(groups, -3)
+
+
+def _fold_kv(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The gradient of a repeated key/value head: the sum over its query heads."""
+    groups = grad.size(-3) // t.size(-3)
+    if groups == 1:
+        return grad
+    return grad.unflatten(-3, (t.size(-3), groups)).sum(-3)
+
+
+def _scores_mask(q: torch.Tensor, k: torch.Tensor, bias: Any, causal: bool) -> Any:
+    """The additive mask of an attention: the bias, and -inf above the diagonal when causal
+    (top-left aligned, as the kernels' ``is_causal``)."""
+    mask = None if bias is None else bias.to(torch.float32)
+    if causal:
+        upper = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).triu(1)
+        causal_mask = torch.zeros(upper.shape).masked_fill(upper, -math.inf)
+        mask = causal_mask if mask is None else mask + causal_mask
+    return mask
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any, causal: bool, scale: Any,
+                    keep: Any, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention in float32 (as the fused kernels accumulate) with dropout mask `keep`: the
+    output in the inputs' dtype, and the log-sum-exp of the scaled scores."""
+    qf, kf, vf = (t.to(torch.float32) for t in (q, k, v))
+    s = qf @ kf.transpose(-2, -1) * (scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    mask = _scores_mask(q, k, bias, causal)
+    if mask is not None:
+        s = s + mask
+    lse = torch.logsumexp(s, -1)
+    attn = torch.softmax(s, -1)
+    if keep is not None:
+        attn = attn * keep / (1 - p)
+    return (attn @ vf).to(q.dtype), lse
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any, p: float, causal: bool, scale: Any,
+             block: ChargedStorage | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused attention forward's output and log-sum-exp ([B, H, L], float32). Without dropout
+    PyTorch's CPU flash kernel; with dropout the math, its mask kept on the output's block for
+    the backward."""
+    k, v = _repeat_kv(q, k), _repeat_kv(q, v)
+    if p == 0.0:
+        return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+    keep = torch.empty(q.shape[:-1] + (k.size(-2),)).bernoulli_(1 - p)  # the CPU generator: sim.device_rng
+    if block is not None:
+        block.aux = keep
+    return _math_attention(q, k, v, bias, causal, scale, keep, p)
+
+
+def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, bias: Any, p: float, causal: bool, scale: Any, block: ChargedStorage | None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `_forward` for query, key and value."""
+    kr, vr = _repeat_kv(q, k), _repeat_kv(q, v)
+    if p == 0.0:
+        lse_cpu = lse.to(torch.float32).transpose(1, 2).contiguous().transpose(1, 2)  # its own layout
+        gq, gk, gv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, kr, vr, out, lse_cpu, 0.0, causal, attn_mask=bias, scale=scale)
+    else:
+        keep = block.aux if block is not None else None
+        if keep is None:
+            raise RuntimeError("the dropout mask of this attention's forward is gone")
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (q, kr, vr)]
+            o, _ = _math_attention(*leaves, bias, causal, scale, keep, p)
+            gq, gk, gv = torch.autograd.grad(o, leaves, grad)
+    return gq, _fold_kv(gk, k), _fold_kv(gv, v)
+
+
+def _flash(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    q, k, v = cpu[0][:3]
+    p, causal = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0), args[4] if len(args) > 4 else \
+        kwargs.get("is_causal", False)
+    res = _shaped_like_meta(func, args, kwargs)
+    res[0], lse = _forward(q, k, v, None, p, causal, kwargs.get("scale"), _block(sim, out))
+    res[1].copy_(lse)
+    return tuple(res)
+
+
+def _flash_backward(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    a, kw = cpu
+    return _backward(a[0], a[1], a[2], a[3], a[4], a[5], None, a[10], a[11], kw.get("scale"), sim.block_of(args[4]))
+
+
+def _efficient(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    (q, k, v, bias, *rest), kw = cpu
+    p = rest[1] if len(rest) > 1 else kw.get("dropout_p", 0.0)
+    causal = rest[2] if len(rest) > 2 else kw.get("is_causal", False)
+    res = _shaped_like_meta(func, args, kwargs)
+    res[0], lse = _forward(q, k, v, bias, p, causal, kw.get("scale"), _block(sim, out))
+    res[1][..., :lse.size(-1)].copy_(lse[..., :res[1].size(-1)])  # padded to 32 (or empty: no lse asked)
+    return tuple(res)
+
+
+def _efficient_backward(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    (grad, q, k, v, bias, o, lse, _, _, p, mask, *rest), kw = cpu
+    if bias is not None and mask[3]:
+        raise NotImplementedError("no CPU values for the gradient of an attention bias")
+    causal = rest[0] if rest else kw.get("is_causal", False)
+    gq, gk, gv = _backward(grad, q, k, v, o, lse[..., :q.size(-2)], bias, p, causal, kw.get("scale"),
+                           sim.block_of(args[5]))
+    return gq, gk, gv, None if bias is None or not mask[3] else torch.zeros_like(bias)
+
+
+def _cudnn(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    (q, k, v, bias, _, *rest), kw = cpu
+    p = rest[0] if rest else kw.get("dropout_p", 0.0)
+    causal = rest[1] if len(rest) > 1 else kw.get("is_causal", False)
+    res = _shaped_like_meta(func, args, kwargs)
+    res[0], lse = _forward(q, k, v, bias, p, causal, kw.get("scale"), _block(sim, out))
+    if res[1] is not None and res[1].numel():
+        res[1].copy_(lse.reshape(res[1].shape))
+    return tuple(res)
+
+
+def _cudnn_backward(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    (grad, q, k, v, o, lse, _, _, bias, _, _, _, _, p, causal), kw = cpu
+    return _backward(grad, q, k, v, o, lse.reshape(lse.shape[:3]), bias, p, causal, kw.get("scale"),
+                     sim.block_of(args[4]))
+
+
+def _block(sim: SimState, out: Any) -> ChargedStorage | None:
+    """The block of an attention forward's output (its dropout mask goes there)."""
+    first = out[0] if isinstance(out, (tuple, list)) and out else None
+    return sim.block_of(first) if isinstance(first, torch.Tensor) else None
+
+
+#: CPU values of aten ops that have only CUDA kernels: (sim, op, args, kwargs, CPU (args,
+#: kwargs), the op's simulated outputs or None) -> the CPU outputs, shaped as the op's
+CUDA_ONLY = {
+    _aten._scaled_dot_product_flash_attention.default: _flash,
+    _aten._scaled_dot_product_flash_attention_backward.default: _flash_backward,
+    _aten._scaled_dot_product_efficient_attention.default: _efficient,
+    _aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward,
+    _aten._scaled_dot_product_cudnn_attention.default: _cudnn,
+    _aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward,
+}
