@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from . import real_values
-from .storages import VALUE_LIMIT, ChargedStorage, SimState
+from .storages import VALUE_LIMIT, ChargedStorage, HostMemoryError, SimState
 
 _CPU = torch.device("cpu")
 #: in-place ops whose result does not depend on the old contents of the tensor they write
@@ -114,7 +114,7 @@ def placeholder(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros(t.size(), dtype=t.dtype)
 
 
-def to_cpu_assuming(sim: SimState, x: Any, used: list[bool]) -> Any:
+def to_cpu_assuming(sim: SimState, x: Any, used: list[Any]) -> Any:
     """`to_cpu`, but an unknown simulated tensor of at most `VALUE_LIMIT` elements becomes its
     `placeholder` (noted in `used`), unless the run is strict about values (then it is `to_cpu`:
     a strict run has no assumed values)."""
@@ -126,7 +126,7 @@ def to_cpu_assuming(sim: SimState, x: Any, used: list[bool]) -> Any:
             return v
         if sim.strict_values or sim.block_of(x) is None or x.numel() > VALUE_LIMIT:
             raise Unknown
-        used.append(True)
+        used.append(why(sim, x) or True)  # a real-values run keeps why, for the report
         return placeholder(x)
     return to_cpu(sim, x)
 
@@ -138,7 +138,7 @@ def _out_arguments(func: Any, kwargs: Any) -> list[Any]:
     return [kwargs[a.name] for a in func._schema.arguments if a.is_out and a.name in kwargs]
 
 
-def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[bool], out: Any = None) -> Any:
+def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[Any], out: Any = None) -> Any:
     """`func` on the CPU copies of its inputs (`to_cpu_assuming`: small unknown inputs become
     placeholders, noted in `used`, unless the run is strict; else `Unknown`). The tensor
     an overwriting in-place op (``fill_``, ``copy_``, ``normal_``…) writes needs no old values.
@@ -182,7 +182,7 @@ def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[bool
     return result
 
 
-def _collected(result: Any, used: list[bool]) -> None:
+def _collected(result: Any, used: list[Any]) -> None:
     """A functional collective run on CPU copies for its values: vram's process group wrote them
     as if every rank held this rank's (assumed: `used`), and ``Functional.cpp`` registered its
     Work for each output until ``wait_tensor``, which is called now (a Work left registered
@@ -229,18 +229,18 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
     if computed is None and sim.real_values and name in _UNINITIALIZED:
         for _, b in targets:  # uninitialized memory: zeros; set_/resize_ keep what the storage holds
             if b.value is None:
-                b.value, b.why = real_values.zeros_storage(sim, b.nbytes), ""
+                b.value, b.why = sim.zeros(b.nbytes), ""
         return
     if computed is None and (name in _UNINITIALIZED or big):
         _forget(targets, written)
         return
-    used: list[bool] = [True] if computed_assumed else []
+    used: list[Any] = [True] if computed_assumed else []
     try:
         result = computed if computed is not None else run_on_cpu(sim, func, args, kwargs, used, out)
     except Unknown:
         _forget(targets, written)
         return
-    except real_values.HostMemoryError:
+    except HostMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - no CPU kernel, or a CPU-only failure: the values are unknown
         _forget(targets, written, f"{func} failed on the CPU: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
@@ -257,6 +257,8 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
             b.why = f"{func}'s CPU kernel gives this output shape {list(value.shape)}, not {list(t.shape)}"
         elif not big:
             define(sim, t, value, bool(used) or (b.assumed and func._schema.is_mutable))
+            if sim.real_values and used:  # computed from a placeholder: the report says why
+                b.why = next((u for u in used if isinstance(u, str)), b.why)
 
 
 def define(sim: SimState, t: torch.Tensor, value: torch.Tensor, assumed: bool) -> None:
@@ -268,7 +270,7 @@ def define(sim: SimState, t: torch.Tensor, value: torch.Tensor, assumed: bool) -
     if b.value is None:
         if b.nbytes > sim.value_limit * t.element_size() or not _covers(t, b):
             return
-        real_values.reserve(sim, b.nbytes)
+        sim.reserve(b.nbytes)
         b.value, b.why = torch.UntypedStorage(b.nbytes), ""
     b.assumed = assumed
     view = cpu_value(sim, t)

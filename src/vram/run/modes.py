@@ -147,7 +147,7 @@ class DispatchMode(TorchDispatchMode):
         masks) and whether placeholders went into it (then the shape is recorded as assumed);
         (None, False) when its inputs cannot be known."""
         sim = self.sim
-        used: list[bool] = []
+        used: list[Any] = []
         try:
             result = known.run_on_cpu(sim, func, args, kwargs, used)
         except Exception:  # noqa: BLE001 - unknown inputs or no CPU kernel: the caller reports it
@@ -453,7 +453,7 @@ class FunctionMode(TorchFunctionMode):
         `DataDependentError` naming the script's line."""
         sim = self.sim
         what = describe(func) if name != "to" else "Tensor.to('cpu')"
-        used: list[bool] = []
+        used: list[Any] = []
         try:
             value = known.to_cpu_assuming(sim, t, used)
             if name in ("cpu", "to", "numpy", "__repr__", "__format__"):

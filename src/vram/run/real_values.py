@@ -11,9 +11,9 @@ are host memory, never charged.
 
 Cost: host memory for a copy of every live simulated storage (about the run's
 ``memory_allocated()``, plus what the CPU kernels need while they run) and the CPU time of the
-model's arithmetic. Before a copy is made, `reserve` checks the host's available memory
+model's arithmetic. Before a copy is made, `SimState.reserve` checks the host's available memory
 (``MemAvailable`` in ``/proc/meminfo``) and stops the run with `HostMemoryError` when the copy
-would leave less than `HOST_RESERVE` free: a run whose values do not fit is refused, never
+would leave less than `vram.run.storages.HOST_RESERVE` free: a run whose values do not fit is refused, never
 continued with some values missing.
 
 Kernels that exist only for CUDA have CPU implementations here (`CUDA_ONLY`): the fused
@@ -26,74 +26,16 @@ reason), never answered silently.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
-if TYPE_CHECKING:
-    from .storages import ChargedStorage, SimState
+from .storages import ChargedStorage, HostMemoryError, SimState
 
-#: host memory left free when a value copy is made (bytes): below it the run is refused
-HOST_RESERVE = 1 << 30
-#: value copies smaller than this are checked together, once they add up to it
-_CHECK_EVERY = 16 << 20
+__all__ = ["CUDA_ONLY", "HostMemoryError"]
 _META = torch.device("meta")
 _aten = torch.ops.aten
-
-
-class HostMemoryError(Exception):
-    """The CPU copies of the simulated GPU's values do not fit in host memory."""
-
-
-def host_available() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def reserve(sim: SimState, nbytes: int) -> None:
-    """Before a value copy of `nbytes` is made in real-values mode: refuse the run when it would
-    leave less than `HOST_RESERVE` of host memory available (small copies are checked once they
-    add up to `_CHECK_EVERY`)."""
-    if not sim.real_values:
-        return
-    sim.unchecked_bytes += nbytes
-    if sim.unchecked_bytes < _CHECK_EVERY:
-        return
-    pending, sim.unchecked_bytes = sim.unchecked_bytes, 0
-    available = host_available()
-    if available is not None and available - pending < HOST_RESERVE:
-        raise HostMemoryError(
-            f"--values real: the CPU copies of the simulated GPU's values need {pending / 2**20:,.0f} MiB more "
-            f"host memory, but only {available / 2**20:,.0f} MiB is available ({HOST_RESERVE >> 20:,} MiB is kept "
-            "free); run without --values real (placeholders) or with a smaller model")
-
-
-def zeros_storage(sim: SimState, nbytes: int) -> torch.UntypedStorage:
-    """A zeroed value copy of `nbytes` (what a real-values run assumes uninitialized memory holds)."""
-    reserve(sim, nbytes)
-    return torch.UntypedStorage(nbytes).fill_(0)
-
-
-def carry(sim: SimState, old: torch.UntypedStorage | None, new: ChargedStorage) -> None:
-    """A storage grew (``resize_``: CUDA allocates anew and copies the old bytes): in real-values
-    mode the new block's copy starts with the `old` copy's bytes (when known), then zeros."""
-    if not sim.real_values:
-        return
-    new.value, new.why = zeros_storage(sim, new.nbytes), ""
-    if old is not None:
-        n = min(old.nbytes(), new.nbytes)
-        with torch._C.DisableTorchFunction():
-            dst = torch.empty(0, dtype=torch.uint8).set_(new.value, 0, (n,), (1,))
-            dst.copy_(torch.empty(0, dtype=torch.uint8).set_(old, 0, (n,), (1,)))
-
 
 # -- CUDA-only kernels on the CPU -------------------------------------------------------------------
 def _shaped_like_meta(func: Any, args: Any, kwargs: Any) -> Any:
@@ -131,20 +73,40 @@ def _scores_mask(q: torch.Tensor, k: torch.Tensor, bias: Any, causal: bool) -> A
     return mask
 
 
-def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any, causal: bool, scale: Any,
-                    keep: Any, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention in float32 (as the fused kernels accumulate) with dropout mask `keep`: the
-    output in the inputs' dtype, and the log-sum-exp of the scaled scores."""
-    qf, kf, vf = (t.to(torch.float32) for t in (q, k, v))
-    s = qf @ kf.transpose(-2, -1) * (scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+def _probabilities(q: torch.Tensor, k: torch.Tensor, bias: Any, causal: bool, scale: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """softmax(scale · q kᵀ + mask) in float32 (as the fused kernels accumulate), its rows'
+    log-sum-exp, and the scale."""
+    factor = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
+    s = q.to(torch.float32) @ k.to(torch.float32).transpose(-2, -1) * factor
     mask = _scores_mask(q, k, bias, causal)
     if mask is not None:
         s = s + mask
-    lse = torch.logsumexp(s, -1)
-    attn = torch.softmax(s, -1)
+    return torch.softmax(s, -1), torch.logsumexp(s, -1), factor
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any, causal: bool, scale: Any,
+                    keep: Any, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with dropout mask `keep` (weights kept are scaled by 1/(1-p)): the output in
+    the inputs' dtype, and the log-sum-exp of the scaled scores."""
+    attn, lse, _ = _probabilities(q, k, bias, causal, scale)
     if keep is not None:
         attn = attn * keep / (1 - p)
-    return (attn @ vf).to(q.dtype), lse
+    return (attn @ v.to(torch.float32)).to(q.dtype), lse
+
+
+def _math_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any,
+                             causal: bool, scale: Any, keep: torch.Tensor, p: float) -> tuple[torch.Tensor, ...]:
+    """The gradients of `_math_attention` for q, k, v (by the chain rule, in float32: the
+    kernels run below autograd, so no graph can be recorded here)."""
+    attn, _, factor = _probabilities(q, k, bias, causal, scale)
+    dropped = attn * keep / (1 - p)
+    g = grad.to(torch.float32)
+    dv = dropped.transpose(-2, -1) @ g
+    dp = (g @ v.to(torch.float32).transpose(-2, -1)) * keep / (1 - p)
+    ds = attn * (dp - (dp * attn).sum(-1, keepdim=True)) * factor
+    dq, dk = ds @ k.to(torch.float32), ds.transpose(-2, -1) @ q.to(torch.float32)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any, p: float, causal: bool, scale: Any,
@@ -174,10 +136,7 @@ def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         keep = block.aux if block is not None else None
         if keep is None:
             raise RuntimeError("the dropout mask of this attention's forward is gone")
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(True) for t in (q, kr, vr)]
-            o, _ = _math_attention(*leaves, bias, causal, scale, keep, p)
-            gq, gk, gv = torch.autograd.grad(o, leaves, grad)
+        gq, gk, gv = _math_attention_backward(grad, q, kr, vr, bias, causal, scale, keep, p)
     return gq, _fold_kv(gk, k), _fold_kv(gv, v)
 
 

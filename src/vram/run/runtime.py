@@ -89,11 +89,11 @@ from .fastpath import patch_fast_paths
 from .host_rng import patch_rng
 from .kernels import uncharged_note
 from .modes import DispatchMode, FunctionMode
-from .real_values import HostMemoryError
-from .storages import SimState
+from .storages import HostMemoryError, SimState
 from .values import DataDependentError, ValueReport
 
-__all__ = ["BACKENDS", "VALUES", "DataDependentError", "HostMemoryError", "default_backend", "simulated_cuda", "run_script", "active_sim"]
+__all__ = ["BACKENDS", "VALUES", "DataDependentError", "HostMemoryError", "default_backend", "simulated_cuda",
+           "run_script", "active_sim"]
 #: the engines of a simulated run: the Python PrivateUse1 backend (`vram.run.backend`, issue 12:
 #: the default for one process on one GPU), or meta tensors under two modes (several GPUs,
 #: torch.distributed ranks, `vram.estimate`)
@@ -191,8 +191,8 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     ``active_sim().report`` (`vram.run.values.ValueReport`); `strict_values` makes it raise
     `DataDependentError` instead. `values` = "real" computes every value on the CPU, so no
     placeholder is needed (`vram.run.real_values`: host memory for a copy of every simulated
-    storage; the allocator sees the same as with "known"). `backend` is the engine: "privateuse1" (`vram.run.backend`) or
-    "meta" (meta tensors under two modes); None: `default_backend`. Yields the
+    storage; the allocator sees the same as with "known"). `backend` is the engine:
+    "privateuse1" (`vram.run.backend`) or "meta" (meta tensors under two modes); None: `default_backend`. Yields the
     `vram.SimulatedDevice` list; the simulator's state (``vram.memory_summary()`` etc.) remains
     readable after the block.
     """

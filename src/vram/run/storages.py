@@ -14,13 +14,32 @@ from vram.frontend import memory as _memory
 
 from .cuda_api import DeviceProperties
 from .lazy_host import LazyHost
-from .real_values import carry, reserve
 from .values import ValueReport, value_error
 
 _META = torch.device("meta")
 #: Elements of a storage whose contents are kept on the CPU when known (64 Ki: masks, ids,
 #: scalars; see `vram.run.known`). A host storage moved over keeps up to as many float32s.
 VALUE_LIMIT = 1 << 16
+#: host memory a real-values run leaves free when it makes a value copy (bytes; `SimState.reserve`)
+HOST_RESERVE = 1 << 30
+#: value copies smaller than this are checked together, once they add up to it
+CHECK_EVERY = 16 << 20
+
+
+class HostMemoryError(Exception):
+    """The CPU copies of a real-values run (`vram.run.real_values`) do not fit in host memory."""
+
+
+def host_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class ChargedStorage:
@@ -180,9 +199,45 @@ class SimState:
         b.ptr = self.malloc(b.device, nbytes) if nbytes else 0
         b.nbytes = nbytes
         b.value = None
-        carry(self, kept, b)  # a real-values run keeps the old bytes
+        self.carry(kept, b)  # a real-values run keeps the old bytes
         if old:
             _memory.get_allocator(b.device).free(old)
+
+    # -- value copies of a real-values run (`vram.run.real_values`) ------------------------------
+    def reserve(self, nbytes: int) -> None:
+        """Before a value copy of `nbytes` is made in real-values mode: refuse the run when it
+        would leave less than `HOST_RESERVE` of host memory available (`host_available`; small
+        copies are checked once they add up to `CHECK_EVERY`)."""
+        if not self.real_values:
+            return
+        self.unchecked_bytes += nbytes
+        if self.unchecked_bytes < CHECK_EVERY:
+            return
+        pending, self.unchecked_bytes = self.unchecked_bytes, 0
+        available = host_available()
+        if available is not None and available - pending < HOST_RESERVE:
+            raise HostMemoryError(
+                f"--values real: the CPU copies of the simulated GPU's values need {pending / 2**20:,.0f} MiB "
+                f"more host memory, but only {available / 2**20:,.0f} MiB is available ({HOST_RESERVE >> 20:,} "
+                "MiB is kept free); run without --values real (placeholders) or with a smaller model")
+
+    def zeros(self, nbytes: int) -> torch.UntypedStorage:
+        """A zeroed value copy of `nbytes` (what a real-values run takes uninitialized memory to hold)."""
+        self.reserve(nbytes)
+        return torch.UntypedStorage(nbytes).fill_(0)
+
+    def carry(self, old: torch.UntypedStorage | None, new: ChargedStorage) -> None:
+        """A storage grew (``resize_``: CUDA allocates anew and copies the old bytes): in
+        real-values mode the new block's copy starts with the `old` copy's bytes (when known),
+        then zeros."""
+        if not self.real_values:
+            return
+        new.value, new.why = self.zeros(new.nbytes), ""
+        if old is not None:
+            n = min(old.nbytes(), new.nbytes)
+            with torch._C.DisableTorchFunction():
+                dst = torch.empty(0, dtype=torch.uint8).set_(new.value, 0, (n,), (1,))
+                dst.copy_(torch.empty(0, dtype=torch.uint8).set_(old, 0, (n,), (1,)))
 
     def storage_block(self, storage: Any) -> ChargedStorage | None:
         """The charged storage behind an ``UntypedStorage`` object, None for others."""
@@ -230,7 +285,7 @@ class SimState:
                 return storage
             moved, nb = self.new_storage(storage.nbytes(), idx)
             if b is None and storage.device.type == "cpu" and storage.nbytes() <= self.value_limit * 4:
-                reserve(self, storage.nbytes())
+                self.reserve(storage.nbytes())
                 nb.value = storage.clone()
             return moved
         if b is not None and device.type != "meta":

@@ -20,7 +20,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import kernels as _k
-from .. import known, real_values
+from .. import known
 from ..modes import DispatchMode, FunctionMode
 from ..storages import ChargedStorage, SimState
 from ..values import describe, needs_data, value_error
@@ -297,7 +297,7 @@ def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> Non
                 return
         known.define(sim, dst, value.to(dst.dtype).expand(dst.shape), known.assumed(sim, src))
         return
-    used: list[bool] = []
+    used: list[Any] = []
     try:
         value = known.to_cpu_assuming(sim, src, used)
     except known.Unknown:
@@ -340,7 +340,7 @@ def _materialise(sim: BackendState, alias: Any, outs: list[Any], results: list[A
             _SET._op_dk(_CPU, t, sim.new(o, idx))
             nb = sim.block_of(t)
             if nb is not None:
-                real_values.carry(sim, b.value, nb)  # a real-values run keeps the old bytes
+                sim.carry(b.value, nb)  # a real-values run keeps the old bytes
         elif (tuple(t.shape), t.stride(), t.storage_offset()) != (tuple(o.shape), o.stride(), o.storage_offset()):
             # as_strided_'s CPU kernel crashes on these tensors; set_ onto a restrided alias of
             # the same storage does what a shrinking resize_ does
