@@ -240,3 +240,22 @@ def test_cli_flag(tmp_path: Path, capsys) -> None:
     assert main(["run", "--values", "real", str(path)]) == 0
     out = capsys.readouterr()
     assert out.out == expected + "\n" and "placeholder" not in out.err
+
+
+def test_grad_scaler_skips_the_step_its_inf_gradients_call_for() -> None:
+    """``GradScaler`` reads ``found_inf``: a scale of 2**40 overflows float16 gradients, so the
+    step is skipped and the scale backs off by half (torch/amp/grad_scaler.py), as on a GPU."""
+    torch.manual_seed(0)
+    model, x = nn.Linear(64, 64), torch.randn(8, 64)
+    with simulated_cuda(values="real"):
+        m = model.cuda()
+        before = m.weight.detach().cpu()
+        opt = torch.optim.AdamW(m.parameters())
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**40)
+        with torch.autocast("cuda", torch.float16):
+            loss = m(x.cuda()).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == 2.0**39 and torch.equal(m.weight.detach().cpu(), before)
+        assert not opt.state  # no step: no optimizer state allocated

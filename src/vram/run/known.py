@@ -19,6 +19,11 @@ the CPU (a CUDA-only kernel) makes its outputs unknown. Reading an unknown value
 with `DataDependentError` when the run is strict about values; otherwise it is answered with a
 `placeholder` (zeros) and recorded in the run's `vram.run.values.ValueReport`, and small unknown
 inputs of an op are replaced by placeholders too, their results marked as assumed.
+
+In a real-values run (``--values real``, `vram.run.real_values`) the keep limit is lifted
+(`SimState.value_limit`), uninitialized memory holds zeros, and an op that fails on the CPU
+records why its outputs are unknown (`why`), which the report gives when they are read. The ops
+on CPU copies run on `SimState.value_threads` intra-op threads (one by default).
 """
 from __future__ import annotations
 
@@ -161,7 +166,8 @@ def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[Any]
     cpu_args, cpu_kwargs = tree_map(value, (rest, kwargs))
     cpu_args = (*first, *cpu_args)
     cuda_only = real_values.CUDA_ONLY.get(func)
-    call = func if cuda_only is None else (lambda *a, **k: cuda_only(sim, func, args, kwargs, (a, k), out))
+    kernel = func if cuda_only is None else (lambda *a, **k: cuda_only(sim, func, args, kwargs, (a, k), out))
+    call = kernel if sim.value_threads is None else _threads(kernel, sim.value_threads)
     with torch._C.DisableTorchFunction():
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             # A GPU draw, made on the CPU generator and the script's CPU stream then put back
@@ -180,6 +186,21 @@ def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[Any]
     if func.namespace == "_c10d_functional" and func.__name__ != "wait_tensor.default":
         _collected(result, used)
     return result
+
+
+def _threads(kernel: Any, n: int) -> Any:
+    """`kernel` run with `n` intra-op threads, then the script's setting back (what the script
+    sees from ``torch.get_num_threads()`` does not change; a set costs about half a µs)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        mine = torch.get_num_threads()
+        if mine == n:
+            return kernel(*args, **kwargs)
+        torch.set_num_threads(n)
+        try:
+            return kernel(*args, **kwargs)
+        finally:
+            torch.set_num_threads(mine)
+    return call
 
 
 def _collected(result: Any, used: list[Any]) -> None:

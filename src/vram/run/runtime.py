@@ -226,7 +226,8 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
         sim.real_values, sim.value_limit = True, sys.maxsize
     restore = patch_torch_cuda(sim.props)
     restore_extras = patch_torch_extras(sim.autocast_cache.clear, lambda t: sim.block_of(t) is not None,
-                                        sim.storage_resized, function)
+                                        sim.storage_resized, function,
+                                        lambda t: known.known(sim, t) and not known.assumed(sim, t))
     sim.host.known_value = lambda t: known.cpu_value(sim, t)
     restore_storages = patch_storages(sim.storage_address, sim.storage_to, sim.storage_location)
     restore_rng = patch_rng(sim.host.ledger)

@@ -20,6 +20,10 @@ _META = torch.device("meta")
 #: Elements of a storage whose contents are kept on the CPU when known (64 Ki: masks, ids,
 #: scalars; see `vram.run.known`). A host storage moved over keeps up to as many float32s.
 VALUE_LIMIT = 1 << 16
+#: intra-op threads for the ops run on value copies (`vram.run.known.run_on_cpu`); None: the
+#: script's ``torch.get_num_threads()``. One: on a busy machine torch's default pool made them
+#: several times slower (benchmarks/bench_real_values.py measures both)
+VALUE_THREADS: int | None = 1
 #: host memory a real-values run leaves free when it makes a value copy (bytes; `SimState.reserve`)
 HOST_RESERVE = 1 << 30
 #: value copies smaller than this are checked together, once they add up to it
@@ -74,6 +78,7 @@ class SimState:
         self.real_values = False             # every value computed on the CPU (`vram.run.real_values`)
         self.value_limit = VALUE_LIMIT       # elements of a storage whose known values are kept
         self.unchecked_bytes = 0             # value copies made since host memory was last checked
+        self.value_threads: int | None = VALUE_THREADS  # intra-op threads of the CPU value ops
         self.device_rng: torch.Tensor | None = None  # the simulated GPUs' draws (vram.run.known)
         self.report = ValueReport()          # where placeholders were used
         self.host_factory = False            # the running torch function is a CPU factory

@@ -157,7 +157,7 @@ class ValueReport:
             lines.append(f"  {s.file}:{s.line}: {s.expression}  x{s.reads:,}  -> {s.assumed} ({kind})")
         lines.append("  Branches and data-dependent shapes that follow these values may differ from a GPU run "
                      "(e.g. generate() never sees EOS and runs to max_new_tokens: the worst case); "
-                     "--strict-values stops at the first such read.")
+                     "--strict-values stops at the first such read; --values real computes them on the CPU.")
         return "\n".join(lines)
 
     def blame(self, places: list[tuple[str, int]]) -> str:
