@@ -4,7 +4,9 @@ Expectations come from the same code run by plain CPU torch: in this mode every 
 also runs on CPU copies, with the CPU kernels a CPU run uses, so a training run's losses are
 expected *bit for bit* (the simulated GPU takes the CUDA paths — foreach AdamW, the
 memory-efficient attention kernel — whose values are computed here by the same elementwise CPU
-kernels and by the CPU flash-attention kernel that a CPU run of SDPA picks). Tensors are made
+kernels and by the CPU flash-attention kernel that a CPU run of SDPA picks), provided the CPU run
+uses as many intra-op threads as the value ops (`storages.VALUE_THREADS`: a parallel reduction
+splits its sum differently per thread count, which changes the last bits). Tensors are made
 larger than the default mode's value limit, so without this mode the same reads are
 placeholders (checked too). The allocator must see exactly what it sees in the default mode.
 """
@@ -109,17 +111,29 @@ def generate(device: str, eos: int = 7, max_new: int = 20) -> tuple[list[int], i
     return idx[0].tolist(), saves
 
 
+def on_cpu(run, *args):  # noqa: ANN001, ANN201
+    """`run` on plain CPU torch with the value ops' thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(storages.VALUE_THREADS or threads)
+    try:
+        return run(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_training_losses_equal_a_cpu_run_bit_for_bit_and_decrease() -> None:
-    cpu = train("cpu")
+    cpu = on_cpu(train, "cpu")
+    threads = torch.get_num_threads()
     with simulated_cuda(values="real"):
         sim = train("cuda")
         assert active_sim().report.render() == ""  # no placeholder was used
+        assert torch.get_num_threads() == threads  # the value ops' one thread is theirs alone
     assert sim == cpu
     assert sim[-1] < 0.7 * sim[0]
 
 
 def test_generate_stops_at_eos_and_checkpoints_follow_the_losses() -> None:
-    tokens, saves = generate("cpu")
+    tokens, saves = on_cpu(generate, "cpu")
     assert tokens[-1] == 7 and len(tokens) < 21 and 1 < saves < 40  # the data stops it, not max_new
     with simulated_cuda(values="real"):
         assert generate("cuda") == (tokens, saves)
