@@ -276,7 +276,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _launch(args)
     status = run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
                         context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch,
-                        strict_values=args.strict_values, value_report=args.value_report)
+                        strict_values=args.strict_values, value_report=args.value_report, values=args.values)
     from vram.devices.gpus import resolve_gpu
     from vram.run.distributed.rank import write_result
 
@@ -303,7 +303,7 @@ def _launch(args: argparse.Namespace) -> int:
         child += ["--conf", args.conf]
     if args.arch is not None:
         child += ["--arch", args.arch]
-    child += ["--summary"] * args.summary + ["--strict-values"] * args.strict_values
+    child += ["--summary"] * args.summary + ["--strict-values"] * args.strict_values + ["--values", args.values]
     return launch(spec, child, args.script, args.args)
 
 
@@ -428,6 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict-values", action="store_true",
                    help="stop at the first read of a tensor value the simulation does not know (default: "
                         "answer it with zeros and list every such read on stderr at the end)")
+    p.add_argument("--values", choices=["known", "real"], default="known",
+                   help="known (default): values that need no model arithmetic (masks, ids, factories) are exact, "
+                        "others are placeholders; real: every value is computed on the CPU (losses, logits, "
+                        "weights after optimizer steps), so data-dependent control flow follows the data, at the "
+                        "cost of the model's arithmetic on the CPU and a host copy of every simulated storage "
+                        "(refused when host memory cannot hold it). Memory figures are the same in both")
     p.add_argument("--value-report", metavar="FILE.json",
                    help="write the reads answered with placeholder values as JSON")
     p.add_argument("--backend", choices=["privateuse1", "meta"], default=None,

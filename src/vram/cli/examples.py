@@ -38,6 +38,7 @@ EXAMPLES = {
                                                   script arguments follow the script
   vram run --gpu A100-80GB --summary train.py     a card; torch.cuda.memory_summary() at the end
   vram run --strict-values train.py               stop at the first read of an unknown value
+  vram run --values real train.py                 compute every value on the CPU (data-dependent scripts)
   vram run --value-report values.json train.py    the placeholder reads as JSON""",
     "explain": """\
   vram explain oom.pickle                         the OOM: who allocated what, why it failed, fixes

@@ -364,7 +364,8 @@ def attribute_patches() -> tuple[Callable[[Any, str, Any], None], Callable[[], N
 
 
 def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any], bool],
-                       resized: Callable[[Any], None], function_mode: Any) -> Callable[[], None]:
+                       resized: Callable[[Any], None], function_mode: Any,
+                       exact: Callable[[Any], bool] = lambda t: False) -> Callable[[], None]:
     """Patches outside ``torch.cuda`` that a simulated run needs; returns the restore function.
 
     * ``torch.clear_autocast_cache`` (called when the outermost autocast exits) also runs
@@ -372,8 +373,9 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     * ``torch.compile`` returns the function or module unchanged and says so once on stderr: the
       run is eager, and so is its memory (a compiled graph fuses ops and usually needs less);
     * ``GradScaler._maybe_opt_step`` reads ``found_inf.item()``: for simulated tensors (for which
-      `simulated` is true) it steps unconditionally, as a real run does whenever no inf/NaN
-      gradient occurred;
+      `simulated` is true) whose values are not `exact` (known, not computed from placeholders;
+      a real-values run knows them) it steps unconditionally, as a real run does whenever no
+      inf/NaN gradient occurred;
     * ``torch._has_compatible_shallow_copy_type`` says a host tensor and a simulated one are
       compatible (CPU and CUDA are, to a GPU run), so ``Module._apply`` moves Parameters in place
       with ``param.data = moved`` instead of making new ones (see ``vram.run.modes.FunctionMode._set_data``);
@@ -432,7 +434,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
 
     def maybe_opt_step(self: Any, optimizer: Any, optimizer_state: dict[str, Any], *args: Any,
                        **kwargs: Any) -> Any:
-        if any(simulated(v) for v in optimizer_state["found_inf_per_device"].values()):
+        if any(simulated(v) and not exact(v) for v in optimizer_state["found_inf_per_device"].values()):
             return optimizer.step(*args, **kwargs)
         return original_step(self, optimizer, optimizer_state, *args, **kwargs)
 

@@ -19,6 +19,11 @@ the CPU (a CUDA-only kernel) makes its outputs unknown. Reading an unknown value
 with `DataDependentError` when the run is strict about values; otherwise it is answered with a
 `placeholder` (zeros) and recorded in the run's `vram.run.values.ValueReport`, and small unknown
 inputs of an op are replaced by placeholders too, their results marked as assumed.
+
+In a real-values run (``--values real``, `vram.run.real_values`) the keep limit is lifted
+(`SimState.value_limit`), uninitialized memory holds zeros, and an op that fails on the CPU
+records why its outputs are unknown (`why`), which the report gives when they are read. The ops
+on CPU copies run on `SimState.value_threads` intra-op threads (one by default).
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .storages import VALUE_LIMIT, ChargedStorage, SimState
+from . import real_values
+from .storages import VALUE_LIMIT, ChargedStorage, HostMemoryError, SimState
 
 _CPU = torch.device("cpu")
 #: in-place ops whose result does not depend on the old contents of the tensor they write
@@ -78,6 +84,20 @@ def to_cpu(sim: SimState, x: Any) -> Any:
     return x
 
 
+def why(sim: SimState, t: Any) -> str:
+    """Why a real-values run does not know `t`'s values ("" when it has no reason to give)."""
+    b = sim.block_of(t)
+    if b is not None:
+        return b.why
+    return "a tensor on the meta device has no values" if isinstance(t, torch.Tensor) and t.is_meta else ""
+
+
+def reason(sim: SimState, t: Any) -> str:
+    """`why` as a suffix for a report line: " (…)" or ""."""
+    text = why(sim, t) if sim.real_values else ""
+    return f" ({text})" if text else ""
+
+
 def overwrites(func: Any) -> bool:
     """Does the aten op replace every element of its first argument, whatever it held?"""
     return func.overloadpacket.__name__ in _OVERWRITE
@@ -99,7 +119,7 @@ def placeholder(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros(t.size(), dtype=t.dtype)
 
 
-def to_cpu_assuming(sim: SimState, x: Any, used: list[bool]) -> Any:
+def to_cpu_assuming(sim: SimState, x: Any, used: list[Any]) -> Any:
     """`to_cpu`, but an unknown simulated tensor of at most `VALUE_LIMIT` elements becomes its
     `placeholder` (noted in `used`), unless the run is strict about values (then it is `to_cpu`:
     a strict run has no assumed values)."""
@@ -111,7 +131,7 @@ def to_cpu_assuming(sim: SimState, x: Any, used: list[bool]) -> Any:
             return v
         if sim.strict_values or sim.block_of(x) is None or x.numel() > VALUE_LIMIT:
             raise Unknown
-        used.append(True)
+        used.append(why(sim, x) or True)  # a real-values run keeps why, for the report
         return placeholder(x)
     return to_cpu(sim, x)
 
@@ -123,26 +143,31 @@ def _out_arguments(func: Any, kwargs: Any) -> list[Any]:
     return [kwargs[a.name] for a in func._schema.arguments if a.is_out and a.name in kwargs]
 
 
-def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[bool]) -> Any:
+def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[Any], out: Any = None) -> Any:
     """`func` on the CPU copies of its inputs (`to_cpu_assuming`: small unknown inputs become
     placeholders, noted in `used`, unless the run is strict; else `Unknown`). The tensor
-    an overwriting in-place op (``fill_``, ``copy_``, ``normal_``…) writes needs no old values."""
+    an overwriting in-place op (``fill_``, ``copy_``, ``normal_``…) writes needs no old values.
+    An op with only a CUDA kernel runs its CPU implementation (`real_values.CUDA_ONLY`; `out`:
+    its simulated outputs, when known)."""
     rest: Any = args
     first: list[Any] = []
     if overwrites(func) and args and isinstance(args[0], torch.Tensor) and not known(sim, args[0]):
-        if sim.block_of(args[0]) is None or args[0].numel() > VALUE_LIMIT:
+        if sim.block_of(args[0]) is None or args[0].numel() > sim.value_limit:
             raise Unknown
         first, rest = [placeholder(args[0])], args[1:]
     outs = {id(t) for t in tree_leaves(_out_arguments(func, kwargs)) if isinstance(t, torch.Tensor)}
 
     def value(x: Any) -> Any:
         if id(x) in outs and not known(sim, x):
-            if sim.block_of(x) is None or x.numel() > VALUE_LIMIT:
+            if sim.block_of(x) is None or x.numel() > sim.value_limit:
                 raise Unknown
             return placeholder(x)
         return to_cpu_assuming(sim, x, used)
     cpu_args, cpu_kwargs = tree_map(value, (rest, kwargs))
     cpu_args = (*first, *cpu_args)
+    cuda_only = real_values.CUDA_ONLY.get(func)
+    kernel = func if cuda_only is None else (lambda *a, **k: cuda_only(sim, func, args, kwargs, (a, k), out))
+    call = kernel if sim.value_threads is None else _threads(kernel, sim.value_threads)
     with torch._C.DisableTorchFunction():
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             # A GPU draw, made on the CPU generator and the script's CPU stream then put back
@@ -153,17 +178,32 @@ def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[bool
             if sim.device_rng is not None:
                 torch.default_generator.set_state(sim.device_rng)
             try:
-                return func(*cpu_args, **cpu_kwargs)
+                return call(*cpu_args, **cpu_kwargs)
             finally:
                 sim.device_rng = torch.default_generator.get_state()
                 torch.default_generator.set_state(state)
-        result = func(*cpu_args, **cpu_kwargs)
+        result = call(*cpu_args, **cpu_kwargs)
     if func.namespace == "_c10d_functional" and func.__name__ != "wait_tensor.default":
         _collected(result, used)
     return result
 
 
-def _collected(result: Any, used: list[bool]) -> None:
+def _threads(kernel: Any, n: int) -> Any:
+    """`kernel` run with `n` intra-op threads, then the script's setting back (what the script
+    sees from ``torch.get_num_threads()`` does not change; a set costs about half a µs)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        mine = torch.get_num_threads()
+        if mine == n:
+            return kernel(*args, **kwargs)
+        torch.set_num_threads(n)
+        try:
+            return kernel(*args, **kwargs)
+        finally:
+            torch.set_num_threads(mine)
+    return call
+
+
+def _collected(result: Any, used: list[Any]) -> None:
     """A functional collective run on CPU copies for its values: vram's process group wrote them
     as if every rank held this rank's (assumed: `used`), and ``Functional.cpp`` registered its
     Work for each output until ``wait_tensor``, which is called now (a Work left registered
@@ -195,7 +235,10 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
             if id(t) in skip:
                 continue
             if not known(sim, t) and (sim.strict_values or t.numel() > VALUE_LIMIT or sim.block_of(t) is None):
-                _forget([], _written(sim, func, inputs))  # new outputs start unknown already
+                # new outputs start unknown already; a real-values run passes on why
+                news = [(o, b) for o in tree_leaves(out) if (b := sim.block_of(o)) is not None] \
+                    if sim.real_values else []
+                _forget(news, _written(sim, func, inputs), why(sim, t))
                 return
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
     targets = [(t, b) for t in outs if (b := sim.block_of(t)) is not None]
@@ -203,30 +246,40 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
     if not targets and not written:
         return
     name = func.overloadpacket.__name__
-    big = any(t.numel() > VALUE_LIMIT for t, _ in targets)
+    big = any(t.numel() > sim.value_limit for t, _ in targets)
+    if computed is None and sim.real_values and name in _UNINITIALIZED:
+        for _, b in targets:  # uninitialized memory: zeros; set_/resize_ keep what the storage holds
+            if b.value is None:
+                b.value, b.why = sim.zeros(b.nbytes), ""
+        return
     if computed is None and (name in _UNINITIALIZED or big):
         _forget(targets, written)
         return
-    used: list[bool] = [True] if computed_assumed else []
+    used: list[Any] = [True] if computed_assumed else []
     try:
-        result = computed if computed is not None else run_on_cpu(sim, func, args, kwargs, used)
+        result = computed if computed is not None else run_on_cpu(sim, func, args, kwargs, used, out)
     except Unknown:
         _forget(targets, written)
         return
-    except Exception:  # noqa: BLE001 - no CPU kernel, or a CPU-only failure: the values are unknown
-        _forget(targets, written)
+    except HostMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - no CPU kernel, or a CPU-only failure: the values are unknown
+        _forget(targets, written, f"{func} failed on the CPU: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
         return
     results = [r for r in tree_leaves(result) if isinstance(r, torch.Tensor)]
     if len(results) != len(outs):
-        _forget(targets, written)
+        _forget(targets, written, f"{func} on the CPU returned {len(results)} tensors, not {len(outs)}")
         return
     by_out = dict(zip((id(t) for t in outs), results))
     for t, b in targets:
         value = by_out[id(t)]
         if value.shape != t.shape:  # the CPU kernel's output differs (eval batch_norm's save_mean: [0])
             b.value = None
+            b.why = f"{func}'s CPU kernel gives this output shape {list(value.shape)}, not {list(t.shape)}"
         elif not big:
             define(sim, t, value, bool(used) or (b.assumed and func._schema.is_mutable))
+            if sim.real_values and used:  # computed from a placeholder: the report says why
+                b.why = next((u for u in used if isinstance(u, str)), b.why)
 
 
 def define(sim: SimState, t: torch.Tensor, value: torch.Tensor, assumed: bool) -> None:
@@ -236,9 +289,10 @@ def define(sim: SimState, t: torch.Tensor, value: torch.Tensor, assumed: bool) -
     if b is None:
         return
     if b.value is None:
-        if b.nbytes > VALUE_LIMIT * t.element_size() or not _covers(t, b):
+        if b.nbytes > sim.value_limit * t.element_size() or not _covers(t, b):
             return
-        b.value = torch.UntypedStorage(b.nbytes)
+        sim.reserve(b.nbytes)
+        b.value, b.why = torch.UntypedStorage(b.nbytes), ""
     b.assumed = assumed
     view = cpu_value(sim, t)
     if view is not None and view.data_ptr() != value.data_ptr():
@@ -259,11 +313,13 @@ def _covers(t: torch.Tensor, b: ChargedStorage) -> bool:
         return True
 
 
-def _forget(targets: list[tuple[Any, ChargedStorage]], written: list[ChargedStorage]) -> None:
+def _forget(targets: list[tuple[Any, ChargedStorage]], written: list[ChargedStorage], why: str = "") -> None:
+    """The values of the op's outputs and of what it wrote are unknown now (`why`: the reason a
+    real-values run gives when they are read)."""
     for _, b in targets:
-        b.value = None
+        b.value, b.why = None, why
     for b in written:
-        b.value = None
+        b.value, b.why = None, why
 
 
 def meta_outputs(result: Any) -> Any:

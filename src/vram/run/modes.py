@@ -148,7 +148,7 @@ class DispatchMode(TorchDispatchMode):
         masks) and whether placeholders went into it (then the shape is recorded as assumed);
         (None, False) when its inputs cannot be known."""
         sim = self.sim
-        used: list[bool] = []
+        used: list[Any] = []
         try:
             result = known.run_on_cpu(sim, func, args, kwargs, used)
         except Exception:  # noqa: BLE001 - unknown inputs or no CPU kernel: the caller reports it
@@ -389,7 +389,7 @@ class FunctionMode(TorchFunctionMode):
                     if isinstance(t, torch.Tensor) and t.is_meta and sim.block_of(t) is None \
                             and not is_traceable_wrapper_subclass(t):
                         b = sim.track(t.untyped_storage(), target)
-                        if func in _HOST_DATA and t.numel() <= known.VALUE_LIMIT:
+                        if func in _HOST_DATA and t.numel() <= sim.value_limit:
                             with torch._C.DisableTorchFunction():  # the same data, built on the host
                                 host = func(*args, **dict(kwargs, device="cpu"))
                             b.value = host.untyped_storage()
@@ -455,7 +455,7 @@ class FunctionMode(TorchFunctionMode):
         `DataDependentError` naming the script's line."""
         sim = self.sim
         what = describe(func) if name != "to" else "Tensor.to('cpu')"
-        used: list[bool] = []
+        used: list[Any] = []
         try:
             value = known.to_cpu_assuming(sim, t, used)
             if name in ("cpu", "to", "numpy", "__repr__", "__format__"):
@@ -481,7 +481,7 @@ class FunctionMode(TorchFunctionMode):
         except known.Unknown:
             if not sim.strict_values and name in ("cpu", "to", "numpy"):  # too large for a value copy
                 host = known.placeholder(t)
-                sim.report.record(what, f"zeros {list(t.shape)}")
+                sim.report.record(what, f"zeros {list(t.shape)}{known.reason(sim, t)}")
                 if name == "to":  # with its other arguments (``.to("cpu", torch.uint8)``: uint8 zeros)
                     return _host_to(host, args, kwargs)
                 return host.numpy() if name == "numpy" else host
@@ -489,7 +489,8 @@ class FunctionMode(TorchFunctionMode):
         if used:
             placeholder = not known.known(sim, t)
             shown = f"zeros {list(t.shape)}" if isinstance(result, torch.Tensor) else repr(result)
-            sim.report.record(what, shown if len(shown) <= 40 else shown[:37] + "...", derived=not placeholder)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            sim.report.record(what, shown + known.reason(sim, t), derived=not placeholder)
         return result
 
     def _host_read(self, func: Any, name: str, t: torch.Tensor, args: Any, kwargs: Any) -> Any:

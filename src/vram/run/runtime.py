@@ -90,14 +90,18 @@ from .host_rng import patch_rng
 from .kernels import uncharged_note
 from .modes import DispatchMode, FunctionMode
 from .storage_api import patch_storages
-from .storages import SimState
+from .storages import HostMemoryError, SimState
 from .values import DataDependentError, ValueReport
 
-__all__ = ["BACKENDS", "DataDependentError", "default_backend", "simulated_cuda", "run_script", "active_sim"]
+__all__ = ["BACKENDS", "VALUES", "DataDependentError", "HostMemoryError", "default_backend", "simulated_cuda",
+           "run_script", "active_sim"]
 #: the engines of a simulated run: the Python PrivateUse1 backend (`vram.run.backend`, issue 12:
 #: the default for one process on one GPU), or meta tensors under two modes (several GPUs,
 #: torch.distributed ranks, `vram.estimate`)
 BACKENDS = ("privateuse1", "meta")
+#: what a simulated run knows of tensor values: "known" (what needs no model arithmetic,
+#: `vram.run.known`; placeholders for the rest) or "real" (everything, `vram.run.real_values`)
+VALUES = ("known", "real")
 if os.environ.get("VRAM_RUN_BACKEND") != "meta":
     # before the process's first backward: the autograd engine sizes its per-device queues once
     # (engine.cpp ``device_ready_queues_``), so a device type registered later cannot backward
@@ -174,7 +178,8 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
                    device_count: int = 1, *, arch: str | None = None, name: str | None = None,
                    major: int | None = None, minor: int | None = None,
                    multi_processor_count: int | None = None, strict_values: bool = False,
-                   backend: str | None = None, **simulate_kwargs: Any) -> Iterator[list[Any]]:
+                   backend: str | None = None, values: str = "known",
+                   **simulate_kwargs: Any) -> Iterator[list[Any]]:
     """Run PyTorch code inside as if on `device_count` CUDA GPUs of `gpu` bytes each.
 
     `gpu` is a size ("24GiB", bytes) or a card (``"A100-80GB"``: its name, CUDA's total memory,
@@ -185,14 +190,18 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     which decides cuBLAS's workspace size, and `multi_processor_count` flash attention's split
     heuristic. A read of a value the simulation does not know gets a placeholder, recorded in
     ``active_sim().report`` (`vram.run.values.ValueReport`); `strict_values` makes it raise
-    `DataDependentError` instead. `backend` is the engine: "privateuse1" (`vram.run.backend`) or
-    "meta" (meta tensors under two modes); None: `default_backend`. Yields the
+    `DataDependentError` instead. `values` = "real" computes every value on the CPU, so no
+    placeholder is needed (`vram.run.real_values`: host memory for a copy of every simulated
+    storage; the allocator sees the same as with "known"). `backend` is the engine:
+    "privateuse1" (`vram.run.backend`) or "meta" (meta tensors under two modes); None: `default_backend`. Yields the
     `vram.SimulatedDevice` list; the simulator's state (``vram.memory_summary()`` etc.) remains
     readable after the block.
     """
     backend = backend or default_backend(device_count)
     if backend not in BACKENDS:
         raise ValueError(f"unknown vram run backend {backend!r} (one of {', '.join(BACKENDS)})")
+    if values not in VALUES:
+        raise ValueError(f"unknown vram run values {values!r} (one of {', '.join(VALUES)})")
     define_torchvision_ops()  # a CUDA build of torchvision next to a CPU torch: importable
     spec = resolve_gpu(gpu, arch)
     name = spec.name if name is None else name
@@ -214,9 +223,12 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
         sim = SimState(props)
         dispatch, function = DispatchMode(sim), FunctionMode(sim)
     sim.strict_values = strict_values
+    if values == "real":
+        sim.real_values, sim.value_limit = True, sys.maxsize
     restore = patch_torch_cuda(sim.props)
     restore_extras = patch_torch_extras(sim.autocast_cache.clear, lambda t: sim.block_of(t) is not None,
-                                        sim.storage_resized, function)
+                                        sim.storage_resized, function,
+                                        lambda t: known.known(sim, t) and not known.assumed(sim, t))
     sim.host.known_value = lambda t: known.cpu_value(sim, t)
     restore_storages = patch_storages(sim.storage_address, sim.storage_to, sim.storage_location, sim.storage_new)
     restore_rng = patch_rng(sim.host.ledger)
@@ -296,7 +308,7 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                 status = code if isinstance(code, int) else (0 if code is None else 1)
                 if code is not None and not isinstance(code, int):
                     print(code, file=sys.stderr)
-            except DataDependentError as e:
+            except (DataDependentError, HostMemoryError) as e:
                 sys.stdout.flush()
                 print(f"vram run: {e}", file=sys.stderr, flush=True)
                 status = 1

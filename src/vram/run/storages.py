@@ -21,18 +21,44 @@ _META = torch.device("meta")
 #: Elements of a storage whose contents are kept on the CPU when known (64 Ki: masks, ids,
 #: scalars; see `vram.run.known`). A host storage moved over keeps up to as many float32s.
 VALUE_LIMIT = 1 << 16
+#: intra-op threads for the ops run on value copies (`vram.run.known.run_on_cpu`); None: the
+#: script's ``torch.get_num_threads()``. One: on a busy machine torch's default pool made them
+#: several times slower (benchmarks/bench_real_values.py measures both)
+VALUE_THREADS: int | None = 1
+#: host memory a real-values run leaves free when it makes a value copy (bytes; `SimState.reserve`)
+HOST_RESERVE = 1 << 30
+#: value copies smaller than this are checked together, once they add up to it
+CHECK_EVERY = 16 << 20
+
+
+class HostMemoryError(Exception):
+    """The CPU copies of a real-values run (`vram.run.real_values`) do not fit in host memory."""
+
+
+def host_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class ChargedStorage:
     """One charged storage: its block, device, the weak reference that frees it, and a CPU copy
     of its contents when they are known (`vram.run.known`)."""
 
-    __slots__ = ("ptr", "nbytes", "device", "ref", "value", "assumed")
+    __slots__ = ("ptr", "nbytes", "device", "ref", "value", "assumed", "aux", "why")
 
     def __init__(self, ptr: int, nbytes: int, device: int, ref: weakref.ref[Any]) -> None:
         self.ptr, self.nbytes, self.device, self.ref = ptr, nbytes, device, ref
         self.value: torch.UntypedStorage | None = None
         self.assumed = False  # the value was computed from placeholders
+        self.aux: Any = None  # CPU state a CUDA-only kernel's backward needs (`vram.run.real_values`)
+        self.why = ""  # real-values mode: why the value is unknown (the op that failed on the CPU)
 
 
 class SimState:
@@ -50,6 +76,10 @@ class SimState:
         self.autocast_cache: dict[int, tuple[weakref.ref[Any], torch.Tensor]] = {}
         self.active = True
         self.strict_values = False           # unknown values: raise instead of placeholders
+        self.real_values = False             # every value computed on the CPU (`vram.run.real_values`)
+        self.value_limit = VALUE_LIMIT       # elements of a storage whose known values are kept
+        self.unchecked_bytes = 0             # value copies made since host memory was last checked
+        self.value_threads: int | None = VALUE_THREADS  # intra-op threads of the CPU value ops
         self.device_rng: torch.Tensor | None = None  # the simulated GPUs' draws (vram.run.known)
         self.report = ValueReport()          # where placeholders were used
         self.host_factory = False            # the running torch function is a CPU factory
@@ -171,12 +201,49 @@ class SimState:
         nbytes = storage.nbytes()
         if nbytes == b.nbytes:
             return
-        old = b.ptr
+        old, kept = b.ptr, b.value
         b.ptr = self.malloc(b.device, nbytes) if nbytes else 0
         b.nbytes = nbytes
         b.value = None
+        self.carry(kept, b)  # a real-values run keeps the old bytes
         if old:
             _memory.get_allocator(b.device).free(old)
+
+    # -- value copies of a real-values run (`vram.run.real_values`) ------------------------------
+    def reserve(self, nbytes: int) -> None:
+        """Before a value copy of `nbytes` is made in real-values mode: refuse the run when it
+        would leave less than `HOST_RESERVE` of host memory available (`host_available`; small
+        copies are checked once they add up to `CHECK_EVERY`)."""
+        if not self.real_values:
+            return
+        self.unchecked_bytes += nbytes
+        if self.unchecked_bytes < CHECK_EVERY:
+            return
+        pending, self.unchecked_bytes = self.unchecked_bytes, 0
+        available = host_available()
+        if available is not None and available - pending < HOST_RESERVE:
+            raise HostMemoryError(
+                f"--values real: the CPU copies of the simulated GPU's values need {pending / 2**20:,.0f} MiB "
+                f"more host memory, but only {available / 2**20:,.0f} MiB is available ({HOST_RESERVE >> 20:,} "
+                "MiB is kept free); run without --values real (placeholders) or with a smaller model")
+
+    def zeros(self, nbytes: int) -> torch.UntypedStorage:
+        """A zeroed value copy of `nbytes` (what a real-values run takes uninitialized memory to hold)."""
+        self.reserve(nbytes)
+        return torch.UntypedStorage(nbytes).fill_(0)
+
+    def carry(self, old: torch.UntypedStorage | None, new: ChargedStorage) -> None:
+        """A storage grew (``resize_``: CUDA allocates anew and copies the old bytes): in
+        real-values mode the new block's copy starts with the `old` copy's bytes (when known),
+        then zeros."""
+        if not self.real_values:
+            return
+        new.value, new.why = self.zeros(new.nbytes), ""
+        if old is not None:
+            n = min(old.nbytes(), new.nbytes)
+            with torch._C.DisableTorchFunction():
+                dst = torch.empty(0, dtype=torch.uint8).set_(new.value, 0, (n,), (1,))
+                dst.copy_(torch.empty(0, dtype=torch.uint8).set_(old, 0, (n,), (1,)))
 
     def storage_block(self, storage: Any) -> ChargedStorage | None:
         """The charged storage behind an ``UntypedStorage`` object, None for others."""
@@ -231,7 +298,8 @@ class SimState:
             if b is not None and b.device == idx:
                 return storage
             moved, nb = self.new_storage(storage.nbytes(), idx)
-            if b is None and raw_device(storage).type == "cpu" and storage.nbytes() <= VALUE_LIMIT * 4:
+            if b is None and raw_device(storage).type == "cpu" and storage.nbytes() <= self.value_limit * 4:
+                self.reserve(storage.nbytes())
                 nb.value = storage.clone()
             return moved
         if b is not None and device.type != "meta":

@@ -158,7 +158,7 @@ class ValueReport:
         lines.append("  Branches and data-dependent shapes that follow these values may differ from a GPU run "
                      "(e.g. greedy generate() picks token 0 from placeholder logits, so it runs to max_new_tokens, "
                      "the worst case, unless 0 is the model's EOS id, as Mamba's, when it stops after one token); "
-                     "--strict-values stops at the first such read.")
+                     "--strict-values stops at the first such read; --values real computes them on the CPU.")
         lines += [f"  {note}" for note in self.notes()]
         return "\n".join(lines)
 

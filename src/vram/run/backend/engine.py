@@ -299,7 +299,7 @@ def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> Non
                 return
         known.define(sim, dst, value.to(dst.dtype).expand(dst.shape), known.assumed(sim, src))
         return
-    used: list[bool] = []
+    used: list[Any] = []
     try:
         value = known.to_cpu_assuming(sim, src, used)
     except known.Unknown:
@@ -309,7 +309,7 @@ def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> Non
         used.append(True)
     if used:
         what = describe(sim.call) if sim.call is not None else "a copy to the host"
-        sim.report.record(what, f"zeros {list(src.shape)}", derived=known.known(sim, src))
+        sim.report.record(what, f"zeros {list(src.shape)}{known.reason(sim, src)}", derived=known.known(sim, src))
     dst.copy_(value)
 
 
@@ -341,6 +341,9 @@ def _materialise(sim: BackendState, alias: Any, outs: list[Any], results: list[A
         b = sim.block_of(t)
         if b is not None and o.untyped_storage().nbytes() > b.nbytes:
             _SET._op_dk(_CPU, t, sim.new(o, idx))
+            nb = sim.block_of(t)
+            if nb is not None:
+                sim.carry(b.value, nb)  # a real-values run keeps the old bytes
         elif (tuple(t.shape), t.stride(), t.storage_offset()) != (tuple(o.shape), o.stride(), o.storage_offset()):
             # as_strided_'s CPU kernel crashes on these tensors; set_ onto a restrided alias of
             # the same storage does what a shrinking resize_ does

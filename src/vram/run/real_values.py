@@ -1,0 +1,210 @@
+"""The real-values mode of a simulated run (``vram run --values real``; issue 10 §3).
+
+By default a simulated run knows only values that need no model arithmetic (`vram.run.known`:
+factories, host data, small ops on those), and a read of any other value gets a placeholder.
+In this mode every simulated storage keeps a CPU copy of its contents, whatever its size, and
+every aten op also runs on those copies: losses, logits, gradients and parameters after an
+optimizer step have the values the CPU computes, so data-dependent programs (``if loss.item() <
+best``, ``generate()`` stopping at EOS, MoE routing, ``1 / mse.item()``) take the branch the
+data gives. The simulated allocator sees exactly what it sees in the default mode: the copies
+are host memory, never charged.
+
+Cost: host memory for a copy of every live simulated storage (about the run's
+``memory_allocated()``, plus what the CPU kernels need while they run) and the CPU time of the
+model's arithmetic. Before a copy is made, `SimState.reserve` checks the host's available memory
+(``MemAvailable`` in ``/proc/meminfo``) and stops the run with `HostMemoryError` when the copy
+would leave less than `vram.run.storages.HOST_RESERVE` free: a run whose values do not fit is refused, never
+continued with some values missing.
+
+Kernels that exist only for CUDA have CPU implementations here (`CUDA_ONLY`): the fused
+attention kernels a GPU's ``scaled_dot_product_attention`` runs (flash, memory-efficient,
+cuDNN), computed by PyTorch's CPU flash kernel or, with dropout, by the math formula with a
+mask drawn from the CPU generator and kept for the backward. Any other op that fails on the CPU
+leaves its outputs unknown, and a read of them is reported as in the default mode (with the
+reason), never answered silently.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .storages import ChargedStorage, HostMemoryError, SimState
+
+__all__ = ["CUDA_ONLY", "HostMemoryError"]
+_META = torch.device("meta")
+_aten = torch.ops.aten
+
+# -- CUDA-only kernels on the CPU -------------------------------------------------------------------
+def _shaped_like_meta(func: Any, args: Any, kwargs: Any) -> Any:
+    """The op's outputs on meta (sizes, dtypes, and where it returns None), as CPU zeros."""
+    def meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=_META)
+        return x
+    out = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+    return [torch.zeros(o.size(), dtype=o.dtype) if isinstance(o, torch.Tensor) else o for o in out]
+
+
+def _repeat_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention: `t` (key or value) with each head repeated for its query heads."""
+    groups = q.size(-3) // t.size(-3)
+    return t if groups == 1 else t.repeat_interleave(groups, -3)
+
+
+def _fold_kv(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The gradient of a repeated key/value head: the sum over its query heads."""
+    groups = grad.size(-3) // t.size(-3)
+    if groups == 1:
+        return grad
+    return grad.unflatten(-3, (t.size(-3), groups)).sum(-3)
+
+
+def _scores_mask(q: torch.Tensor, k: torch.Tensor, bias: Any, causal: bool) -> Any:
+    """The additive mask of an attention: the bias, and -inf above the diagonal when causal
+    (top-left aligned, as the kernels' ``is_causal``)."""
+    mask = None if bias is None else bias.to(torch.float32)
+    if causal:
+        upper = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).triu(1)
+        causal_mask = torch.zeros(upper.shape).masked_fill(upper, -math.inf)
+        mask = causal_mask if mask is None else mask + causal_mask
+    return mask
+
+
+def _probabilities(q: torch.Tensor, k: torch.Tensor, bias: Any, causal: bool, scale: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """softmax(scale · q kᵀ + mask) in float32 (as the fused kernels accumulate), its rows'
+    log-sum-exp, and the scale."""
+    factor = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
+    s = q.to(torch.float32) @ k.to(torch.float32).transpose(-2, -1) * factor
+    mask = _scores_mask(q, k, bias, causal)
+    if mask is not None:
+        s = s + mask
+    return torch.softmax(s, -1), torch.logsumexp(s, -1), factor
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any, causal: bool, scale: Any,
+                    keep: Any, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with dropout mask `keep` (weights kept are scaled by 1/(1-p)): the output in
+    the inputs' dtype, and the log-sum-exp of the scaled scores."""
+    attn, lse, _ = _probabilities(q, k, bias, causal, scale)
+    if keep is not None:
+        attn = attn * keep / (1 - p)
+    return (attn @ v.to(torch.float32)).to(q.dtype), lse
+
+
+def _math_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any,
+                             causal: bool, scale: Any, keep: torch.Tensor, p: float) -> tuple[torch.Tensor, ...]:
+    """The gradients of `_math_attention` for q, k, v (by the chain rule, in float32: the
+    kernels run below autograd, so no graph can be recorded here)."""
+    attn, _, factor = _probabilities(q, k, bias, causal, scale)
+    dropped = attn * keep / (1 - p)
+    g = grad.to(torch.float32)
+    dv = dropped.transpose(-2, -1) @ g
+    dp = (g @ v.to(torch.float32).transpose(-2, -1)) * keep / (1 - p)
+    ds = attn * (dp - (dp * attn).sum(-1, keepdim=True)) * factor
+    dq, dk = ds @ k.to(torch.float32), ds.transpose(-2, -1) @ q.to(torch.float32)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any, p: float, causal: bool, scale: Any,
+             block: ChargedStorage | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused attention forward's output and log-sum-exp ([B, H, L], float32). Without dropout
+    PyTorch's CPU flash kernel; with dropout the math, its mask kept on the output's block for
+    the backward."""
+    k, v = _repeat_kv(q, k), _repeat_kv(q, v)
+    if p == 0.0:
+        return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+    keep = torch.empty(q.shape[:-1] + (k.size(-2),)).bernoulli_(1 - p)  # the CPU generator: sim.device_rng
+    if block is not None:
+        block.aux = keep
+    return _math_attention(q, k, v, bias, causal, scale, keep, p)
+
+
+def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, bias: Any, p: float, causal: bool, scale: Any, block: ChargedStorage | None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `_forward` for query, key and value."""
+    kr, vr = _repeat_kv(q, k), _repeat_kv(q, v)
+    if p == 0.0:
+        lse_cpu = lse.to(torch.float32).transpose(1, 2).contiguous().transpose(1, 2)  # its own layout
+        gq, gk, gv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, kr, vr, out, lse_cpu, 0.0, causal, attn_mask=bias, scale=scale)
+    else:
+        keep = block.aux if block is not None else None
+        if keep is None:
+            raise RuntimeError("the dropout mask of this attention's forward is gone")
+        gq, gk, gv = _math_attention_backward(grad, q, kr, vr, bias, causal, scale, keep, p)
+    return gq, _fold_kv(gk, k), _fold_kv(gv, v)
+
+
+def _flash(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    q, k, v = cpu[0][:3]
+    p, causal = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0), args[4] if len(args) > 4 else \
+        kwargs.get("is_causal", False)
+    res = _shaped_like_meta(func, args, kwargs)
+    res[0], lse = _forward(q, k, v, None, p, causal, kwargs.get("scale"), _block(sim, out))
+    res[1].copy_(lse)
+    return tuple(res)
+
+
+def _flash_backward(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    a, kw = cpu
+    return _backward(a[0], a[1], a[2], a[3], a[4], a[5], None, a[10], a[11], kw.get("scale"), sim.block_of(args[4]))
+
+
+def _efficient(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    (q, k, v, bias, *rest), kw = cpu
+    p = rest[1] if len(rest) > 1 else kw.get("dropout_p", 0.0)
+    causal = rest[2] if len(rest) > 2 else kw.get("is_causal", False)
+    res = _shaped_like_meta(func, args, kwargs)
+    res[0], lse = _forward(q, k, v, bias, p, causal, kw.get("scale"), _block(sim, out))
+    res[1][..., :lse.size(-1)].copy_(lse[..., :res[1].size(-1)])  # padded to 32 (or empty: no lse asked)
+    return tuple(res)
+
+
+def _efficient_backward(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    (grad, q, k, v, bias, o, lse, _, _, p, mask, *rest), kw = cpu
+    if bias is not None and mask[3]:
+        raise NotImplementedError("no CPU values for the gradient of an attention bias")
+    causal = rest[0] if rest else kw.get("is_causal", False)
+    gq, gk, gv = _backward(grad, q, k, v, o, lse[..., :q.size(-2)], bias, p, causal, kw.get("scale"),
+                           sim.block_of(args[5]))
+    return gq, gk, gv, None if bias is None or not mask[3] else torch.zeros_like(bias)
+
+
+def _cudnn(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    (q, k, v, bias, _, *rest), kw = cpu
+    p = rest[0] if rest else kw.get("dropout_p", 0.0)
+    causal = rest[1] if len(rest) > 1 else kw.get("is_causal", False)
+    res = _shaped_like_meta(func, args, kwargs)
+    res[0], lse = _forward(q, k, v, bias, p, causal, kw.get("scale"), _block(sim, out))
+    if res[1] is not None and res[1].numel():
+        res[1].copy_(lse.reshape(res[1].shape))
+    return tuple(res)
+
+
+def _cudnn_backward(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    (grad, q, k, v, o, lse, _, _, bias, _, _, _, _, p, causal), kw = cpu
+    return _backward(grad, q, k, v, o, lse.reshape(lse.shape[:3]), bias, p, causal, kw.get("scale"),
+                     sim.block_of(args[4]))
+
+
+def _block(sim: SimState, out: Any) -> ChargedStorage | None:
+    """The block of an attention forward's output (its dropout mask goes there)."""
+    first = out[0] if isinstance(out, (tuple, list)) and out else None
+    return sim.block_of(first) if isinstance(first, torch.Tensor) else None
+
+
+#: CPU values of aten ops that have only CUDA kernels: (sim, op, args, kwargs, CPU (args,
+#: kwargs), the op's simulated outputs or None) -> the CPU outputs, shaped as the op's
+CUDA_ONLY = {
+    _aten._scaled_dot_product_flash_attention.default: _flash,
+    _aten._scaled_dot_product_flash_attention_backward.default: _flash_backward,
+    _aten._scaled_dot_product_efficient_attention.default: _efficient,
+    _aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward,
+    _aten._scaled_dot_product_cudnn_attention.default: _cudnn,
+    _aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward,
+}
