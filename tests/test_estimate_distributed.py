@@ -166,3 +166,23 @@ def test_pp_refuses_a_model_without_a_top_level_module_list() -> None:
     r = _run([sys.executable, "-m", "vram", "estimate", "tiny_stack:flat", *INPUT, "--pp", "2"], ok=False)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "cannot be split" in r.stderr
+
+
+@pytest.mark.parametrize("mode, flags, batch, extra", [
+    ("ddp", ["--ddp", "2"], 1024, []),
+    ("fsdp", ["--fsdp", "2"], 1024, []),
+    ("tp", ["--tp", "2", *TP], 1024, []),
+    ("pp", ["--pp", "2", "--microbatches", "4"], 2048, ["--microbatches", "4"]),
+], ids=["ddp", "fsdp2", "tp", "pp"])
+def test_checkpoint_with_each_layout_equals_the_run_by_hand(mode: str, flags: list[str], batch: int,
+                                                            extra: list[str]) -> None:
+    """``--checkpoint`` combined with each layout (issue 13 §2): every rank's peaks equal the loop
+    by hand with ``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``) around each
+    block, applied as torchtitan does (after the TP plan, before DDP or ``fully_shard``; a pipeline
+    stage's blocks after ``build_stage``). The batch is large enough for the peak to be in the
+    backward, so checkpointing lowers it on every rank."""
+    inputs = ["--input", f"{batch}x256"]
+    got = estimate(*inputs, *flags, "--checkpoint")
+    assert hand_figures(mode, 2, "--batch", str(batch), *extra, "--checkpoint") == estimated(got)
+    plain = estimated(estimate(*inputs, *flags))
+    assert all(got_r[0] < plain[r][0] for r, got_r in estimated(got).items())

@@ -31,8 +31,19 @@ p.add_argument("--seq", type=int, default=None, help="inputs batch x seq x 256 i
 p.add_argument("--sp", action="store_true", help="tp: tiny_stack.norm_stack under sp_plan (sequence parallel)")
 p.add_argument("--schedule", choices=["1F1B", "GPipe"], default="1F1B")
 p.add_argument("--microbatches", type=int, default=None, help="pp: default one per stage")
+p.add_argument("--checkpoint", action="store_true",
+               help="checkpoint_wrapper (non-reentrant) around each block: after the TP plan, before DDP or "
+                    "fully_shard (torchtitan's order); a pipeline stage's blocks after build_stage")
 p.add_argument("--tracker", action="store_true")
 a = p.parse_args()
+
+
+def wrap_blocks(blocks):
+    """Activation checkpointing of each block of `blocks` (a ModuleList, or a pipeline stage's
+    container of blocks), as users write it."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    for name, block in list(blocks.named_children()):
+        setattr(blocks, name, checkpoint_wrapper(block))
 
 if a.tracker:
     from torch.distributed._tools import mem_tracker
@@ -52,6 +63,8 @@ micro = a.microbatches or a.world
 
 if a.mode == "ddp":
     model = stack().to(dev)
+    if a.checkpoint:
+        wrap_blocks(model.blocks)
     model = torch.nn.parallel.DistributedDataParallel(model, device_ids=None if a.tracker else [dev.index])
 elif a.mode == "pp":
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
@@ -63,6 +76,8 @@ elif a.mode == "pp":
                     split_spec={f"blocks.{i * per}": SplitPoint.BEGINNING for i in range(1, a.world)})
     stage = pipe.build_stage(rank, dev)
     model = stage.submod.to_empty(device=dev)
+    if a.checkpoint:
+        wrap_blocks(model.blocks)
     schedule = (Schedule1F1B if a.schedule == "1F1B" else ScheduleGPipe)(
         stage, n_microbatches=micro, loss_fn=lambda y, target: y.sum())
 else:
@@ -76,6 +91,8 @@ else:
         mesh = init_device_mesh(dev.type, (a.world,), mesh_dim_names=("tp" if a.mode == "tp" else "dp_shard",))
     if a.mode in ("tp", "fsdp_tp"):
         (sp_plan if a.sp else tp_plan)(model, mesh["tp"])
+    if a.checkpoint:
+        wrap_blocks(model.blocks)
     if a.mode != "tp":
         from torch.distributed.fsdp import fully_shard
         dp = mesh if a.mode == "hsdp" else mesh["dp_shard"]

@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["NcclEnv", "Node", "Communicator", "NcclMemory", "node_for", "nvswitch_ring_channels",
-           "connector_bytes", "nccl_memory"]
+           "connector_bytes", "nccl_memory", "with_nccl"]
 
 MIB = 1 << 20
 CUDA_IPC_MIN = 2 * MIB          # src/include/comm.h
@@ -221,6 +221,12 @@ class NcclMemory:
 
     bytes: int | None
     lines: list[str]
+
+
+def with_nccl(device_used: int, nccl: int | None) -> int | None:
+    """nvidia-smi's figure for a process: its device memory outside NCCL (reserved + CUDA context
+    + whatever else the caller counts) plus NCCL's (`nccl_memory`); None when NCCL's is not derived."""
+    return None if nccl is None else device_used + nccl
 
 
 def _fmt(n: int) -> str:

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vram.devices.nccl import with_nccl
 from vram.run.distributed.launcher import Launch, launch, outside_lines
 from vram.units import format_size
 
@@ -46,8 +47,7 @@ class LayoutEstimate:
         """Steady-state peak reserved + CUDA context + other processes + NCCL
         (`vram.devices.nccl`); None when NCCL's figure is not derived (the report says why)."""
         sim = self.simulated_as(rank)
-        res, n = self.results[sim], self.nccl.get(sim, {}).get("bytes")
-        return None if n is None else res.peak_device_used + n
+        return with_nccl(self.results[sim].peak_device_used, self.nccl.get(sim, {}).get("bytes"))
 
     def simulated_as(self, rank: int) -> int:
         """The simulated rank whose run stands for `rank`."""

@@ -170,7 +170,7 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
                 for b in m.buffers():
                     tr.mark(b, "buffers")
                 if checkpoint:
-                    apply_checkpoint(m, checkpoint, tr)
+                    apply_checkpoint(m, checkpoint, tr, None if parallel is None else parallel.blocks(m))
                 opt = make_optimizer(optimizer, m)
                 if opt is not None:
                     def pre(o: Any, a: Any, k: Any, m: nn.Module = m) -> None:

@@ -160,6 +160,7 @@ class RankPlan:
         self.mesh: Any = None
         self.step: Callable[[nn.Module, Any, Any], None] | None = None
         self.schedule: Any = None
+        self._pp_blocks: list[str] = []
 
     def enter(self) -> None:
         """``set_device``, ``init_process_group("nccl")`` (torchrun's env://), the device mesh."""
@@ -243,6 +244,7 @@ class RankPlan:
         split = {blocks[i * per]: SplitPoint.BEGINNING for i in range(1, lay.pp) if i * per < len(blocks)}
         if len(split) != lay.pp - 1:
             raise ValueError(f"--pp {lay.pp}: {len(blocks)} blocks in stages of {per} leave a stage empty")
+        self._pp_blocks = blocks
         mb = micro_inputs(self.example_inputs, lay.n_microbatches)
         pipe = pipeline(m, mb_args=mb if isinstance(mb, tuple) else (mb,), split_spec=split)
         stage_index = self.layout.coords(self.rank)["pp"]
@@ -252,6 +254,14 @@ class RankPlan:
                             loss_fn=lambda y, target: sum_outputs(y))
         self._pp_index = stage_index
         return self._pp_stage.submod
+
+    def blocks(self, m: nn.Module) -> list[nn.Module] | None:
+        """A pipeline stage's blocks (its share of the split ModuleList, which torch.export turned
+        into an ``InterpreterModule``: ``--checkpoint`` wraps each, as on one GPU); None otherwise."""
+        if not self._pp_blocks:
+            return None
+        names = {n for n, _ in m.named_modules()}
+        return [m.get_submodule(n) for n in self._pp_blocks if n in names]
 
     def _pipeline_step(self, m: nn.Module, inputs: Any, opt: Any) -> None:
         """One schedule step (forward and backward of every micro-batch), optimizer, zero_grad.

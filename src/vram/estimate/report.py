@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vram.devices.nccl import with_nccl
 from vram.units import format_size
 
 _LABELS = {"parameters": "parameters", "buffers": "buffers", "gradients": "gradients",
@@ -42,7 +43,7 @@ def render(r: Any, top_modules: int = 10, nccl: int | None = 0) -> str:
     """The report of one estimate; `nccl`: a rank's NCCL memory outside the caching allocator
     (`vram.devices.nccl`), added to nvidia-smi's figures (None: not derived)."""
     s = r.settings
-    smi = None if nccl is None else r.peak_device_used + nccl
+    smi = with_nccl(r.peak_device_used, nccl)
     smi_text = format_size(smi) if smi is not None else "not derived (NCCL's share unknown)"
     smi_what = "reserved + context + NCCL + others" if nccl else "reserved + context + others"
     its = s["iterations"]

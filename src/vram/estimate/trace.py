@@ -255,10 +255,17 @@ class Tracker:
         return cats, dict(sorted(mods.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def checkpoint_targets(model: nn.Module, policy: Any) -> list[nn.Module]:
-    """The modules `checkpoint=` wraps: every element of the outermost ModuleLists, else each child."""
+def checkpoint_targets(model: nn.Module, policy: Any, blocks: list[nn.Module] | None = None) -> list[nn.Module]:
+    """The modules `checkpoint=` wraps: every instance of the policy's classes; else `blocks` when
+    given (a pipeline stage's, whose ModuleList torch.export made an ``InterpreterModule``); else
+    every element of the outermost ModuleLists, else each child."""
     if isinstance(policy, type) or (isinstance(policy, tuple) and all(isinstance(c, type) for c in policy)):
+        if blocks is not None:
+            raise ValueError("checkpoint by module class under --pp: a pipeline stage's modules are torch.export "
+                             "InterpreterModules, of no class to match; use checkpoint=True (each block)")
         return [m for m in model.modules() if isinstance(m, policy) and m is not model]
+    if blocks is not None:
+        return blocks
     lists: list[nn.Module] = []
 
     def walk(m: nn.Module) -> None:
@@ -272,7 +279,7 @@ def checkpoint_targets(model: nn.Module, policy: Any) -> list[nn.Module]:
     return lists or list(model.children())
 
 
-def apply_checkpoint(model: nn.Module, policy: Any, tr: Tracker) -> None:
+def apply_checkpoint(model: nn.Module, policy: Any, tr: Tracker, blocks: list[nn.Module] | None = None) -> None:
     """Wrap each `checkpoint_targets` module's forward in non-reentrant ``torch.utils.checkpoint``.
 
     The recomputation runs inside the autograd engine, under the simulation's function mode (see
@@ -280,7 +287,7 @@ def apply_checkpoint(model: nn.Module, policy: Any, tr: Tracker) -> None:
     """
     from torch.utils.checkpoint import checkpoint as ckpt
 
-    for m in checkpoint_targets(model, policy):
+    for m in checkpoint_targets(model, policy, blocks):
         def forward(*args: Any, _orig: Any = m.forward, _m: nn.Module = m, **kwargs: Any) -> Any:
             def run(*a: Any, **k: Any) -> Any:
                 recompute = torch._C._current_autograd_node() is not None

@@ -182,10 +182,7 @@ def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[Any]
             finally:
                 sim.device_rng = torch.default_generator.get_state()
                 torch.default_generator.set_state(state)
-        result = call(*cpu_args, **cpu_kwargs)
-    if func.namespace == "_c10d_functional" and func.__name__ != "wait_tensor.default":
-        _collected(result, used)
-    return result
+        return call(*cpu_args, **cpu_kwargs)
 
 
 def _threads(kernel: Any, n: int) -> Any:
@@ -201,18 +198,6 @@ def _threads(kernel: Any, n: int) -> Any:
         finally:
             torch.set_num_threads(mine)
     return call
-
-
-def _collected(result: Any, used: list[Any]) -> None:
-    """A functional collective run on CPU copies for its values: vram's process group wrote them
-    as if every rank held this rank's (assumed: `used`), and ``Functional.cpp`` registered its
-    Work for each output until ``wait_tensor``, which is called now (a Work left registered
-    keeps its tensors and makes PyTorch warn at exit of "unwaited collective calls")."""
-    used.append(True)
-    with torch._C.DisableTorchFunction():
-        for r in tree_leaves(result):
-            if isinstance(r, torch.Tensor):
-                torch.ops._c10d_functional.wait_tensor(r)
 
 
 def _written(sim: SimState, func: Any, inputs: list[Any]) -> list[ChargedStorage]:

@@ -81,8 +81,11 @@ class DispatchMode(TorchDispatchMode):
             return NotImplemented  # a wrapper subclass (DTensor): its ops on inner tensors come here
         if torch._C._get_dispatch_mode(_FAKE) is not None:
             return func(*args, **(kwargs or {}))  # fake tensors (DTensor's sharding propagation)
-        if func in self.sim.ops:
-            return self.sim.ops[func](*args, **(kwargs or {}))
+        if func in self.sim.ops:  # with this mode on: what the replacement allocates is charged
+            with self:
+                replaced = self.sim.ops[func](*args, **(kwargs or {}))
+            if replaced is not NotImplemented:  # declined: the op's own kernel, as below
+                return replaced
         kwargs = kwargs or {}
         sim = self.sim
         direct: int | None = None

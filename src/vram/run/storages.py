@@ -84,7 +84,7 @@ class SimState:
         self.report = ValueReport()          # where placeholders were used
         self.host_factory = False            # the running torch function is a CPU factory
         self.host = LazyHost(VALUE_LIMIT, lambda t: None, self._host_unknown)  # lazy host tensors
-        self.ops: dict[Any, Any] = {}        # aten/custom op -> what it does on a GPU instead (meta differs)
+        self.ops: dict[Any, Any] = {}        # op -> its GPU behaviour (meta differs); NotImplemented: declined
         self.uncharged: dict[str, int] = {}  # kernel scratch left out (`kernels.uncharged_scratch`): calls
 
     def _host_unknown(self, what: str) -> None:

@@ -92,7 +92,7 @@ def install(sim: SimState) -> Callable[[], None]:
         import torch.cuda.memory
         put(torch.cuda.memory, "_dump_snapshot", staged)
     _SIMS.append(sim)
-    ops = overrides()
+    ops = overrides(sim)
     sim.ops.update(ops)
 
     def restore() -> None:

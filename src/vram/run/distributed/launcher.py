@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from vram.devices.nccl import NcclEnv
+from vram.devices.nccl import NcclEnv, with_nccl
 from vram.units import format_size
 
 from .p2p import MAILBOX_ENV, SIMULATED_ENV, deadlock_marker, exited_marker, waiting_marker
@@ -274,7 +274,8 @@ def summary(spec: Launch, ranks: Sequence[int], results: dict[int, RankResult],
                          f"{'':>4}  {res.status}")
             continue
         nccl = (res.nccl or {}).get("bytes")
-        used = _size(own["peak_reserved"] + res.context + nccl) if nccl is not None else "not derived"
+        smi = with_nccl(own["peak_reserved"] + res.context, nccl)
+        used = _size(smi) if smi is not None else "not derived"
         lines.append(f"{r:>4} {node:>4} {'cuda:' + str(local):>6}  {_size(own['peak_allocated']):>24}  "
                      f"{_size(own['peak_reserved']):>24}  {used:>24}  {own['num_ooms']:>4}  "
                      f"{'ok' if res.status == 0 else 'exit ' + str(res.status)}")

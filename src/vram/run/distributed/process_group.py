@@ -232,12 +232,7 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             with torch._C.DisableTorchFunction():
                 results = value([v.clone() for v in ins if v is not None])
         for i, t in enumerate(outputs):
-            if self.nccl and t.device.type == "cpu":  # NCCL takes no host tensor: a functional
-                if results is None:  # collective run on CPU copies for its values (`known.run_on_cpu`)
-                    raise known.Unknown
-                with torch._C.DisableTorchFunction():
-                    t.copy_(results[i])
-            elif results is None:
+            if results is None:
                 _forget_value(sim, t)
             else:
                 known.define(sim, t, results[i], assumed)
