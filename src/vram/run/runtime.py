@@ -82,8 +82,8 @@ from vram.devices.gpus import GpuPreset, resolve_gpu
 from vram.frontend import memory as _memory
 
 from . import known
-from .compat import define_torchvision_ops, refuse_cuda_ipc
 from .backend.engine import EngineLimit
+from .compat import define_torchvision_ops, refuse_cuda_ipc
 from .cuda_api import DeviceProperties, patch_storages, patch_torch_cuda, patch_torch_extras
 from .distributed import install as install_distributed
 from .fastpath import patch_fast_paths

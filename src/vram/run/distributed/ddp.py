@@ -39,7 +39,7 @@ def refuse_local_used_map(ddp: Any, put: Any) -> None:
     torch/csrc/acc/Module.cpp lets Python implement), so the first backward would fail in C++."""
     from ..backend import EngineLimit
 
-    init, set_static = ddp.__init__, ddp._set_static_graph
+    init = ddp.__init__
     why = ("vram run: DDP's {} copies its used-parameter map through pinned host memory (reducer.cpp "
            "all_reduce_local_used_map), which the PrivateUse1 engine cannot allocate (torch/csrc/acc/Module.cpp "
            "has no pinned-memory hook); run with --backend meta")
