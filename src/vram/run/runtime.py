@@ -275,6 +275,15 @@ def _print_exception(e: BaseException, report: ValueReport) -> None:
     sys.stderr.flush()
 
 
+def _missed_cuda(e: BaseException, sim_kwargs: dict[str, Any]) -> bool:
+    """Did a CPU build's dispatcher get a CUDA tensor under the PrivateUse1 engine (a ``cuda``
+    device that reached aten without the function mode, as DTensor's RNG tracker's
+    ``get_rng_state().to(device)`` in torch/distributed/tensor/_random.py)? The meta engine's
+    dispatch mode sees those."""
+    backend = sim_kwargs.get("backend") or default_backend(sim_kwargs.get("device_count", 1))
+    return backend == "privateuse1" and isinstance(e, NotImplementedError) and "from the 'CUDA' backend" in str(e)
+
+
 def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                on_exit: Callable[[], None] | None = None, value_report: str | None = None,
                engine_fallback: bool = False, **sim_kwargs: Any) -> int:
@@ -323,7 +332,11 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                     print(e, file=sys.stderr, flush=True)
                 status = 1
             except Exception as e:  # noqa: BLE001 - the script's own failure, reported as python would
-                _print_exception(e, _ACTIVE[-1].report)
+                if engine_fallback and _missed_cuda(e, sim_kwargs):
+                    limit = EngineLimit(f"vram run: the PrivateUse1 engine let an op reach PyTorch's CUDA backend "
+                                        f"({str(e).splitlines()[0][:120]})")
+                else:
+                    _print_exception(e, _ACTIVE[-1].report)
                 status = 1
             finally:
                 if summary:
