@@ -38,8 +38,8 @@ def test_one_gpu_defaults_to_privateuse1(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert default_backend(1) == "privateuse1"
     assert default_backend(2) == "meta"
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert default_backend(1) == "meta"
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a torch.distributed rank: autograd on its own GPU (issue 13)
+    assert default_backend(1) == "privateuse1" and default_backend(2) == "privateuse1"
     monkeypatch.setenv("VRAM_RUN_BACKEND", "privateuse1")
     assert default_backend(1) == "privateuse1"
 

@@ -270,13 +270,23 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise OSError(f"can't find '__main__' module in {args.script!r} (a directory, not a script)")
     elif not os.path.isfile(args.script):
         raise OSError(f"can't open file {args.script!r}: no such file")
+    chosen = args.backend is not None or bool(os.environ.get("VRAM_RUN_BACKEND"))
     if args.backend is not None:  # the environment carries it to a launcher's ranks too
         os.environ["VRAM_RUN_BACKEND"] = args.backend
     if args.nproc_per_node is not None:
         return _launch(args)
-    status = run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
-                        context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch,
-                        strict_values=args.strict_values, value_report=args.value_report, values=args.values)
+    from vram.run.backend import EngineLimit
+
+    try:
+        status = run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
+                            context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch,
+                            strict_values=args.strict_values, value_report=args.value_report, values=args.values,
+                            engine_fallback=not chosen)
+    except EngineLimit as e:  # the default engine could not: the whole run again on the meta engine
+        print(f"{e}\nvram run: running the script again on the meta engine", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "vram", *sys.argv[1:]],
+                  dict(os.environ, VRAM_RUN_BACKEND="meta"))
     from vram.devices.gpus import resolve_gpu
     from vram.run.distributed.rank import write_result
 

@@ -364,7 +364,7 @@ def attribute_patches() -> tuple[Callable[[Any, str, Any], None], Callable[[], N
 
 
 def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any], bool],
-                       resized: Callable[[Any], None], function_mode: Any,
+                       resize: Callable[[Any, int, Callable[..., Any]], Any], function_mode: Any,
                        exact: Callable[[Any], bool] = lambda t: False) -> Callable[[], None]:
     """Patches outside ``torch.cuda`` that a simulated run needs; returns the restore function.
 
@@ -385,7 +385,8 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
       stream on its block): C++'s argument parser rejects a simulated Stream before any mode
       sees the call ("unknown parameter type"; FSDP1's ``_free_unsharded_flat_param``);
     * ``UntypedStorage.resize_`` (not an aten op, so invisible to dispatch modes; FSDP frees
-      parameters with ``resize_(0)``) reports the storage to `resized` afterwards;
+      parameters with ``resize_(0)``) is ``resize(storage, size, original)``, which runs the
+      original and lets the simulated block follow;
     * the autograd engine (``torch.autograd._engine_run_backward``, behind ``backward()`` and
       ``autograd.grad``) runs with `function_mode` on the torch-function mode stack. ``backward()``
       reaches the engine through that mode's own handler, where PyTorch pops the mode, and the
@@ -439,9 +440,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
         return original_step(self, optimizer, optimizer_state, *args, **kwargs)
 
     def resize_(self: Any, size: int) -> Any:
-        out = original_resize(self, size)
-        resized(self)
-        return out
+        return resize(self, size, original_resize)
 
     def record_stream(self: Any, stream: Any) -> None:
         if simulated(self):

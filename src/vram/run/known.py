@@ -45,6 +45,19 @@ _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
 
 #: device types that stand for a simulated GPU (meta; `vram.run.backend` adds its own)
 SIMULATED_DEVICE_TYPES = {"meta"}
+#: the CUDA index that the PrivateUse1 engine's device 0 stands for (`engine_index`)
+ENGINE_OWN = [0]
+
+
+def engine_index(index: int) -> int:
+    """The PrivateUse1 engine's device index for CUDA index `index`, and the CUDA index for an
+    engine index (the same swap both ways): ``ENGINE_OWN[0]`` (a launched rank's own GPU,
+    ``LOCAL_RANK``) and 0 trade places, every other index is itself. The autograd engine has
+    ready queues for PrivateUse1 device 0 only (its Python device guard counts one device:
+    torch/csrc/acc/Module.cpp ``PythonDeviceGuard::deviceCount``; engine.cpp
+    ``start_device_threads``), so the GPU a rank runs backward on must be engine device 0."""
+    own = ENGINE_OWN[0]
+    return own if index == 0 else 0 if index == own else index
 
 
 class Unknown(Exception):

@@ -82,6 +82,7 @@ from vram.devices.gpus import GpuPreset, resolve_gpu
 from vram.frontend import memory as _memory
 
 from . import known
+from .backend.engine import EngineLimit
 from .compat import define_torchvision_ops, refuse_cuda_ipc
 from .cuda_api import DeviceProperties, patch_torch_cuda, patch_torch_extras
 from .distributed import install as install_distributed
@@ -111,12 +112,22 @@ if os.environ.get("VRAM_RUN_BACKEND") != "meta":
 
 
 def default_backend(device_count: int) -> str:
-    """``$VRAM_RUN_BACKEND``, else "privateuse1" for one process on one GPU and "meta" for several
-    GPUs or a torch.distributed rank (``WORLD_SIZE`` set), which that engine does not cover yet."""
+    """``$VRAM_RUN_BACKEND``, else "privateuse1" for one process on one GPU or a torch.distributed
+    rank (``WORLD_SIZE`` set: its autograd runs on its own GPU, `own_gpu`), and "meta" for one
+    process on several GPUs, whose backward may cross them (the PrivateUse1 engine's autograd has
+    one device, see `vram.run.known.engine_index`)."""
     chosen = os.environ.get("VRAM_RUN_BACKEND")
     if chosen:
         return chosen
-    return "meta" if device_count > 1 or "WORLD_SIZE" in os.environ else "privateuse1"
+    return "meta" if device_count > 1 and "WORLD_SIZE" not in os.environ else "privateuse1"
+
+
+def own_gpu(device_count: int) -> int:
+    """The GPU this process runs its autograd on: a torch.distributed rank's ``LOCAL_RANK`` (as
+    torchrun sets it) when it names one of the process's GPUs, else 0."""
+    local = os.environ.get("LOCAL_RANK", "0") if "WORLD_SIZE" in os.environ else "0"
+    own = int(local) if local.isdigit() else 0
+    return own if own < device_count else 0
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _VRAM_DIR = _history.PACKAGE_DIR
@@ -216,6 +227,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
         from . import backend as _backend
 
         _backend.register()
+        known.ENGINE_OWN[0] = own_gpu(device_count)
         sim: SimState = _backend.BackendState(props)
         dispatch, function = nullcontext(), _backend.BackendFunctionMode(sim)
         _backend.engine.push(sim)  # type: ignore[arg-type]
@@ -227,12 +239,12 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
         sim.real_values, sim.value_limit = True, sys.maxsize
     restore = patch_torch_cuda(sim.props)
     restore_extras = patch_torch_extras(sim.autocast_cache.clear, lambda t: sim.block_of(t) is not None,
-                                        sim.storage_resized, function,
+                                        sim.resize_storage, function,
                                         lambda t: known.known(sim, t) and not known.assumed(sim, t))
     sim.host.known_value = lambda t: known.cpu_value(sim, t)
     restore_storages = patch_storages(sim.storage_address, sim.storage_to, sim.storage_location, sim.storage_new)
     restore_rng = patch_rng(sim.host.ledger)
-    restore_distributed = install_distributed(sim)  # init_process_group("nccl") on simulated GPUs
+    restore_distributed = install_distributed(sim, function.device_for)  # init_process_group("nccl") on simulated GPUs
     restore_fast = patch_fast_paths((FunctionMode,))  # nn.MultiheadAttention's inference path, as on a GPU
     restore_ipc = refuse_cuda_ipc(lambda t: sim.block_of(t) is not None,
                                   lambda t: sim.host.real(t) if sim.host.of(t) is not None else None)
@@ -260,6 +272,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
         sim.live.clear()
         if backend == "privateuse1":
             _backend.engine.pop(sim)  # type: ignore[arg-type]
+            known.ENGINE_OWN[0] = 0
 
 
 def _print_exception(e: BaseException, report: ValueReport) -> None:
@@ -276,9 +289,18 @@ def _print_exception(e: BaseException, report: ValueReport) -> None:
     sys.stderr.flush()
 
 
+def _missed_cuda(e: BaseException, sim_kwargs: dict[str, Any]) -> bool:
+    """Did a CPU build's dispatcher get a CUDA tensor under the PrivateUse1 engine (a ``cuda``
+    device that reached aten without the function mode, as DTensor's RNG tracker's
+    ``get_rng_state().to(device)`` in torch/distributed/tensor/_random.py)? The meta engine's
+    dispatch mode sees those."""
+    backend = sim_kwargs.get("backend") or default_backend(sim_kwargs.get("device_count", 1))
+    return backend == "privateuse1" and isinstance(e, NotImplementedError) and "from the 'CUDA' backend" in str(e)
+
+
 def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                on_exit: Callable[[], None] | None = None, value_report: str | None = None,
-               **sim_kwargs: Any) -> int:
+               engine_fallback: bool = False, **sim_kwargs: Any) -> int:
     """Run the script at `path` with `argv` under `simulated_cuda`; returns its exit status.
 
     As ``python path argv...`` would: ``sys.argv`` and ``sys.path[0]`` are the script's,
@@ -287,7 +309,10 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
     prints ``torch.cuda.memory_summary()`` when the script ends (while its globals still hold their
     tensors); `on_exit` is called at that moment too. Reads answered with placeholder values are
     listed on stderr at the end, and written as JSON to `value_report` when given. `sim_kwargs`
-    go to `simulated_cuda` (``strict_values=True``: stop at the first such read instead).
+    go to `simulated_cuda` (``strict_values=True``: stop at the first such read instead). What the
+    PrivateUse1 engine cannot run (`vram.run.backend.EngineLimit`) is one line on stderr, or with
+    `engine_fallback` raised from here once the run is cleaned up, for the caller to rerun the
+    script on the meta engine.
     """
     path = os.fspath(path)
     saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
@@ -298,6 +323,7 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
     else:
         sys.path.insert(0, script_dir)
     status = 0
+    limit: EngineLimit | None = None
     try:
         with simulated_cuda(**sim_kwargs):
             result: Any = None
@@ -312,8 +338,19 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                 sys.stdout.flush()
                 print(f"vram run: {e}", file=sys.stderr, flush=True)
                 status = 1
+            except EngineLimit as e:
+                if engine_fallback:
+                    limit = e
+                else:
+                    sys.stdout.flush()
+                    print(e, file=sys.stderr, flush=True)
+                status = 1
             except Exception as e:  # noqa: BLE001 - the script's own failure, reported as python would
-                _print_exception(e, _ACTIVE[-1].report)
+                if engine_fallback and _missed_cuda(e, sim_kwargs):
+                    limit = EngineLimit(f"vram run: the PrivateUse1 engine let an op reach PyTorch's CUDA backend "
+                                        f"({str(e).splitlines()[0][:120]})")
+                else:
+                    _print_exception(e, _ACTIVE[-1].report)
                 status = 1
             finally:
                 if summary:
@@ -334,4 +371,6 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
         sys.argv = saved_argv
         if saved_path0 is not None:
             sys.path[0] = saved_path0
+    if limit is not None:
+        raise limit
     return status

@@ -254,10 +254,13 @@ class SimState:
         moved = torch.UntypedStorage(nbytes, device=_META)
         return moved, self.track(moved, idx)
 
-    def storage_resized(self, storage: Any) -> None:
+    def resize_storage(self, storage: Any, size: int, original: Callable[..., Any]) -> Any:
+        """``UntypedStorage.resize_`` (`original`), then the charged block follows (`resize`)."""
+        out = original(storage, size)
         b = self.live.get(storage._cdata)
         if b is not None:
             self.resize(storage, b)
+        return out
 
     def storage_address(self, storage: Any) -> int | None:
         """A simulated storage's simulated address; a lazy host storage's real one (its bytes

@@ -14,6 +14,6 @@ no meta key, no storage Python object: autograd sees plain tensors. A function m
 (`vram.run.backend.engine.BackendFunctionMode`, the default engine's `FunctionMode` with
 ``cuda`` sent here instead of to meta) plays the CUDA tensor to the script.
 """
-from .engine import NAME, BackendFunctionMode, BackendState, register
+from .engine import NAME, BackendFunctionMode, BackendState, EngineLimit, register
 
-__all__ = ["NAME", "BackendFunctionMode", "BackendState", "register"]
+__all__ = ["NAME", "BackendFunctionMode", "BackendState", "EngineLimit", "register"]

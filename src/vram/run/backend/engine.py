@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -52,6 +54,12 @@ _has = torch._C._dispatch_has_kernel_for_dispatch_key
 #: composites whose input a CUDA kernel takes ``contiguous()`` and PrivateUse1 does not
 _CUDA_CONTIGUOUS = frozenset({"group_norm"})
 _STATE: list[BackendState] = []  # the running simulations, innermost last
+
+
+class EngineLimit(RuntimeError):
+    """What the PrivateUse1 engine cannot run, for a reason in PyTorch's C++ (named in the
+    message); the meta engine can (``--backend meta``). A launched rank on the default engine is
+    rerun on the meta engine (`vram.cli.commands`)."""
 _LIB: list[Any] = []
 
 
@@ -169,18 +177,42 @@ class BackendState(SimState):
             if d.type != NAME:
                 return None
             base = t.data_ptr() - t.storage_offset() * t.element_size()
-        idx = d.index or 0
+        idx = known.engine_index(d.index or 0)
         return self.blocks.get((idx, base)) or self._empty[idx]
 
     def storage_block(self, storage: Any) -> ChargedStorage | None:
         device = raw_device(storage)
         if device.type != NAME:
             return None
-        return self.blocks.get((device.index or 0, torch._C.StorageBase.data_ptr(storage)))
+        idx = known.engine_index(device.index or 0)
+        return self.blocks.get((idx, torch._C.StorageBase.data_ptr(storage)))
 
     def new_storage(self, nbytes: int, idx: int) -> Any:
         t = self.new(torch.empty(nbytes, dtype=torch.uint8, device=_META), idx)
         return t.untyped_storage(), self.block_of(t)
+
+    def resize_storage(self, storage: Any, size: int, original: Any) -> Any:
+        """``UntypedStorage.resize_`` of a simulated storage as CUDA's ``resize_bytes_cuda`` does it
+        (aten/src/ATen/native/cuda/Resize.cpp): a new block of `size` bytes, then the old one
+        freed. A Python PrivateUse1 backend cannot resize (``resizePrivateUse1Bytes`` is not one
+        of the hooks torch/csrc/acc/Module.cpp lets Python implement), so the storage trades its
+        data pointer with new storages' (``_swap_data_ptr_``: equal sizes or one empty); the old
+        block goes with the storage it moved to. FSDP2 frees and re-allocates its unsharded
+        parameters this way."""
+        device = raw_device(storage)
+        if device.type != NAME:
+            return super().resize_storage(storage, size, original)
+        if size == storage.nbytes():
+            return storage
+        idx = known.engine_index(device.index or 0)
+        grown, _ = self.new_storage(size, idx)  # allocated before the old block is freed
+        emptied = None
+        if storage.nbytes():
+            emptied, _ = self.new_storage(0, idx)
+            storage._swap_data_ptr_(emptied)
+        storage._swap_data_ptr_(grown)
+        del grown, emptied  # the old block's storage dies: freed
+        return storage
 
     def new(self, meta: torch.Tensor, idx: int) -> torch.Tensor:
         """A PrivateUse1 tensor like `meta` over a new storage charged to device `idx`."""
@@ -188,10 +220,10 @@ class BackendState(SimState):
         ptr = self.malloc(idx, nbytes) if nbytes else 0
         if ptr:
             self.blocks[(idx, ptr)] = ChargedStorage(ptr, nbytes, idx, None)  # type: ignore[arg-type]
-        return new_storage(meta, idx, ptr, self._died)
+        return new_storage(meta, known.engine_index(idx), ptr, self._died)
 
-    def _died(self, idx: int, ptr: int) -> None:
-        b = self.blocks.pop((idx, ptr), None)
+    def _died(self, engine_idx: int, ptr: int) -> None:
+        b = self.blocks.pop((known.engine_index(engine_idx), ptr), None)
         if b is not None:
             self._free(b)
 
@@ -216,12 +248,12 @@ def _device(args: Any, kwargs: dict[str, Any]) -> int:
     for a in list(args) + list(kwargs.values()):
         for t in a if isinstance(a, (list, tuple)) else (a,):
             if isinstance(t, torch.Tensor) and t.device.type == NAME:
-                return t.device.index or 0
-    d = kwargs.get("device")
-    if isinstance(d, torch.device) and d.type == NAME:
-        return d.index or 0
+                return known.engine_index(t.device.index or 0)
     from vram.frontend import memory as _memory
 
+    d = kwargs.get("device")
+    if isinstance(d, torch.device) and d.type == NAME:  # no index: the current device, as C++'s guard
+        return _memory.current_device() if d.index is None else known.engine_index(d.index)
     return _memory.current_device()
 
 
@@ -363,10 +395,23 @@ class BackendFunctionMode(FunctionMode):
         return lazy.ready(self.sim, _fallback)
 
     def device_for(self, idx: int) -> torch.device:
-        return torch.device(NAME, idx)
+        return torch.device(NAME, known.engine_index(idx))
 
-    def backward_scope(self, roots: Any) -> Any:
-        return lazy.outside_backward(self.sim, roots)
+    @contextmanager
+    def backward_scope(self, roots: Any) -> Iterator[None]:
+        """`lazy.outside_backward`; a backward that reaches another GPU than this process's own
+        fails in the autograd engine (``device_ready_queues_`` has PrivateUse1 device 0 only:
+        `vram.run.known.engine_index`) and is refused in one line instead."""
+        try:
+            with lazy.outside_backward(self.sim, roots):
+                yield
+        except RuntimeError as e:
+            if "device_ready_queues_" not in str(e):
+                raise
+            raise EngineLimit(
+                f"vram run: this backward runs on a GPU other than cuda:{known.ENGINE_OWN[0]}, the only one the "
+                "PrivateUse1 engine can run autograd on (its Python device guard counts one device: "
+                "torch/csrc/acc/Module.cpp PythonDeviceGuard::deviceCount); run with --backend meta") from None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         lazy.retire(self.sim)

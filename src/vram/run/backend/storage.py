@@ -69,7 +69,7 @@ def new_storage(meta: torch.Tensor, device: int, address: int, died: Callable[[i
     if meta.dtype not in CODES:
         raise NotImplementedError(f"vram run --backend privateuse1: no DLPack code for {meta.dtype} yet")
     size = meta.element_size()
-    words = max(meta.untyped_storage().nbytes() // size, 1)
+    words = meta.untyped_storage().nbytes() // size
     memory = (ctypes.c_uint8 * (words * size)).from_address(address or EMPTY)
     memory.block = _Block(address, device, died)  # type: ignore[attr-defined]
     capsule = np.frombuffer(memory, dtype=np.uint8).__dlpack__()

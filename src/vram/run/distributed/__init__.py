@@ -36,8 +36,10 @@ def current_sim() -> SimState:
     return _SIMS[-1]
 
 
-def install(sim: SimState) -> Callable[[], None]:
-    """Make ``torch.distributed``'s ``nccl`` backend vram's; returns the function that undoes it."""
+def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], None]:
+    """Make ``torch.distributed``'s ``nccl`` backend vram's; returns the function that undoes it.
+    `device_for` maps a CUDA index to where the engine keeps that GPU's tensors (the function
+    mode's ``device_for``)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.c10d_logger as c10d_logger
@@ -46,7 +48,7 @@ def install(sim: SimState) -> Callable[[], None]:
     from torch.distributed import HashStore
 
     from . import nccl
-    from .ddp import verify_params_across_processes
+    from .ddp import refuse_local_used_map, verify_params_across_processes
     from .dtensor import rebuild_on_meta
     from .functional import overrides
     from .gloo import SimProcessGroupGloo
@@ -80,13 +82,15 @@ def install(sim: SimState) -> Callable[[], None]:
     put(c10d, "default_pg_nccl_timeout", timedelta(minutes=10))
     put(rdzv, "_create_c10d_store", create_store)
     put(dist, "_verify_params_across_processes", verify_params_across_processes)
+    if device_for(0).type != "meta":  # the PrivateUse1 engine
+        refuse_local_used_map(torch.nn.parallel.DistributedDataParallel, put)
     batch = coalesced_p2p(c10d.batch_isend_irecv)
     put(c10d, "batch_isend_irecv", batch)
     put(dist, "batch_isend_irecv", batch)
     nccl.reset()   # this run's communicators only
     import torch.distributed.tensor._op_schema as schema
     put(schema, "_rebuild_tensor_from_dtensor_meta", rebuild_on_meta(schema._rebuild_tensor_from_dtensor_meta))
-    put(torch.Tensor, "_make_wrapper_subclass", make_wrapper_subclass(torch.Tensor._make_wrapper_subclass))
+    put(torch.Tensor, "_make_wrapper_subclass", make_wrapper_subclass(torch.Tensor._make_wrapper_subclass, device_for))
     staged = stage_snapshots(_memory._dump_snapshot)  # a launched rank: dumps wait for the launcher
     if staged is not None:
         import torch.cuda.memory

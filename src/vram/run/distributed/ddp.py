@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["verify_params_across_processes"]
+__all__ = ["refuse_local_used_map", "verify_params_across_processes"]
 
 
 def verify_params_across_processes(process_group: Any, params: list[torch.Tensor], logger: Any = None) -> None:
@@ -28,3 +28,32 @@ def verify_params_across_processes(process_group: Any, params: list[torch.Tensor
     metadata_dev = metadata.clone().to(device)
     process_group.broadcast([metadata_dev]).wait()
     del count, gathered, metadata_dev
+
+
+def refuse_local_used_map(ddp: Any, put: Any) -> None:
+    """Under the PrivateUse1 engine, refuse DDP's ``find_unused_parameters=True`` and
+    ``static_graph`` at once: the Reducer's ``all_reduce_local_used_map`` (reducer.cpp) copies the
+    used-parameter map through a *pinned* host tensor when the parameters are CUDA or PrivateUse1
+    tensors and asserts ``is_pinned()``, and a Python PrivateUse1 backend has no pinned-memory
+    allocator (``getPinnedMemoryAllocator``/``isPinnedPtr`` are not among the hooks
+    torch/csrc/acc/Module.cpp lets Python implement), so the first backward would fail in C++."""
+    from ..backend import EngineLimit
+
+    init = ddp.__init__
+    why = ("vram run: DDP's {} copies its used-parameter map through pinned host memory (reducer.cpp "
+           "all_reduce_local_used_map), which the PrivateUse1 engine cannot allocate (torch/csrc/acc/Module.cpp "
+           "has no pinned-memory hook); run with --backend meta")
+
+    def ddp_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        import inspect
+
+        bound = inspect.signature(init).bind(self, *args, **kwargs)
+        if bound.arguments.get("find_unused_parameters"):
+            raise EngineLimit(why.format("find_unused_parameters=True"))
+        init(self, *args, **kwargs)
+
+    def set_static_graph(self: Any) -> None:
+        raise EngineLimit(why.format("static_graph"))
+
+    put(ddp, "__init__", ddp_init)
+    put(ddp, "_set_static_graph", set_static_graph)

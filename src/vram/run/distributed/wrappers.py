@@ -5,8 +5,9 @@ device=elem.device)``, and the function mode answers ``elem.device`` with the ``
 script must see, although ``elem`` is a meta tensor. A ``cuda`` wrapper around a meta tensor
 then fails DTensor's ``detach`` when autograd unpacks a saved tensor (``checkSetStorage``:
 "Attempted to set the storage of a tensor on device cuda:0 to a storage on different device
-meta"). A CPU build has no CUDA tensors, so in a simulated run a CUDA wrapper is made on meta,
-as its inner tensor is; the script still sees ``cuda:N`` (`SimState.seen_idx` looks inside)."""
+meta"). A CPU build has no CUDA tensors, so in a simulated run a CUDA wrapper is made where its
+inner tensor is (meta, or the PrivateUse1 engine's device: the function mode's ``device_for``);
+the script still sees ``cuda:N`` (`SimState.seen_idx` looks inside)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -17,12 +18,13 @@ import torch
 __all__ = ["make_wrapper_subclass"]
 
 
-def make_wrapper_subclass(original: Callable[..., Any]) -> Any:
-    """``Tensor._make_wrapper_subclass`` with a ``cuda`` device made ``meta``."""
+def make_wrapper_subclass(original: Callable[..., Any], device_for: Callable[[int], torch.device]) -> Any:
+    """``Tensor._make_wrapper_subclass`` with a ``cuda:N`` device made ``device_for(N)``."""
+    from vram.frontend import memory as _memory
 
     def make(cls: Any, *args: Any, **kwargs: Any) -> Any:
         device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs["device"] = torch.device("meta")
+        if device is not None and (d := torch.device(device)).type == "cuda":
+            kwargs["device"] = device_for(_memory.current_device() if d.index is None else d.index)
         return original(cls, *args, **kwargs)
     return staticmethod(make)
