@@ -49,7 +49,7 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
 
     from . import nccl
     from .ddp import refuse_local_used_map, verify_params_across_processes
-    from .dtensor import rebuild_on_meta
+    from .dtensor import device_state_on, rebuild_on_meta
     from .functional import overrides
     from .gloo import SimProcessGroupGloo
     from .process_group import SimProcessGroup
@@ -90,6 +90,9 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
     nccl.reset()   # this run's communicators only
     import torch.distributed.tensor._op_schema as schema
     put(schema, "_rebuild_tensor_from_dtensor_meta", rebuild_on_meta(schema._rebuild_tensor_from_dtensor_meta))
+    import torch.distributed.tensor._random as dtensor_random
+    tracker = dtensor_random.OffsetBasedRNGTracker
+    put(tracker, "_get_device_state", device_state_on(tracker._get_device_state, device_for))
     put(torch.Tensor, "_make_wrapper_subclass", make_wrapper_subclass(torch.Tensor._make_wrapper_subclass, device_for))
     staged = stage_snapshots(_memory._dump_snapshot)  # a launched rank: dumps wait for the launcher
     if staged is not None:

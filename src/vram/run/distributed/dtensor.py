@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["rebuild_on_meta"]
+__all__ = ["device_state_on", "rebuild_on_meta"]
 
 
 def rebuild_on_meta(original: Callable[[Any], object]) -> Callable[[Any], object]:
@@ -28,3 +28,18 @@ def rebuild_on_meta(original: Callable[[Any], object]) -> Callable[[Any], object
         meta = arg.tensor_meta
         return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
     return rebuild
+
+
+def device_state_on(original: Callable[[Any], Any], device_for: Callable[[int], Any]) -> Callable[[Any], Any]:
+    """``OffsetBasedRNGTracker._get_device_state`` (torch/distributed/tensor/_random.py:
+    ``get_rng_state().to(self._device)``) with a ``cuda`` mesh's state moved to the engine's
+    device for that GPU. DTensor calls it from its dispatch, where no function mode turns
+    ``cuda`` into the simulated device, so a CPU build's dispatcher got a CUDA tensor."""
+
+    def get_device_state(self: Any) -> Any:
+        device = self._device
+        if device.type != "cuda":
+            return original(self)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return self._device_handle.get_rng_state().to(device_for(index))
+    return get_device_state
