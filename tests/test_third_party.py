@@ -368,3 +368,18 @@ def test_storage_device_is_the_gpu(backend: str) -> None:
             assert not h.untyped_storage().is_cuda
             assert torch.equal(h.cuda().cpu(), torch.zeros(n))
     assert torch.ones(2).untyped_storage().device == torch.device("cpu")  # restored
+
+
+@pytest.mark.parametrize("backend", ["privateuse1", "meta"])
+def test_factories_asked_for_pinned_memory_make_host_tensors(backend: str) -> None:
+    """``torch.empty(n, pin_memory=True)`` / ``randn(..., pin_memory=True)`` allocate page-locked
+    *host* memory on a CUDA build (nothing from the caching allocator); a CPU build refuses to
+    pin, and under the PrivateUse1 engine asked for PrivateUse1's pinned allocator."""
+    with simulated_cuda(gpu="24GiB", backend=backend):
+        a = torch.empty(1000, pin_memory=True)
+        c = torch.randn(100, 100, pin_memory=True)
+        assert a.device.type == c.device.type == "cpu" and a.shape == (1000,)
+        assert torch.cuda.memory_allocated() == 0
+        on_gpu = c.to("cuda", non_blocking=True)
+        assert on_gpu.device == torch.device("cuda", 0)
+        assert torch.cuda.memory_allocated() == 40_448   # 40,000 B rounded up to 512

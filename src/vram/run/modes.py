@@ -279,6 +279,8 @@ class FunctionMode(TorchFunctionMode):
             return func(*args, **kwargs)
         sim = self.sim
         name = getattr(func, "__name__", "")
+        if kwargs.get("pin_memory") is True:  # page-locked host memory is host memory, not the GPU's,
+            kwargs = {**kwargs, "pin_memory": False}  # and a CPU build cannot pin (as `pin_memory()`)
         if name == "__get__":  # a Tensor property
             prop = getattr(getattr(func, "__self__", None), "__name__", "")
             if prop in ("device", "is_cuda", "is_meta", "is_cpu") and args:
