@@ -215,6 +215,9 @@ def _run(script: str, gpu: str) -> int:
         def backward_scope(self, roots):  # type: ignore[no-untyped-def]  # FunctionMode's: nothing to leave
             return contextlib.nullcontext()
 
+        def device_for(self, index):  # type: ignore[no-untyped-def]  # FunctionMode's: where GPU `index` lives
+            return torch.device("vramsim", 0)
+
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = kwargs or {}
             d = kwargs.get("device")
