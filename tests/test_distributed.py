@@ -57,6 +57,20 @@ def test_init_process_group_nccl_on_simulated_gpus(rank_env: Any) -> None:
     assert not dist.is_initialized() and not dist.is_nccl_available()   # all restored
 
 
+def test_nccl_version_is_a_cuda_builds() -> None:
+    """``torch.cuda.nccl.version()`` decodes ``NCCL_MAJOR << 32 | NCCL_MINOR << 16 | NCCL_PATCH``
+    (torch/csrc/cuda/nccl.cpp ``version``; torch/cuda/nccl.py): under a simulated run it is the
+    release vram's NCCL figures follow (NVIDIA/nccl 2.30.7), so bf16 checks such as torchtune's
+    ``verify_bf16_support`` (``torch.cuda.nccl.version() >= (2, 10)``) pass, as on a CUDA build."""
+    with pytest.raises(AttributeError):
+        torch.cuda.nccl.version()                  # a CPU build has no _nccl_version
+    with simulated_cuda(gpu="24GiB"):
+        assert torch.cuda.nccl.version() == (2, 30, 7)
+        assert dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)
+    with pytest.raises(AttributeError):
+        torch.cuda.nccl.version()                  # restored
+
+
 def test_env_rendezvous_keeps_pytorchs_checks(rank_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     rank_env(0, 2)
     monkeypatch.delenv("MASTER_ADDR")

@@ -47,10 +47,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["NcclEnv", "Node", "Communicator", "NcclMemory", "node_for", "nvswitch_ring_channels",
+__all__ = ["VERSION", "NcclEnv", "Node", "Communicator", "NcclMemory", "node_for", "nvswitch_ring_channels",
            "connector_bytes", "nccl_memory", "with_nccl"]
 
 MIB = 1 << 20
+VERSION = (2, 30, 7)            # the release whose source the rules here follow
 CUDA_IPC_MIN = 2 * MIB          # src/include/comm.h
 MEM_ALIGN = 4096                # sizeof(ncclSendMem) == sizeof(ncclRecvMem)
 GRANULARITY = 2 * MIB           # cuMemGetAllocationGranularity(MINIMUM), assumed

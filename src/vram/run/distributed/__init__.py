@@ -19,6 +19,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from vram.devices.nccl import VERSION as NCCL_VERSION
 from vram.frontend import memory as _memory
 
 from ..cuda_api import attribute_patches
@@ -76,6 +77,11 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
     put(c10d, "is_nccl_available", lambda: True)
     put(dist, "is_nccl_available", lambda: True)
     put(c10d, "_NCCL_AVAILABLE", True)
+    # torch.cuda.nccl.version() (torchtune's and FSDP's bf16 checks): NCCL_MAJOR << 32 | NCCL_MINOR << 16
+    # | NCCL_PATCH (torch/csrc/cuda/nccl.cpp ``version``), of the NCCL release vram models
+    major, minor, patch = NCCL_VERSION
+    put(torch._C, "_nccl_version", lambda: major << 32 | minor << 16 | patch)
+    put(torch._C, "_nccl_version_suffix", lambda: b"")
     # torch/distributed/constants.py: a CUDA build's ``_DEFAULT_PG_NCCL_TIMEOUT``
     # (``kProcessGroupNCCLDefaultTimeout``, 10 minutes); a CPU build has None, and
     # ``_get_default_timeout("nccl")`` warned "NCCL support is not compiled" in every run
