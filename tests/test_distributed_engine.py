@@ -137,3 +137,22 @@ def test_ddp_static_graph_is_refused_in_process(rank1: Any) -> None:
         m = torch.nn.Linear(8, 8).cuda()
         with pytest.raises(EngineLimit, match="static_graph copies its used-parameter map"):
             torch.nn.parallel.DistributedDataParallel(m, device_ids=[1], static_graph=True)
+
+
+@pytest.mark.parametrize("backend", ["privateuse1", "meta"])
+def test_a_device_index_is_a_cuda_device(rank1: Any, backend: str) -> None:
+    """On a GPU build an integer device is CUDA's: ``ToyModel().to(rank)`` (pytorch/examples
+    distributed/ddp/example.py), ``torch.ones(n, device=rank)``, ``t.to(rank)``. ``Module.to``
+    parses it in C++ as the current accelerator's index, which is not a CUDA index here (the
+    PrivateUse1 engine numbers the rank's own GPU 0; a CPU build without it has no accelerator)."""
+    with simulated_cuda(gpu="24GiB", device_count=2, backend=backend):
+        torch.cuda.set_device(1)
+        m = torch.nn.Linear(256, 256).to(1)
+        x = torch.ones(8, 256, device=1)
+        y = torch.zeros(8, 256).to(1)
+        assert m.weight.device == x.device == y.device == torch.device("cuda", 1)
+        assert torch.cuda.memory_allocated(0) == 0
+        blocks = [256 * 256 * 4, 256 * 4, 8 * 256 * 4, 8 * 256 * 4]   # weight, bias, x, y: multiples of 512
+        assert torch.cuda.memory_allocated(1) == sum(blocks)
+        (m(x) - y).sum().backward()
+        assert m.weight.grad is not None and m.weight.grad.device == torch.device("cuda", 1)

@@ -387,6 +387,10 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     * ``UntypedStorage.resize_`` (not an aten op, so invisible to dispatch modes; FSDP frees
       parameters with ``resize_(0)``) is ``resize(storage, size, original)``, which runs the
       original and lets the simulated block follow;
+    * ``Module.to(1)`` / ``Module.to(device=1)``: a device index is a CUDA device on a GPU build;
+      ``Module.to`` parses it in C++ (``_parse_to``) as the current accelerator's, which a CPU build
+      lacks ("Cannot access accelerator device", meta engine) or which is the PrivateUse1 engine's
+      own numbering, so the index becomes ``cuda:N`` first (DDP examples: ``ToyModel().to(rank)``);
     * the autograd engine (``torch.autograd._engine_run_backward``, behind ``backward()`` and
       ``autograd.grad``) runs with `function_mode` on the torch-function mode stack. ``backward()``
       reaches the engine through that mode's own handler, where PyTorch pops the mode, and the
@@ -409,6 +413,16 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     original_engine = autograd_graph._engine_run_backward
     original_hooks_init = autograd_graph.saved_tensors_hooks.__init__
     original_compatible = torch._has_compatible_shallow_copy_type
+    original_module_to = torch.nn.Module.to
+
+    def module_to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def cuda(d: Any) -> Any:
+            return torch.device("cuda", d) if isinstance(d, int) and not isinstance(d, bool) else d
+        if args:
+            args = (cuda(args[0]), *args[1:])
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": cuda(kwargs["device"])}
+        return original_module_to(self, *args, **kwargs)
 
     def compatible(input: Any, from_: Any) -> bool:  # noqa: A002 - torch's parameter names (dynamo checks)
         # A host tensor and a simulated one are CPU and CUDA to the script: compatible, so
@@ -486,6 +500,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     torch._C._group_tensors_by_device_and_dtype = group
     torch.clear_autocast_cache = clear_autocast_cache
     torch._has_compatible_shallow_copy_type = compatible
+    torch.nn.Module.to = module_to  # type: ignore[method-assign,assignment]
     torch.compile = compile  # type: ignore[assignment]
     torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
     torch.Tensor.record_stream = record_stream  # type: ignore[method-assign,assignment]
@@ -496,6 +511,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
         torch._C._group_tensors_by_device_and_dtype = original_group
         torch.clear_autocast_cache = original_clear
         torch._has_compatible_shallow_copy_type = original_compatible
+        torch.nn.Module.to = original_module_to  # type: ignore[method-assign]
         torch.compile = original_compile
         GradScaler._maybe_opt_step = original_step  # type: ignore[method-assign]
         torch.UntypedStorage.resize_ = original_resize  # type: ignore[method-assign]

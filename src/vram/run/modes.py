@@ -247,8 +247,6 @@ def parse_device(value: Any) -> tuple[str, int | None] | None:
     else:
         return None
     if kind == "cuda" or (kind != "meta" and kind in known.SIMULATED_DEVICE_TYPES):  # the PrivateUse1 engine's device
-        if index is not None and kind != "cuda":
-            index = known.engine_index(index)
         return "cuda", _memory.current_device() if index is None else _memory._device_index(index)
     return kind, None
 
