@@ -318,3 +318,20 @@ def test_a_loaded_checkpoint_holds_its_exact_values(tmp_path: Path, capsys) -> N
     assert run_script(str(path), [], values="real") == 0
     out = capsys.readouterr()
     assert out.out == "True\n" and "placeholder" not in out.err
+
+
+def test_histc_counts_integers_as_cuda_does() -> None:
+    """MoE layers (transformers' Mixtral/Qwen-MoE ``grouped_mm`` experts) count tokens per expert with
+    ``torch.histc`` on int32 ids: CUDA's kernel takes integer types, the CPU's only floating ones.
+    The counts must be those of the same rule on the floats (SummaryOps.cu: integer bins)."""
+    ids = torch.randint(0, 8, (4096,), dtype=torch.int32)
+    with simulated_cuda(values="real"):
+        x = ids.cuda()
+        got = [torch.histc(x, bins=8, min=0, max=7), torch.histc(x, bins=5, min=2, max=6), torch.histc(x, bins=3)]
+        assert all(g.dtype == torch.int32 for g in got)
+        got = [g.cpu() for g in got]
+        assert active_sim().report.sites == {}
+    f = ids.float()
+    expected = [torch.histc(f, bins=8, min=0, max=7), torch.histc(f, bins=5, min=2, max=6), torch.histc(f, bins=3)]
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e.int())
