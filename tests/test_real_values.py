@@ -12,6 +12,7 @@ placeholders (checked too). The allocator must see exactly what it sees in the d
 """
 from __future__ import annotations
 
+import copy
 import math
 import textwrap
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+tree_leaves = pytest.importorskip("torch.utils._pytree").tree_leaves
 nn = torch.nn
 F = torch.nn.functional
 
@@ -273,3 +275,63 @@ def test_grad_scaler_skips_the_step_its_inf_gradients_call_for() -> None:
         scaler.update()
         assert scaler.get_scale() == 2.0**39 and torch.equal(m.weight.detach().cpu(), before)
         assert not opt.state  # no step: no optimizer state allocated
+
+
+@pytest.mark.parametrize("backend", ["privateuse1", "meta"])
+def test_transformer_inference_fast_paths_compute_the_fused_ops_values(backend: str) -> None:
+    """In ``eval()`` without grad, ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` call the
+    fused ops (`vram.run.fastpath`), whose allocation models leave their scratch unwritten: the
+    outputs must hold what the fused CPU kernels compute (plain CPU torch takes the same fast path)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(128, 4, 1024, dropout=0.0, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    mha = nn.MultiheadAttention(128, 4, batch_first=True).eval()
+    assert layer.linear1.weight.numel() > VALUE_LIMIT
+    x, mask = torch.randn(3, 40, 128), nn.Transformer.generate_square_subsequent_mask(40)
+    with torch.no_grad():
+        ref = on_cpu(lambda: (enc(x, mask=mask), mha(x, x, x), mha(x, x, x, need_weights=False)[0]))
+    with simulated_cuda(values="real", backend=backend), torch.no_grad():
+        e, m, xs = copy.deepcopy(enc).cuda(), copy.deepcopy(mha).cuda(), x.cuda()
+        got = (e(xs, mask=mask.cuda()), m(xs, xs, xs), m(xs, xs, xs, need_weights=False)[0])
+        for g, r in zip(tree_leaves(got), tree_leaves(ref)):
+            assert torch.equal(g.cpu(), r)
+        assert active_sim().report.sites == {}
+
+
+SAVED = """\
+import io, torch
+torch.manual_seed(0)
+x, m = torch.randn(4, 300), torch.nn.Linear(300, 300)
+expected = m(x).sum().item()
+buf = io.BytesIO()
+torch.save(m.cuda(), buf)
+buf.seek(0)
+print(torch.load(buf, weights_only=False)(x.cuda()).sum().item() == expected)
+"""
+
+
+def test_a_loaded_checkpoint_holds_its_exact_values(tmp_path: Path, capsys) -> None:
+    """``torch.load`` onto the GPU (word_language_model reloads its best model to test it): the
+    loaded storages hold the checkpoint's bytes, not values computed from placeholders."""
+    path = tmp_path / "load.py"
+    path.write_text(SAVED)
+    assert run_script(str(path), [], values="real") == 0
+    out = capsys.readouterr()
+    assert out.out == "True\n" and "placeholder" not in out.err
+
+
+def test_histc_counts_integers_as_cuda_does() -> None:
+    """MoE layers (transformers' Mixtral/Qwen-MoE ``grouped_mm`` experts) count tokens per expert with
+    ``torch.histc`` on int32 ids: CUDA's kernel takes integer types, the CPU's only floating ones.
+    The counts must be those of the same rule on the floats (SummaryOps.cu: integer bins)."""
+    ids = torch.randint(0, 8, (4096,), dtype=torch.int32)
+    with simulated_cuda(values="real"):
+        x = ids.cuda()
+        got = [torch.histc(x, bins=8, min=0, max=7), torch.histc(x, bins=5, min=2, max=6), torch.histc(x, bins=3)]
+        assert all(g.dtype == torch.int32 for g in got)
+        got = [g.cpu() for g in got]
+        assert active_sim().report.sites == {}
+    f = ids.float()
+    expected = [torch.histc(f, bins=8, min=0, max=7), torch.histc(f, bins=5, min=2, max=6), torch.histc(f, bins=3)]
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e.int())

@@ -11,6 +11,8 @@ true, so a simulated run took the layer-by-layer slow path, which allocates diff
   subclass still counts, as it does on a GPU);
 * `FUSED` runs the fused ops as their CUDA kernels do, op by op, so each allocation is the one the
   CUDA source makes (cited per step); the ops they call are vram's usual models;
+* `fused_values` gives the outputs the values of the fused op's CPU kernel (the composites leave
+  their scratch unwritten, so what they computed is not the op's value);
 * the nested-tensor path (``TransformerEncoder`` with ``src_key_padding_mask``) stops with a clear
   message: nested tensors are not modelled.
 """
@@ -23,7 +25,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves
 
+from . import known
 from .kernels import clone_with_globals, sdpa_args, select_sdpa_backend
 
 _FUSED_SDPA = ("flash", "efficient", "cudnn")
@@ -224,6 +229,23 @@ _NESTED = ("vram run: nn.TransformerEncoder's nested-tensor fast path (eval, no 
 
 def _refuse_nested(args: tuple[Any, ...], kwargs: dict[str, Any], major: int, minor: int) -> Any:
     raise NotImplementedError(_NESTED)
+
+
+#: the aten op behind each fused function: its CPU kernel gives the composite's outputs their values
+_ATEN = {torch._native_multi_head_attention: torch.ops.aten._native_multi_head_attention.default,
+         torch._transformer_encoder_layer_fwd: torch.ops.aten._transformer_encoder_layer_fwd.default}
+
+
+def fused_values(sim: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    """The values of a fused op's outputs: those its CPU kernel computes from the inputs' values
+    (`known.propagate`: unknown inputs leave them unknown). The composites in `FUSED` allocate what
+    the CUDA kernels allocate but never write their scratch (``empty`` q/k/v, the persistent
+    softmax's output), so what they computed is not the op's value (``--values real`` read it)."""
+    op = _ATEN.get(func)
+    if op is not None:
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        with _disable_current_modes():  # the CPU kernel on host copies, below the simulation
+            known.propagate(sim, op, args, kwargs, out, inputs)
 
 
 #: fused ops -> their CUDA composite, called with (args, kwargs, major, minor) under the function mode

@@ -326,8 +326,10 @@ class FunctionMode(TorchFunctionMode):
             return self._call(func, lambda: self._inside(func, args, kwargs), None, False, args, kwargs)
         if func in _fast.FUSED and b0 is not None:
             cc = sim.props[b0.device]  # nn.MultiheadAttention / TransformerEncoderLayer in inference
-            return self._call(func, lambda: self._again(lambda: _fast.FUSED[func](args, kwargs, cc.major, cc.minor)),
-                              None, False, args, kwargs)
+            out = self._call(func, lambda: self._again(lambda: _fast.FUSED[func](args, kwargs, cc.major, cc.minor)),
+                             None, False, args, kwargs)
+            _fast.fused_values(sim, func, args, kwargs, out)
+            return out
         if name == "pin_memory" and t0 is not None:  # page-locked host memory: not GPU memory
             return t0
         if torch.is_autocast_enabled("cuda"):

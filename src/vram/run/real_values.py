@@ -198,6 +198,26 @@ def _block(sim: SimState, out: Any) -> ChargedStorage | None:
     return sim.block_of(first) if isinstance(first, torch.Tensor) else None
 
 
+def _histc(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    """``_histc_cuda`` (aten/src/ATen/native/cuda/SummaryOps.cu) counts integer tensors too (the CPU
+    kernel takes floating types only; MoE layers count tokens per expert so): bounds cast to the
+    input's type, the data's min and max when equal, widened by 1 when still equal; a value in
+    [min, max] goes to bin ``(x - min) * bins / (max - min)`` (integer division), the last closed."""
+    (x, bins, *rest), kw = cpu
+    if x.is_floating_point():
+        return func(*cpu[0], **cpu[1])
+    lo, hi = int(rest[0] if rest else kw.get("min", 0)), int(rest[1] if len(rest) > 1 else kw.get("max", 0))
+    if lo == hi:
+        lo, hi = int(x.min()), int(x.max())
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    if lo > hi:
+        raise RuntimeError("max must be larger than min")
+    v = x.flatten().long()
+    v = v[(v >= lo) & (v <= hi)]
+    return torch.bincount(((v - lo) * bins // (hi - lo)).clamp_max(bins - 1), minlength=bins).to(x.dtype)
+
+
 #: CPU values of aten ops that have only CUDA kernels: (sim, op, args, kwargs, CPU (args,
 #: kwargs), the op's simulated outputs or None) -> the CPU outputs, shaped as the op's
 CUDA_ONLY = {
@@ -207,4 +227,5 @@ CUDA_ONLY = {
     _aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward,
     _aten._scaled_dot_product_cudnn_attention.default: _cudnn,
     _aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward,
+    _aten.histc.default: _histc,
 }

@@ -302,8 +302,8 @@ class SimState:
                 return storage
             moved, nb = self.new_storage(storage.nbytes(), idx)
             if b is None and raw_device(storage).type == "cpu" and storage.nbytes() <= self.value_limit * 4:
-                self.reserve(storage.nbytes())
-                nb.value = storage.clone()
+                self.reserve(storage.nbytes())  # the host's bytes exactly, whatever a view made
+                nb.value, nb.assumed = storage.clone(), False  # while the storage was built assumed
             return moved
         if b is not None and device.type != "meta":
             if b.value is not None:
