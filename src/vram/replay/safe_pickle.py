@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
+from vram.devices.host import available_memory
+
 from .messages import Invalid, one_line
 
 __all__ = ["MEMORY_BASE", "MEMORY_FACTOR", "OPCODE_BYTES", "available_memory", "decode_json", "decode_pickle",
@@ -217,26 +219,6 @@ class _FastSafeUnpickler(pickle.Unpickler):
 
 class _MemoryCapped(Exception):
     """Internal: a decoder ran out of the memory `memory_cap` allows (`args[0]`: the limit, in words)."""
-
-
-def available_memory() -> int | None:
-    """Bytes of RAM this process can still get: /proc/meminfo's MemAvailable, and a cgroup v2
-    limit less its usage where one is set; None where neither can be read."""
-    found = []
-    try:
-        with open("/proc/meminfo") as f:
-            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            with open("/sys/fs/cgroup/memory.current") as f:
-                found.append(max(0, int(limit) - int(f.read().strip())))
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
 
 
 @contextmanager

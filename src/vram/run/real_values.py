@@ -12,8 +12,9 @@ are host memory, never charged.
 Cost: host memory for a copy of every live simulated storage (about the run's
 ``memory_allocated()``, plus what the CPU kernels need while they run) and the CPU time of the
 model's arithmetic. Before a copy is made, `SimState.reserve` checks the host's available memory
-(``MemAvailable`` in ``/proc/meminfo``) and stops the run with `HostMemoryError` when the copy
-would leave less than `vram.run.storages.HOST_RESERVE` free: a run whose values do not fit is refused, never
+(`vram.devices.host.available_memory`: ``MemAvailable``, and a cgroup limit where one is set)
+and stops the run with `HostMemoryError` when the copy would leave less than
+`vram.run.storages.HOST_RESERVE` free: a run whose values do not fit is refused, never
 continued with some values missing.
 
 Kernels that exist only for CUDA have CPU implementations here (`CUDA_ONLY`): the fused

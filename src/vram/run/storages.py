@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from vram.allocator.errors import OutOfMemoryError as _SimOOM
+from vram.devices.host import available_memory as host_available
 from vram.frontend import memory as _memory
 
 from .cuda_api import DeviceProperties
@@ -33,18 +34,6 @@ CHECK_EVERY = 16 << 20
 
 class HostMemoryError(Exception):
     """The CPU copies of a real-values run (`vram.run.real_values`) do not fit in host memory."""
-
-
-def host_available() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 class ChargedStorage:
@@ -212,8 +201,9 @@ class SimState:
     # -- value copies of a real-values run (`vram.run.real_values`) ------------------------------
     def reserve(self, nbytes: int) -> None:
         """Before a value copy of `nbytes` is made in real-values mode: refuse the run when it
-        would leave less than `HOST_RESERVE` of host memory available (`host_available`; small
-        copies are checked once they add up to `CHECK_EVERY`)."""
+        would leave less than `HOST_RESERVE` of host memory available
+        (`vram.devices.host.available_memory`: MemAvailable, and a cgroup limit where one is set;
+        small copies are checked once they add up to `CHECK_EVERY`)."""
         if not self.real_values:
             return
         self.unchecked_bytes += nbytes
