@@ -54,13 +54,13 @@ _has = torch._C._dispatch_has_kernel_for_dispatch_key
 #: composites whose input a CUDA kernel takes ``contiguous()`` and PrivateUse1 does not
 _CUDA_CONTIGUOUS = frozenset({"group_norm"})
 _STATE: list[BackendState] = []  # the running simulations, innermost last
+_LIB: list[Any] = []
 
 
 class EngineLimit(RuntimeError):
     """What the PrivateUse1 engine cannot run, for a reason in PyTorch's C++ (named in the
-    message); the meta engine can (``--backend meta``). A launched rank on the default engine is
-    rerun on the meta engine (`vram.cli.commands`)."""
-_LIB: list[Any] = []
+    message); the meta engine can (``--backend meta``). A run on the default engine is rerun on
+    the meta engine (`vram.cli.commands.cmd_run`)."""
 
 
 def register() -> None:
