@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_subclass_formulas import FAMILIES, FULL  # noqa: E402
 
 # the engine's DLPack structures and dtype codes (importing them registers nothing)
-from vram.run.backend.storage import CODES, DLDataType, DLDevice, DLTensor  # noqa: E402
+from vram.run.engine.dlpack import CODES, DLDataType, DLDevice, DLTensor  # noqa: E402
 
 _setup_privateuseone_for_python_backend("vramsim")
 META, CPU = torch.device("meta"), torch._C.DispatchKey.CPU
@@ -167,14 +167,14 @@ def _bench(steps: int = 50) -> None:
 def _run(script: str, gpu: str) -> int:
     """``--run SCRIPT GPU``: the script under `vram.run.runtime.run_script` with this backend in
     place of its two modes: a function mode sends ``device="cuda"`` here, and the fallback charges
-    the simulated allocator in each kernel's order (`vram.run.kernels.op_plan`)."""
+    the simulated allocator in each kernel's order (`vram.run.kernels.plan.op_plan`)."""
     import contextlib
 
     from torch.overrides import TorchFunctionMode
 
     from vram.frontend import memory as _memory
-    from vram.run import kernels as _k
     from vram.run import runtime as _rt
+    from vram.run.kernels import plan as _k
 
     class Simulated:
         def __init__(self, sim) -> None:  # type: ignore[no-untyped-def]

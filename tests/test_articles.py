@@ -7,7 +7,7 @@ the article printed, exactly, in the article's own format.
 
 Old PyTorch releases differ from torch 2.13 in two allocator-visible ways, which the tests
 reproduce with the environment variables PyTorch itself reads (both modelled by
-`vram.run.kernels`):
+`vram.run.kernels.plan`):
 
 * **torch ≤ 1.13**: cuBLAS allocated its workspace itself (cudaMalloc inside cuBLAS), so
   ``memory_allocated()`` never showed it. From 2.0 on, PyTorch hands cuBLAS a workspace from the

@@ -3,7 +3,7 @@
 autocast, loss logging, generate), a PEFT LoRA step, a diffusers UNet step, a nanoGPT-style
 loop, a torchvision ResNet and a timm ViT trained with AMP and GradScaler (tests/corpus/; PyPI's
 torchvision wheel is built for CUDA torch, so its operator library cannot load next to the CPU
-torch: `vram.run.compat` defines its operators' schemas so that it imports, here and under
+torch: `vram.run.cuda.compat` defines its operators' schemas so that it imports, here and under
 ``vram run``). Each program prints its parameter count and ``torch.cuda.memory_allocated()``
 right after moving the model; the expectations come from building the same model here, on the
 CPU without vram: the same count, and the model's unique parameter and buffer storages, each
@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from vram.run.compat import define_torchvision_ops  # noqa: E402
+from vram.run.cuda.compat import define_torchvision_ops  # noqa: E402
 from vram.run.runtime import run_script  # noqa: E402
 
 define_torchvision_ops()  # PyPI's torchvision is built for CUDA torch: without this, no import here

@@ -24,9 +24,9 @@ if not hasattr(torch._C, "_acc"):
     pytest.skip("needs torch's experimental Python PrivateUse1 backend (torch._C._acc)", allow_module_level=True)
 
 from test_subclass_formulas import FAMILIES  # noqa: E402
-from vram.run.backend import EngineLimit  # noqa: E402
+from vram.run.engine import EngineLimit  # noqa: E402
+from vram.run.memory.storage_api import raw_device  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
-from vram.run.storage_api import raw_device  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = ROOT / "tests" / "distributed_programs" / "ddp_formulas.py"

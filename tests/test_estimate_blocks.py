@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from vram.estimate.engine import estimate  # noqa: E402
 from vram.estimate.report import _block_notes  # noqa: E402
-from vram.run.compat import define_torchvision_ops  # noqa: E402
+from vram.run.cuda.compat import define_torchvision_ops  # noqa: E402
 
 MIB = 1 << 20
 

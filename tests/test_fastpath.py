@@ -32,7 +32,7 @@ import pytest
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
-from vram.run import fastpath  # noqa: E402
+from vram.run.kernels import fastpath  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
 
 QKV, OUT, MEAN = 24576, 8192, 128

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from vram.run.grouped_mm import CUTLASS  # noqa: E402
+from vram.run.kernels.grouped_mm import CUTLASS  # noqa: E402
 from vram.run.runtime import active_sim, simulated_cuda  # noqa: E402
 
 BACKENDS = ["privateuse1", "meta"]

@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from vram.run.compat import define_torchvision_ops  # noqa: E402
+from vram.run.cuda.compat import define_torchvision_ops  # noqa: E402
 from vram.run.runtime import run_script  # noqa: E402
 
 define_torchvision_ops()  # transformers imports torchvision, whose PyPI wheel is CUDA torch's

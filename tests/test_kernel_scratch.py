@@ -1,4 +1,4 @@
-"""`vram.run.scratch`: what embedding / layer-norm / RMS-norm backward kernels allocate besides outputs.
+"""`vram.run.kernels.scratch`: what embedding / layer-norm / RMS-norm backward kernels allocate besides outputs.
 
 Expected sequences are worked by hand from the CUDA host code (``aten/src/ATen/native/cuda``):
 ``Embedding.cu`` ``embedding_dense_backward_cuda``, ``EmbeddingBackwardKernel.cu``
@@ -11,10 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from vram.run.kernels import op_plan  # noqa: E402
-from vram.run.reductions import reduction_plan  # noqa: E402
+from vram.run.kernels.plan import op_plan  # noqa: E402
+from vram.run.kernels.reductions import reduction_plan  # noqa: E402
+from vram.run.kernels.scratch import CUB_NOTE, embedding_backward_plan, norm_backward_plan  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
-from vram.run.scratch import CUB_NOTE, embedding_backward_plan, norm_backward_plan  # noqa: E402
 
 A100 = 108
 

@@ -1,4 +1,4 @@
-"""Values a simulated run knows exactly (issue 10 §3; `vram.run.known`).
+"""Values a simulated run knows exactly (issue 10 §3; `vram.run.values.known`).
 
 Tensors built by factories or from host data, and small ops on such tensors alone, have the
 values PyTorch computes: the expectations below are the same expressions evaluated by torch on
@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
-from vram.run.known import VALUE_LIMIT  # noqa: E402
 from vram.run.runtime import DataDependentError, simulated_cuda  # noqa: E402
+from vram.run.values.known import VALUE_LIMIT  # noqa: E402
 
 
 def test_all_ones_attention_mask_is_all_ones() -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from vram.run.host_rng import advance, word_count
+from vram.run.memory.host_rng import advance, word_count
 from vram.run.runtime import active_sim, simulated_cuda
 
 
@@ -197,7 +197,7 @@ def test_factory_size_read_off_the_arguments_is_the_tensors(name: str, args: tup
                                                            kwargs: dict[str, Any]) -> None:
     """The size hint that keeps small CPU factories off the lazy path (no dispatch mode pushed)
     is the element count PyTorch's own call makes."""
-    from vram.run.lazy_host import factory_numel
+    from vram.run.memory.lazy_host import factory_numel
     assert factory_numel(name, args, kwargs) == getattr(torch, name)(*args, **kwargs).numel()
     from torch.utils._python_dispatch import _get_current_dispatch_mode
     expected = getattr(torch, name)(*args, **kwargs)

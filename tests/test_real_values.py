@@ -1,4 +1,4 @@
-"""The real-values mode of ``vram run`` (issue 10 §3; `vram.run.real_values`).
+"""The real-values mode of ``vram run`` (issue 10 §3; `vram.run.values.real_values`).
 
 Expectations come from the same code run by plain CPU torch: in this mode every simulated op
 also runs on CPU copies, with the CPU kernels a CPU run uses, so a training run's losses are
@@ -24,9 +24,10 @@ tree_leaves = pytest.importorskip("torch.utils._pytree").tree_leaves
 nn = torch.nn
 F = torch.nn.functional
 
-from vram.run import real_values, storages  # noqa: E402
-from vram.run.known import VALUE_LIMIT  # noqa: E402
+from vram.run.memory import storages  # noqa: E402
 from vram.run.runtime import active_sim, run_script, simulated_cuda  # noqa: E402
+from vram.run.values import real_values  # noqa: E402
+from vram.run.values.known import VALUE_LIMIT  # noqa: E402
 
 
 class Block(nn.Module):
@@ -280,7 +281,7 @@ def test_grad_scaler_skips_the_step_its_inf_gradients_call_for() -> None:
 @pytest.mark.parametrize("backend", ["privateuse1", "meta"])
 def test_transformer_inference_fast_paths_compute_the_fused_ops_values(backend: str) -> None:
     """In ``eval()`` without grad, ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` call the
-    fused ops (`vram.run.fastpath`), whose allocation models leave their scratch unwritten: the
+    fused ops (`vram.run.kernels.fastpath`), whose allocation models leave their scratch unwritten: the
     outputs must hold what the fused CPU kernels compute (plain CPU torch takes the same fast path)."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(128, 4, 1024, dropout=0.0, batch_first=True)

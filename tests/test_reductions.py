@@ -1,4 +1,4 @@
-"""`vram.run.reductions`: the scratch CUDA reduction kernels take from the caching allocator.
+"""`vram.run.kernels.reductions`: the scratch CUDA reduction kernels take from the caching allocator.
 
 Expected bytes are worked by hand from ``aten/src/ATen/native/cuda/Reduce.cuh`` (``setReduceConfig``,
 ``ReduceConfig::global_memory_size``/``semaphore_size``, ``gpu_reduce_kernel``) and
@@ -12,8 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from paths import RECORDINGS as TRACES  # noqa: E402
+from vram.devices.gpus import max_threads_per_sm  # noqa: E402
 from vram.replay.loader import load_snapshot  # noqa: E402
-from vram.run.reductions import build_iter, max_threads_per_sm, reduction_plan, staging_sizes  # noqa: E402
+from vram.run.kernels.reductions import build_iter, reduction_plan, staging_sizes  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
 
 A100, H100 = 108, 132
@@ -163,7 +164,7 @@ def test_foreach_norm_fast_path_takes_its_partials_first() -> None:
     # ForeachReduceOp.cu foreach_tensor_norm_cuda_internal: output_per_tensor = zeros(ntensors *
     # max_chunks_per_tensor) in opmath (fp32 for bf16), chunks of 65,536 elements
     # (MultiTensorApply.cuh kChunkSize); then one 0-dim output per tensor; partials freed on return.
-    from vram.run.kernels import foreach_norm_plan
+    from vram.run.kernels.plan import foreach_norm_plan
 
     grads = [_meta(3_000_000), _meta(100), _meta(256, 256)]
     outs = [[_meta(), _meta(), _meta()]]

@@ -1,4 +1,4 @@
-"""`vram.run.sdpa`: the CUDA backend of ``scaled_dot_product_attention`` and what its kernels allocate.
+"""`vram.run.kernels.sdpa`: the CUDA backend of ``scaled_dot_product_attention`` and what its kernels allocate.
 
 Expected choices cite the ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` (and
 ``sdp_utils_cpp.h``) check that decides them; expected bytes are derived by hand from the kernels'
@@ -18,8 +18,8 @@ F = torch.nn.functional
 
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+from vram.run.kernels.sdpa import sdpa_args, sdpa_rejections, select_sdpa_backend  # noqa: E402
 from vram.run.runtime import run_script, simulated_cuda  # noqa: E402
-from vram.run.sdpa import sdpa_args, sdpa_rejections, select_sdpa_backend  # noqa: E402
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 S = 2 * 8 * 64 * 64 * 4          # one [2, 8, 64, 64] float32 tensor: 262,144 B

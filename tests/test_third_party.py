@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from torch.nn.parallel import comm  # noqa: E402  (torch.cuda.comm)
 
 from vram.frontend import memory as _memory  # noqa: E402
-from vram.run import cuda_api  # noqa: E402
+from vram.run.cuda import api as cuda_api  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
 
 _REAL_CUDA = {name: getattr(torch.cuda, name) for name in dir(torch.cuda)}

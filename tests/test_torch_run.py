@@ -148,7 +148,7 @@ def test_oom_is_torch_out_of_memory_error_with_pytorchs_text() -> None:
 def test_item_print_and_host_copies_raise_naming_the_line() -> None:
     with simulated_cuda(strict_values=True):
         # values that need the GPU's arithmetic: a sum over 262,144 random elements (more than
-        # vram.run.known keeps on the host), so unknown
+        # vram.run.values.known keeps on the host), so unknown
         x = torch.randn(512, 512, device="cuda").sum()
         line = inspect.currentframe().f_lineno + 2  # type: ignore[union-attr]
         with pytest.raises(DataDependentError) as info:

@@ -275,7 +275,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         os.environ["VRAM_RUN_BACKEND"] = args.backend
     if args.nproc_per_node is not None:
         return _launch(args)
-    from vram.run.backend import EngineLimit
+    from vram.run.engine import EngineLimit
 
     try:
         status = run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,

@@ -11,7 +11,7 @@ alternatives found are listed in docs/gpus.md. Cards for which no exact byte cou
 sourced (A10G, H100 PCIe: only MiB-rounded prints) have no preset: use ``--gpu <bytes>``.
 
 The compute capability decides cuBLAS's workspace size and the SM count flash attention's split
-heuristic (`vram.run.kernels`).
+heuristic (`vram.run.kernels.plan`).
 """
 from __future__ import annotations
 
@@ -138,3 +138,14 @@ def resolve_gpu(gpu: int | str | GpuPreset, arch: str | None = None) -> GpuPrese
     name = "NVIDIA H100 (simulated by vram)" if (major, minor) == (9, 0) else \
         f"NVIDIA GPU sm_{major}{minor} (simulated by vram)"
     return GpuPreset("", name, total, major, minor, 132, "")
+
+
+def max_threads_per_sm(major: int, minor: int) -> int:
+    """``cudaDeviceProp::maxThreadsPerMultiProcessor`` by compute capability (CUDA C Programming
+    Guide, "Technical Specifications per Compute Capability": 1,024 on 7.5, 1,536 on 8.6, 8.9 and
+    12.x, 2,048 otherwise)."""
+    if (major, minor) == (7, 5):
+        return 1024
+    if (major, minor) in ((8, 6), (8, 9)) or major == 12:
+        return 1536
+    return 2048

@@ -1,7 +1,7 @@
 """The host's memory: what this process can still get (layer 1, no torch).
 
 Shared by the snapshot decoder's memory cap (`vram.replay.safe_pickle`) and the value copies of a
-real-values run (`vram.run.storages.SimState.reserve`).
+real-values run (`vram.run.memory.storages.SimState.reserve`).
 """
 from __future__ import annotations
 

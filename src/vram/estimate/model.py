@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..run.backend import BackendState
+from vram.run.engine import BackendState
+
 from .trace import Tracker, unpack
 
 
@@ -35,7 +36,7 @@ def to_gpu(model: nn.Module, sim: Any) -> nn.Module:
     parameters, then buffers), one allocation each as ``.to`` makes. Under the meta engine a meta
     tensor *is* a simulated one and ``.to`` does it. The PrivateUse1 engine cannot copy out of a
     meta tensor, so there the move is ``torch.empty_like`` swapped into the same Python object
-    (``torch._C._swap_tensor_impl``, as `vram.run.modes.FunctionMode._set_data` moves a host tensor): ties,
+    (``torch._C._swap_tensor_impl``, as `vram.run.engine.meta.FunctionMode._set_data` moves a host tensor): ties,
     ``Parameter`` objects and hooks survive, and a tied parameter moves once, as ``.to`` finds it
     already moved on its second visit."""
     if not isinstance(sim, BackendState):
@@ -206,11 +207,11 @@ def micro_inputs(x: Any, n: int) -> Any:
 def load_factory(target: str, what: str = "model") -> Any:
     """MODULE:FUNC (or path/to/file.py:FUNC) -> the callable; the current directory is searched first.
     PyPI's CUDA-built torchvision is made importable first, as under ``vram run``
-    (`vram.run.compat`): factories from torchvision and timm import it."""
+    (`vram.run.cuda.compat`): factories from torchvision and timm import it."""
     import importlib
     import importlib.util
 
-    from vram.run.compat import define_torchvision_ops
+    from vram.run.cuda.compat import define_torchvision_ops
 
     define_torchvision_ops()
 

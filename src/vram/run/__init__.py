@@ -1,4 +1,23 @@
-"""Layer 4, the simulated-CUDA runtime for PyTorch (``vram run``; needs the ``torch`` extra):
-`runtime` (CUDA tensors on ``meta``, storages charged to the simulated allocator), `kernels`
-(workspaces and kernel choices from PyTorch's CUDA source), `cuda_api` (``torch.cuda.*`` answered
-by the simulator) and `values` (what a script that reads tensor values is told)."""
+"""The simulated-CUDA runtime for PyTorch: ``vram run`` (needs the ``torch`` extra).
+
+An unmodified PyTorch script runs as if on CUDA GPUs: every storage a CUDA kernel would allocate
+is charged to vram's caching allocator when PyTorch would allocate it, and freed when its last
+reference dies. The floor is built of sub-packages, each one idea, each importing only the ones
+listed after it (``[tool.importlinter]`` in pyproject.toml checks it):
+
+- `runtime`: the entry points, `simulated_cuda` and `run_script`: sets up the engine, patches
+  ``torch.cuda`` and runs the script.
+- `distributed`: many GPUs: ``torch.distributed``'s NCCL and Gloo process groups, collectives,
+  DDP's helpers, the ``--nproc-per-node`` launcher and one rank's process.
+- `engine`: how a simulated tensor exists and every aten op on it runs: the PrivateUse1 backend
+  (the default), its autograd formulas and lazy host tensors' dispatch; the meta-tensor modes.
+- `kernels`: what each CUDA kernel allocates beyond its outputs, in its order: cuBLAS, cuDNN
+  batch norm, reductions, norms and embedding backward scratch, attention (SDPA backends),
+  grouped mm, the fused transformer fast paths, autocast's casts.
+- `memory`: the charged storages (`SimState`, `ChargedStorage`), storage-level moves, host
+  tensors that cost nothing until read, the host generator's stream.
+- `values`: what a simulated GPU knows of tensor contents: known values, placeholders and the
+  report of where they were used, real values computed on the CPU.
+- `cuda`: the ``torch.cuda`` surface answered by the simulator (device properties, memory API,
+  streams, ``torch.cuda.comm``) and CUDA builds' libraries beside a CPU torch.
+"""

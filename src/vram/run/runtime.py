@@ -13,7 +13,7 @@ How it works, inside `simulated_cuda`:
   forward, backward and optimizer — with its outputs. Every *new* storage among them is charged to
   the simulated caching allocator (``storage.nbytes()``, on the current stream), in output order,
   when the op runs; a weak reference to the storage frees the block the moment PyTorch frees the
-  storage (its last tensor, view, or autograd saved-tensor reference dies). See `vram.run.kernels`
+  storage (its last tensor, view, or autograd saved-tensor reference dies). See `vram.run.kernels.plan`
   for what CUDA kernels allocate besides outputs (cuBLAS workspaces, flash-attention scratch).
 * **Identity of a storage.** ``t.untyped_storage()`` returns the *same* Python object for every
   tensor and view of one ``StorageImpl`` (PyObject preservation), and ``_cdata`` is the
@@ -22,7 +22,7 @@ How it works, inside `simulated_cuda`:
 * **Moves keep Parameters.** ``model.to("cuda")`` / ``.cuda()`` / ``.to_empty`` and ``p.data =
   p.data.cuda()`` keep every Parameter object, as ``set_data`` does on a GPU: tied weights stay
   tied (stored once), optimizers built before the move see the moved parameters, attributes and
-  hooks stay (`vram.run.modes.FunctionMode._set_data`). Moving back to the host needs values.
+  hooks stay (`vram.run.engine.meta.FunctionMode._set_data`). Moving back to the host needs values.
 * **Which meta storages are "CUDA".** An op's new storages take the device of its first simulated
   input, or the CUDA index the function mode redirected; an op fed only by meta tensors the script
   made itself (``device="meta"``) stays on meta; a factory without device arguments inside a
@@ -31,7 +31,7 @@ How it works, inside `simulated_cuda`:
   ``weakref.finalize``: the same timing (the storage's PyObject dies with the ``StorageImpl``), no
   atexit registry, and the callbacks can be disarmed when the simulation ends.
 * **Values.** A meta tensor has no data, but values that need no model arithmetic are known
-  exactly (`vram.run.known`): factories, host data copied over, and small ops on those alone
+  exactly (`vram.run.values.known`): factories, host data copied over, and small ops on those alone
   (masks, ids, counters), so ``.item()``, ``bool(t)``, ``.tolist()``, printing, ``.cpu()`` and
   data-dependent ops (``nonzero``, boolean masks) give what the GPU would. Reading any other
   value raises `DataDependentError` naming the script line: invented values would silently steer
@@ -41,27 +41,27 @@ How it works, inside `simulated_cuda`:
   op's already-allocated outputs are freed first, as C++ unwinding would.
 * **autocast.** ``torch.autocast("cuda", dtype)`` / ``torch.cuda.amp.autocast`` set the autocast
   state, but no kernel casts meta tensors, so the function mode applies CUDA's cast policy to the
-  ops listed in `vram.run.kernels` (lower precision: matmul/linear/conv/bmm/addmm/baddbmm/SDPA…;
+  ops listed in `vram.run.kernels.plan` (lower precision: matmul/linear/conv/bmm/addmm/baddbmm/SDPA…;
   float32: softmax/log_softmax/layer_norm/losses…), with autocast's weight-cast cache (leaf float32
   tensors that require grad keep their cast copy until the outermost autocast exits). Casts are
   done right to left, the evaluation order GCC gives the C++ wrapper's argument pack.
 
 Also: the autograd engine runs under the function mode, so Python code it calls (custom
 ``Function.backward``, hooks, ``torch.utils.checkpoint``'s recomputation) sees the simulated GPU as
-the forward did (see `vram.run.cuda_api.patch_torch_extras`); ``torch.compile`` runs eagerly,
+the forward did (see `vram.run.cuda.api.patch_torch_extras`); ``torch.compile`` runs eagerly,
 ``GradScaler.step`` steps without reading ``found_inf``, ``UntypedStorage.resize_`` is followed
-(see `vram.run.cuda_api`). Limits: ops inside Python-level
+(see `vram.run.cuda.api`). Limits: ops inside Python-level
 torch functions (``F.multi_head_attention_forward``, ``F.normalize``…) are seen at the aten level
 only, so they get no autocast casting or SDPA routing — except ``F.multi_head_attention_forward``
 (``nn.MultiheadAttention``) and ``F.normalize``, whose inner calls the mode sees
-(`vram.run.kernels.TRANSPARENT`); ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` in
-inference take PyTorch's fused path as on a GPU (`vram.run.fastpath`). Backward formulas see meta
+(`vram.run.kernels.plan.TRANSPARENT`); ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` in
+inference take PyTorch's fused path as on a GPU (`vram.run.kernels.fastpath`). Backward formulas see meta
 tensors and an active dispatch mode, both "subclass-like" to ``at::isTensorSubclassLike``
 (``ATen/TensorSubclassLikeUtils.h``), so they take out-of-place paths a GPU run does not (issue 12;
 docs/estimate-accuracy.md §4).
 Storage-level moves, which no mode sees
 (``torch.load(map_location="cuda")``, a checkpoint saved on a GPU, ``storage.cuda()``), are
-charged by `vram.run.storage_api.patch_storages`, which also makes a simulated storage's
+charged by `vram.run.memory.storage_api.patch_storages`, which also makes a simulated storage's
 ``data_ptr()`` its simulated address.
 """
 from __future__ import annotations
@@ -81,41 +81,42 @@ from vram.allocator import history as _history
 from vram.devices.gpus import GpuPreset, resolve_gpu
 from vram.frontend import memory as _memory
 
-from . import known
-from .backend.engine import EngineLimit
-from .compat import define_torchvision_ops, refuse_cuda_ipc
-from .cuda_api import DeviceProperties, patch_torch_cuda, patch_torch_extras
+from .cuda.api import DeviceProperties, patch_torch_cuda, patch_torch_extras
+from .cuda.compat import define_torchvision_ops, refuse_cuda_ipc
 from .distributed import install as install_distributed
-from .fastpath import patch_fast_paths
-from .host_rng import patch_rng
-from .kernels import uncharged_note
-from .modes import DispatchMode, FunctionMode
-from .storage_api import patch_storages
-from .storages import HostMemoryError, SimState
-from .values import DataDependentError, ValueReport
+from .engine.meta import DispatchMode, FunctionMode
+from .engine.privateuse1 import EngineLimit
+from .kernels.fastpath import patch_fast_paths
+from .kernels.plan import uncharged_note
+from .memory.host_rng import patch_rng
+from .memory.storage_api import patch_storages
+from .memory.storages import SimState
+from .values import known
+from .values.limits import HostMemoryError
+from .values.placeholders import DataDependentError, ValueReport
 
 __all__ = ["BACKENDS", "VALUES", "DataDependentError", "HostMemoryError", "default_backend", "simulated_cuda",
            "run_script", "active_sim"]
-#: the engines of a simulated run: the Python PrivateUse1 backend (`vram.run.backend`, issue 12:
+#: the engines of a simulated run: the Python PrivateUse1 backend (`vram.run.engine`, issue 12:
 #: the default for one process on one GPU), or meta tensors under two modes (several GPUs,
 #: torch.distributed ranks, `vram.estimate`)
 BACKENDS = ("privateuse1", "meta")
 #: what a simulated run knows of tensor values: "known" (what needs no model arithmetic,
-#: `vram.run.known`; placeholders for the rest) or "real" (everything, `vram.run.real_values`)
+#: `vram.run.values.known`; placeholders for the rest) or "real" (everything, `vram.run.values.real_values`)
 VALUES = ("known", "real")
 if os.environ.get("VRAM_RUN_BACKEND") != "meta":
     # before the process's first backward: the autograd engine sizes its per-device queues once
     # (engine.cpp ``device_ready_queues_``), so a device type registered later cannot backward
-    from . import backend as _early_backend
+    from . import engine as _early_engine
 
-    _early_backend.register()
+    _early_engine.register()
 
 
 def default_backend(device_count: int) -> str:
     """``$VRAM_RUN_BACKEND``, else "privateuse1" for one process on one GPU or a torch.distributed
     rank (``WORLD_SIZE`` set: its autograd runs on its own GPU, `own_gpu`), and "meta" for one
     process on several GPUs, whose backward may cross them (the PrivateUse1 engine's autograd has
-    one device, see `vram.run.known.engine_index`)."""
+    one device, see `vram.run.values.known.engine_index`)."""
     chosen = os.environ.get("VRAM_RUN_BACKEND")
     if chosen:
         return chosen
@@ -200,11 +201,11 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     (sm90, 132 SMs); `arch` ("8.0", "sm_86") or `major`/`minor` change the compute capability,
     which decides cuBLAS's workspace size, and `multi_processor_count` flash attention's split
     heuristic. A read of a value the simulation does not know gets a placeholder, recorded in
-    ``active_sim().report`` (`vram.run.values.ValueReport`); `strict_values` makes it raise
+    ``active_sim().report`` (`vram.run.values.placeholders.ValueReport`); `strict_values` makes it raise
     `DataDependentError` instead. `values` = "real" computes every value on the CPU, so no
-    placeholder is needed (`vram.run.real_values`: host memory for a copy of every simulated
+    placeholder is needed (`vram.run.values.real_values`: host memory for a copy of every simulated
     storage; the allocator sees the same as with "known"). `backend` is the engine:
-    "privateuse1" (`vram.run.backend`) or "meta" (meta tensors under two modes); None: `default_backend`. Yields the
+    "privateuse1" (`vram.run.engine`) or "meta" (meta tensors under two modes); None: `default_backend`. Yields the
     `vram.SimulatedDevice` list; the simulator's state (``vram.memory_summary()`` etc.) remains
     readable after the block.
     """
@@ -224,13 +225,13 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     props = [DeviceProperties(name, total, major, minor, sms) for _ in range(device_count)]
     dispatch: Any
     if backend == "privateuse1":
-        from . import backend as _backend
+        from . import engine as _engine
 
-        _backend.register()
+        _engine.register()
         known.ENGINE_OWN[0] = own_gpu(device_count)
-        sim: SimState = _backend.BackendState(props)
-        dispatch, function = nullcontext(), _backend.BackendFunctionMode(sim)
-        _backend.engine.push(sim)  # type: ignore[arg-type]
+        sim: SimState = _engine.BackendState(props)
+        dispatch, function = nullcontext(), _engine.BackendFunctionMode(sim)
+        _engine.privateuse1.push(sim)  # type: ignore[arg-type]
     else:
         sim = SimState(props)
         dispatch, function = DispatchMode(sim), FunctionMode(sim)
@@ -271,13 +272,13 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
         sim.active = False  # storages that outlive the block no longer touch the allocator
         sim.live.clear()
         if backend == "privateuse1":
-            _backend.engine.pop(sim)  # type: ignore[arg-type]
+            _engine.privateuse1.pop(sim)  # type: ignore[arg-type]
             known.ENGINE_OWN[0] = 0
 
 
 def _print_exception(e: BaseException, report: ValueReport) -> None:
     """Print a traceback as Python would, without the frames the simulation itself adds, then
-    `report`'s note when a line of it read a placeholder (`vram.run.values.ValueReport.blame`)."""
+    `report`'s note when a line of it read a placeholder (`vram.run.values.placeholders.ValueReport.blame`)."""
     te = traceback.TracebackException.from_exception(e)
     te.stack = traceback.StackSummary.from_list(
         [f for f in te.stack if not f.filename.startswith((*_SIMULATION_FRAMES, "<frozen runpy"))
@@ -310,7 +311,7 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
     tensors); `on_exit` is called at that moment too. Reads answered with placeholder values are
     listed on stderr at the end, and written as JSON to `value_report` when given. `sim_kwargs`
     go to `simulated_cuda` (``strict_values=True``: stop at the first such read instead). What the
-    PrivateUse1 engine cannot run (`vram.run.backend.EngineLimit`) is one line on stderr, or with
+    PrivateUse1 engine cannot run (`vram.run.engine.EngineLimit`) is one line on stderr, or with
     `engine_fallback` raised from here once the run is cleaned up, for the caller to rerun the
     script on the meta engine.
     """

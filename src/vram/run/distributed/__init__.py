@@ -21,9 +21,8 @@ from typing import Any
 
 from vram.devices.nccl import VERSION as NCCL_VERSION
 from vram.frontend import memory as _memory
-
-from ..cuda_api import attribute_patches
-from ..storages import SimState
+from vram.run.cuda.api import attribute_patches
+from vram.run.memory.storages import SimState
 
 __all__ = ["install", "current_sim"]
 

@@ -37,7 +37,7 @@ def refuse_local_used_map(ddp: Any, put: Any) -> None:
     tensors and asserts ``is_pinned()``, and a Python PrivateUse1 backend has no pinned-memory
     allocator (``getPinnedMemoryAllocator``/``isPinnedPtr`` are not among the hooks
     torch/csrc/acc/Module.cpp lets Python implement), so the first backward would fail in C++."""
-    from ..backend import EngineLimit
+    from vram.run.engine import EngineLimit
 
     init = ddp.__init__
     why = ("vram run: DDP's {} copies its used-parameter map through pinned host memory (reducer.cpp "

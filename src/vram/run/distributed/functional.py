@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..storages import SimState
+from vram.run.memory.storages import SimState
 
 __all__ = ["overrides"]
 
@@ -96,7 +96,7 @@ def _as(like: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def overrides(sim: SimState) -> dict[Any, Any]:
-    """Op overload -> its CUDA behaviour, for `vram.run.storages.SimState.ops` (run with the
+    """Op overload -> its CUDA behaviour, for `vram.run.memory.storages.SimState.ops` (run with the
     dispatch mode on, so what they allocate is charged)."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 

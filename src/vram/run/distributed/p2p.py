@@ -6,7 +6,7 @@ Point-to-point messages cannot be assumed so: pipeline parallelism (``torch.dist
 pipelining``) sends *metadata* between stages (``send_object_list``: a size, then the pickled
 bytes, ``distributed_c10d.py``; the warm-up vote of ``stage.py``, ``_warmup_forward_vote``), and
 each stage builds its receive buffers from what the previous one sent. So under the launcher a
-``send`` posts the values it knows (`vram.run.known`; "unknown" otherwise, for activations) to
+``send`` posts the values it knows (`vram.run.values.known`; "unknown" otherwise, for activations) to
 a mailbox folder shared by the rank processes, and ``recv`` takes them, waiting for the sender
 as NCCL would. Messages are matched in order per (group, sender, receiver), as NCCL orders
 them on one communicator. A receive from a rank that is not simulated (``--ranks``) gets unknown
@@ -132,7 +132,7 @@ def post(group: Any, tensors: list[torch.Tensor], dst: int) -> None:
     end = _endpoint(group, dst)
     if end is None:
         return
-    from .. import known
+    from vram.run.values import known
     box, sim, name, peer = end
     with torch._C.DisableTorchFunction():
         values = [known.cpu_value(sim, t) for t in tensors]
@@ -145,7 +145,7 @@ def take(group: Any, tensors: list[torch.Tensor], src: int) -> None:
     end = _endpoint(group, src)
     if end is None:
         return
-    from .. import known
+    from vram.run.values import known
     box, sim, name, peer = end
     values = box.take(name, peer)
     if values is None:

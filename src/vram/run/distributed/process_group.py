@@ -41,9 +41,9 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from vram.frontend import memory as _memory
+from vram.run.memory.storages import SimState
+from vram.run.values import known
 
-from .. import known
-from ..storages import SimState
 from .nccl import note_collective, note_connect, note_destroy, note_p2p
 from .p2p import post, take
 

@@ -1,4 +1,4 @@
-"""Scratch that CUDA reduction kernels take from the caching allocator, for `vram.run.kernels`.
+"""Scratch that CUDA reduction kernels take from the caching allocator, for `vram.run.kernels.plan`.
 
 Every ``gpu_reduce_kernel`` launch (``aten/src/ATen/native/cuda/Reduce.cuh``: sum, nansum, prod,
 mean, amax/amin, max/min (all or along a dim), argmax/argmin, any/all, var/std(_mean), norm,
@@ -49,17 +49,6 @@ _WELFORD = frozenset({"var", "std", "var_mean", "std_mean"})
 #: ops that convert their input to the computation dtype first (``make_reduction_from_out_ty``)
 _CASTS = frozenset({"sum", "nansum", "prod", "mean", "norm", "linalg_vector_norm"})
 REDUCTIONS = _OPMATH | _SAME | _PAIR | _WELFORD | {"max", "min"}
-
-
-def max_threads_per_sm(major: int, minor: int) -> int:
-    """``cudaDeviceProp::maxThreadsPerMultiProcessor`` by compute capability (CUDA C Programming
-    Guide, "Technical Specifications per Compute Capability": 1,024 on 7.5, 1,536 on 8.6, 8.9 and
-    12.x, 2,048 otherwise)."""
-    if (major, minor) == (7, 5):
-        return 1024
-    if (major, minor) in ((8, 6), (8, 9)) or major == 12:
-        return 1536
-    return 2048
 
 
 @dataclass
@@ -296,7 +285,7 @@ def _reduced_dims(name: str, args: tuple[Any, ...], ndim: int) -> set[int] | Non
 
 def reduction_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
                    max_threads_sm: int) -> list[tuple[str, Any]] | None:
-    """The allocations of a reduction op in order (see `vram.run.kernels.op_plan`), or None."""
+    """The allocations of a reduction op in order (see `vram.run.kernels.plan.op_plan`), or None."""
     if name not in REDUCTIONS or not args or not isinstance(args[0], torch.Tensor):
         return None
     x = args[0]

@@ -16,13 +16,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves, tree_map
 
 from vram.frontend import memory as _memory
-
-from . import fastpath as _fast
-from . import kernels as _k
-from . import known
-from .lazy_host import LAZY_FACTORIES, factory_numel, seeded
-from .storages import ChargedStorage, SimState
-from .values import describe, needs_data, value_error
+from vram.run.kernels import fastpath as _fast
+from vram.run.kernels import plan as _k
+from vram.run.memory.lazy_host import LAZY_FACTORIES, factory_numel, seeded
+from vram.run.memory.storages import ChargedStorage, SimState
+from vram.run.values import known
+from vram.run.values.placeholders import describe, needs_data, value_error
 
 _SDPA = F.scaled_dot_product_attention
 _CPU_COPY = frozenset({"cpu", "numpy", "tolist", "__array__", "__repr__", "__format__", "equal",
@@ -97,7 +96,7 @@ class DispatchMode(TorchDispatchMode):
             kwargs = dict(kwargs, device=_META)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         host = sim.host
-        if sim.host_factory and not inputs:  # a large CPU factory: lazy (vram.run.lazy_host)
+        if sim.host_factory and not inputs:  # a large CPU factory: lazy (vram.run.memory.lazy_host)
             return host.factory(func, args, kwargs)
         lazy = bool(host.live) and any(host.of(t) is not None for t in inputs)
         if lazy:
@@ -255,7 +254,7 @@ class FunctionMode(TorchFunctionMode):
     """Sends CUDA to meta, plays the CUDA tensor to the script, routes SDPA, applies autocast."""
 
     def host_factories(self) -> bool:
-        """Do large CPU factories become lazy host tensors now (`vram.run.lazy_host`)? Always
+        """Do large CPU factories become lazy host tensors now (`vram.run.memory.lazy_host`)? Always
         here: `DispatchMode` records their ops."""
         return True
 
@@ -264,11 +263,11 @@ class FunctionMode(TorchFunctionMode):
         self.sim = sim
 
     def backward_scope(self, roots: Any) -> AbstractContextManager[Any]:
-        """What a backward from `roots` runs under (see `vram.run.backend.lazy.outside_backward`)."""
+        """What a backward from `roots` runs under (see `vram.run.engine.lazy.outside_backward`)."""
         return nullcontext()
 
     def device_for(self, idx: int) -> torch.device:
-        """Where a tensor the script puts on ``cuda:idx`` lives: meta (`vram.run.backend`: its own device)."""
+        """Where a tensor the script puts on ``cuda:idx`` lives: meta (`vram.run.engine`: its own device)."""
         return _META
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -457,7 +456,7 @@ class FunctionMode(TorchFunctionMode):
         return False
 
     def _read(self, func: Any, name: str, t: torch.Tensor, args: Any, kwargs: Any) -> Any:
-        """A read of a simulated tensor's values: exact when they are known (`vram.run.known`);
+        """A read of a simulated tensor's values: exact when they are known (`vram.run.values.known`);
         else, unless the run is strict, a placeholder recorded in the run's report; else
         `DataDependentError` naming the script's line."""
         sim = self.sim
@@ -501,7 +500,7 @@ class FunctionMode(TorchFunctionMode):
         return result
 
     def _host_read(self, func: Any, name: str, t: torch.Tensor, args: Any, kwargs: Any) -> Any:
-        """A lazy host tensor's bytes are needed: computed now (`vram.run.lazy_host`), and the
+        """A lazy host tensor's bytes are needed: computed now (`vram.run.memory.lazy_host`), and the
         read runs on them. ``.cpu()`` of a host tensor is the tensor itself."""
         if name == "cpu":
             return t

@@ -20,7 +20,7 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   the op: outputs, cuBLAS workspace, cuBLASLt workspace (``preallocate_cublas_workspaces``'s order).
 * **Reductions** (``native/cuda/Reduce.cuh``): the global staging buffer and semaphores of
   multi-block launches, 32-bit splits, accumulation buffers and input dtype conversions live in
-  `vram.run.reductions`; `op_plan` asks it after SDPA.
+  `vram.run.kernels.reductions`; `op_plan` asks it after SDPA.
 * **pow(scalar, tensor)** materialises its base as a 0-dim CUDA tensor (`scalar_base_bytes`).
 * **bmm / baddbmm / mm / addmm** copy operands cuBLAS cannot read in place (an expanded
   gradient) before the cuBLAS call and free them on return (``native/cuda/Blas.cpp``,
@@ -31,13 +31,13 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
 * **_grouped_mm** (mixture-of-experts layers): the CUDA kernel's output layout and dtypes, which
   torch 2.13's meta kernel does not follow (`CUDA_META`), and its kernel choice, in
-  `vram.run.grouped_mm`.
+  `vram.run.kernels.grouped_mm`.
 * **scaled_dot_product_attention**: backend choice (flash / memory-efficient / cuDNN / math, by the
   simulated compute capability) and what each kernel allocates, forward and backward, live in
-  `vram.run.sdpa` (re-exported here); `op_plan` asks it first.
+  `vram.run.kernels.sdpa` (re-exported here); `op_plan` asks it first.
 * **embedding / layer-norm / RMS-norm backward**: sort buffers, segment tables and partial
   gradients (``Embedding.cu``, ``EmbeddingBackwardKernel.cu``, ``layer_norm_kernel.cu``) live in
-  `vram.run.scratch`; cub's own temporary storage there is named, not charged.
+  `vram.run.kernels.scratch`; cub's own temporary storage there is named, not charged.
 
 The rules follow the newest PyTorch sources read (2026); older releases differ in places (before
 the shared cuBLASLt workspace, each Lt matmul allocated and freed its own 1 MiB).
@@ -119,9 +119,9 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
             max_threads_sm: int = 2048, cc: tuple[int, int] = (9, 0)) -> list[tuple[str, Any]]:
     """The order in which a CUDA kernel allocates: ("out", i), ("tmp", nbytes) or ("free", j).
 
-    ``("free", j)`` frees the j-th "tmp" of the plan. SDPA kernels follow `vram.run.sdpa.op_plan`,
-    reductions `vram.run.reductions.reduction_plan` (staging buffers of multi-block launches, on a
-    device of `sms` SMs of `max_threads_sm` threads), ``_grouped_mm`` `vram.run.grouped_mm` (by
+    ``("free", j)`` frees the j-th "tmp" of the plan. SDPA kernels follow `vram.run.kernels.sdpa.op_plan`,
+    reductions `vram.run.kernels.reductions.reduction_plan` (staging buffers of multi-block launches, on a
+    device of `sms` SMs of `max_threads_sm` threads), ``_grouped_mm`` `vram.run.kernels.grouped_mm` (by
     the capability `cc`); ops without special knowledge allocate their outputs in output order.
     """
     plan = _sdpa.op_plan(name, args, outs, sms)
@@ -318,7 +318,7 @@ def uncharged_scratch(name: str, args: tuple[Any, ...]) -> str | None:
     """What a CUDA kernel takes from the caching allocator in a size only the GPU's library knows
     (or vram does not model yet), or None: every convolution (cuDNN), batch norm in training when
     cuDNN runs it (`cudnn_batch_norm`; inference has no workspace); cub's temporary storage is named
-    by the plans of `vram.run.scratch`. `vram run` counts such calls and says so at the end
+    by the plans of `vram.run.kernels.scratch`. `vram run` counts such calls and says so at the end
     (`uncharged_note`), charging nothing."""
     if name in ("convolution", "_convolution", "convolution_backward"):
         return _CONV

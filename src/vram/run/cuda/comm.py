@@ -1,4 +1,4 @@
-"""``torch.cuda.comm``'s C++ half on the simulated GPUs, for `vram.run.cuda_api` (layer 4).
+"""``torch.cuda.comm``'s C++ half on the simulated GPUs, for `vram.run.cuda.api` (layer 4).
 
 ``nn.DataParallel`` scatters its inputs with ``torch._C._scatter`` even on one GPU, and
 ``torch.cuda.comm`` calls ``_gather``, ``_broadcast*`` and ``_scatter_out``/``_gather_out``; a CPU

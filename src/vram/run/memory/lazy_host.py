@@ -13,7 +13,7 @@ outputs; moving a lazy tensor to the simulated GPU charges the allocator and nee
 When bytes are needed — a value read (``item``, ``tolist``, printing, ``numpy``), ``data_ptr``,
 ``torch.save``, an op with a large real host tensor, a data-dependent op — the storage is
 *materialized*: its recipe is computed on the CPU, exactly (random steps draw from a generator
-in the state the default generator had when they ran, `vram.run.host_rng`), and from then on it
+in the state the default generator had when they ran, `vram.run.memory.host_rng`), and from then on it
 is mirrored by a real storage that ops update directly. The default generator's stream stays the
 GPU run's: deferred draws are settled before anything observes it.
 
@@ -33,8 +33,9 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
+from vram.run.values.placeholders import needs_data
+
 from .host_rng import Draw, Ledger, word_count
-from .values import needs_data
 
 _CPU = torch.device("cpu")
 _META = torch.device("meta")

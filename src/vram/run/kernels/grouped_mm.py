@@ -1,5 +1,5 @@
 """``torch._grouped_mm`` (mixture-of-experts layers: transformers' ``grouped_mm`` experts,
-torchtitan) as the CUDA kernel runs it, for `vram.run.kernels` (paths under ``aten/src/ATen``).
+torchtitan) as the CUDA kernel runs it, for `vram.run.kernels.plan` (paths under ``aten/src/ATen``).
 
 torch 2.13's meta kernel (``torch/_meta_registrations.py`` ``_meta_grouped_mm_common``) accepts
 bfloat16 only, and on a CPU build lays the output out contiguously. The CUDA kernel

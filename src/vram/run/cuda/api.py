@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
+from vram.devices.gpus import max_threads_per_sm
 from vram.frontend import graphs as _graphs
 from vram.frontend import memory as _memory
 
 from .comm import comm_functions
-from .reductions import max_threads_per_sm
 
 MiB = 1024 * 1024
 
@@ -301,7 +301,7 @@ def _device_type(real: type) -> type:
 
 class SimulatedGenerator(torch._C.Generator):
     """A CUDA generator of the simulated GPU: a CPU generator whose ``device`` is ``cuda:N``.
-    Random ops on simulated tensors draw only the values vram keeps (`vram.run.known`), from
+    Random ops on simulated tensors draw only the values vram keeps (`vram.run.values.known`), from
     it. Its ``get_state`` is the CPU generator's (a CUDA generator's is 16 bytes of Philox seed
     and offset)."""
 
@@ -378,7 +378,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
       inf/NaN gradient occurred;
     * ``torch._has_compatible_shallow_copy_type`` says a host tensor and a simulated one are
       compatible (CPU and CUDA are, to a GPU run), so ``Module._apply`` moves Parameters in place
-      with ``param.data = moved`` instead of making new ones (see ``vram.run.modes.FunctionMode._set_data``);
+      with ``param.data = moved`` instead of making new ones (see ``vram.run.engine.meta.FunctionMode._set_data``);
     * ``torch._C._group_tensors_by_device_and_dtype`` keys a group of simulated tensors by
       ``cuda:N`` (C++ sees meta), so foreach paths chosen by device (``clip_grad_norm_``) are CUDA's;
     * ``Tensor.record_stream`` of a simulated tensor goes to `function_mode` (which records the

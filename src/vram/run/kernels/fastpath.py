@@ -28,8 +28,9 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from . import known
-from .kernels import clone_with_globals, sdpa_args, select_sdpa_backend
+from vram.run.values import known
+
+from .plan import clone_with_globals, sdpa_args, select_sdpa_backend
 
 _FUSED_SDPA = ("flash", "efficient", "cudnn")
 

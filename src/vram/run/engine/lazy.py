@@ -1,4 +1,4 @@
-"""Lazy host tensors under the PrivateUse1 engine (`vram.run.lazy_host`; issue 10 §7, issue 12).
+"""Lazy host tensors under the PrivateUse1 engine (`vram.run.memory.lazy_host`; issue 10 §7, issue 12).
 
 A CPU-built model costs nothing until something needs its bytes: large CPU factories make meta
 tensors with a recipe, which the function mode plays as CPU tensors. Recording their ops needs a
@@ -19,16 +19,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
-from ..lazy_host import seeded
-from ..modes import draws_host_default
-from ..storages import SimState
+from vram.run.memory.lazy_host import seeded
+from vram.run.memory.storages import SimState
+
+from .meta import draws_host_default
 
 #: the runs whose `LazyHostMode` is on the dispatch stack
 _PUSHED: set[SimState] = set()
 
 
 class LazyHostMode(TorchDispatchMode):
-    """Records the ops of lazy host tensors (as `vram.run.modes.DispatchMode` does for the
+    """Records the ops of lazy host tensors (as `vram.run.engine.meta.DispatchMode` does for the
     default engine); every other op passes through to its kernel (the engine's fallback)."""
 
     def __init__(self, sim: SimState, run_on_device: Any) -> None:

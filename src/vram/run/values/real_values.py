@@ -1,6 +1,6 @@
 """The real-values mode of a simulated run (``vram run --values real``; issue 10 §3).
 
-By default a simulated run knows only values that need no model arithmetic (`vram.run.known`:
+By default a simulated run knows only values that need no model arithmetic (`vram.run.values.known`:
 factories, host data, small ops on those), and a read of any other value gets a placeholder.
 In this mode every simulated storage keeps a CPU copy of its contents, whatever its size, and
 every aten op also runs on those copies: losses, logits, gradients and parameters after an
@@ -14,7 +14,7 @@ Cost: host memory for a copy of every live simulated storage (about the run's
 model's arithmetic. Before a copy is made, `SimState.reserve` checks the host's available memory
 (`vram.devices.host.available_memory`: ``MemAvailable``, and a cgroup limit where one is set)
 and stops the run with `HostMemoryError` when the copy would leave less than
-`vram.run.storages.HOST_RESERVE` free: a run whose values do not fit is refused, never
+`vram.run.memory.storages.HOST_RESERVE` free: a run whose values do not fit is refused, never
 continued with some values missing.
 
 Kernels that exist only for CUDA have CPU implementations here (`CUDA_ONLY`): the fused
@@ -27,12 +27,15 @@ reason), never answered silently.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_map
 
-from .storages import ChargedStorage, HostMemoryError, SimState
+from .limits import HostMemoryError
+
+if TYPE_CHECKING:  # the run state is passed in; values sit below the storages that hold them
+    from vram.run.memory.storages import ChargedStorage, SimState
 
 __all__ = ["CUDA_ONLY", "HostMemoryError"]
 _META = torch.device("meta")

@@ -1,6 +1,6 @@
 """Scratch that CUDA kernels of ops that run whole take from the caching allocator (layer 4; needs torch).
 
-`vram.run.kernels.op_plan` asks `scratch_plan` for the allocation order of these ops (steps as in
+`vram.run.kernels.plan.op_plan` asks `scratch_plan` for the allocation order of these ops (steps as in
 `op_plan`: ("out", i), ("tmp", nbytes), ("free", j), ("note", text)). Each rule is read from the
 CUDA host code (paths under ``aten/src/ATen/native/cuda``; the newest copies the source index held,
 2025-2026, carrying the changes of the 2.13 era: worst-case-sized embedding segments, the
@@ -16,7 +16,7 @@ cub's own temporary storage (``ATen/cuda/cub.cuh`` ``CUB_WRAPPER``: ``func(nullp
 then ``caching_allocator.allocate(bytes)``, freed when the call returns) is sized by cub's
 dispatch from the tuning policy of the GPU's architecture and the CCCL release PyTorch was
 built with (onesweep/tile sizes, spine lengths): not derivable here, so not charged; the op
-carries a note instead (`vram.run.kernels.uncharged_note`).
+carries a note instead (`vram.run.kernels.plan.uncharged_note`).
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""The PrivateUse1 engine's fallback, state and function mode (see `vram.run.backend`).
+"""The PrivateUse1 engine's fallback, state and function mode (see `vram.run.engine`).
 
 Every aten op on a PrivateUse1 tensor reaches `_fallback` (a boxed fallback,
 ``torch.library.Library("_", "IMPL").fallback(fn, "PrivateUse1")``; PyTorch's
 test/test_privateuseone_python_backend.py registers its ops the same way). It runs the op on meta
 views of its inputs; outputs that alias an input (``alias_info`` in the op's schema) view that
-input's storage, new ones get a new storage (`vram.run.backend.storage`) charged in the order of
-the CUDA kernel's allocations (`vram.run.kernels.op_plan`, with the cuBLAS workspaces of
-`vram.run.modes.DispatchMode`). A block is found from a tensor's data pointer (the storage's
+input's storage, new ones get a new storage (`vram.run.engine.dlpack`) charged in the order of
+the CUDA kernel's allocations (`vram.run.kernels.plan.op_plan`, with the cuBLAS workspaces of
+`vram.run.engine.meta.DispatchMode`). A block is found from a tensor's data pointer (the storage's
 address *is* the simulated address), never from ``untyped_storage()``, whose Python object would
 pin the storage (issue 12, cause 3).
 """
@@ -21,14 +21,15 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .. import kernels as _k
-from .. import known
-from ..modes import DispatchMode, FunctionMode
-from ..storage_api import raw_device
-from ..storages import ChargedStorage, SimState
-from ..values import describe, needs_data, value_error
+from vram.run.kernels import plan as _k
+from vram.run.memory.storage_api import raw_device
+from vram.run.memory.storages import ChargedStorage, SimState
+from vram.run.values import known
+from vram.run.values.placeholders import describe, needs_data, value_error
+
 from . import formulas, lazy
-from .storage import new_storage
+from .dlpack import new_storage
+from .meta import DispatchMode, FunctionMode
 
 #: PrivateUse1's name in a process that ran the engine (``torch.utils.rename_privateuse1_backend``)
 NAME = "vramsim"
@@ -401,7 +402,7 @@ class BackendFunctionMode(FunctionMode):
     def backward_scope(self, roots: Any) -> Iterator[None]:
         """`lazy.outside_backward`; a backward that reaches another GPU than this process's own
         fails in the autograd engine (``device_ready_queues_`` has PrivateUse1 device 0 only:
-        `vram.run.known.engine_index`) and is refused in one line instead."""
+        `vram.run.values.known.engine_index`) and is refused in one line instead."""
         try:
             with lazy.outside_backward(self.sim, roots):
                 yield

@@ -531,7 +531,7 @@ def _efficient_backward(args: tuple[Any, ...]) -> list[tuple[str, Any]]:
 
 
 def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int) -> list[tuple[str, Any]] | None:
-    """The allocation order of an SDPA kernel (see `vram.run.kernels.op_plan`), None for other ops."""
+    """The allocation order of an SDPA kernel (see `vram.run.kernels.plan.op_plan`), None for other ops."""
     if name == "_scaled_dot_product_flash_attention":
         return _flash_forward(args, sms)
     if name == "_scaled_dot_product_flash_attention_backward":

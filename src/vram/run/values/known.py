@@ -17,23 +17,26 @@ is unknown. Random ops draw from the CPU generator, whose state is restored afte
 script's CPU random stream is untouched), so their values are plausible, not the GPU's. An op that fails on
 the CPU (a CUDA-only kernel) makes its outputs unknown. Reading an unknown value stops the run
 with `DataDependentError` when the run is strict about values; otherwise it is answered with a
-`placeholder` (zeros) and recorded in the run's `vram.run.values.ValueReport`, and small unknown
+`placeholder` (zeros) and recorded in the run's `vram.run.values.placeholders.ValueReport`, and small unknown
 inputs of an op are replaced by placeholders too, their results marked as assumed.
 
-In a real-values run (``--values real``, `vram.run.real_values`) the keep limit is lifted
+In a real-values run (``--values real``, `vram.run.values.real_values`) the keep limit is lifted
 (`SimState.value_limit`), uninitialized memory holds zeros, and an op that fails on the CPU
 records why its outputs are unknown (`why`), which the report gives when they are read. The ops
 on CPU copies run on `SimState.value_threads` intra-op threads (one by default).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from . import real_values
-from .storages import VALUE_LIMIT, ChargedStorage, HostMemoryError, SimState
+from .limits import VALUE_LIMIT, HostMemoryError
+
+if TYPE_CHECKING:  # the run state is passed in; values sit below the storages that hold them
+    from vram.run.memory.storages import ChargedStorage, SimState
 
 _CPU = torch.device("cpu")
 #: in-place ops whose result does not depend on the old contents of the tensor they write
@@ -43,7 +46,7 @@ _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
                             "empty_permuted", "resize_", "set_"})
 
 
-#: device types that stand for a simulated GPU (meta; `vram.run.backend` adds its own)
+#: device types that stand for a simulated GPU (meta; `vram.run.engine` adds its own)
 SIMULATED_DEVICE_TYPES = {"meta"}
 #: the CUDA index that the PrivateUse1 engine's device 0 stands for (`engine_index`)
 ENGINE_OWN = [0]
@@ -71,7 +74,7 @@ def cpu_value(sim: SimState, t: Any) -> torch.Tensor | None:
         return None
     b = sim.block_of(t)
     if b is None:
-        if sim.host.of(t) is not None:  # a lazy host tensor: its bytes, computed (vram.run.lazy_host)
+        if sim.host.of(t) is not None:  # a lazy host tensor: its bytes, computed (vram.run.memory.lazy_host)
             return sim.host.real(t)
         return t if t.device.type == "cpu" else None
     if b.value is None:

@@ -2,7 +2,7 @@
 
 Values that need the model's arithmetic (a loss, logits, gradient norms) do not exist on a
 simulated GPU. By default a read of one — ``.item()``, ``bool(t)``, printing, a host copy, a
-data-dependent shape — is answered with a placeholder (zeros, see `vram.run.known`) and recorded
+data-dependent shape — is answered with a placeholder (zeros, see `vram.run.values.known`) and recorded
 in a `ValueReport` by the script line and expression that read it; with ``strict_values`` it
 raises `DataDependentError` instead, which names that line: ``train.py:57: loss.item() needs
 tensor values, which a simulated GPU does not have``. Lines come from the innermost frame of user

@@ -12,17 +12,15 @@ import torch
 from vram.allocator.errors import OutOfMemoryError as _SimOOM
 from vram.devices.host import available_memory as host_available
 from vram.frontend import memory as _memory
+from vram.run.cuda.api import DeviceProperties
+from vram.run.values.limits import VALUE_LIMIT, HostMemoryError
+from vram.run.values.placeholders import ValueReport, value_error
 
-from .cuda_api import DeviceProperties
 from .lazy_host import LazyHost
 from .storage_api import raw_device
-from .values import ValueReport, value_error
 
 _META = torch.device("meta")
-#: Elements of a storage whose contents are kept on the CPU when known (64 Ki: masks, ids,
-#: scalars; see `vram.run.known`). A host storage moved over keeps up to as many float32s.
-VALUE_LIMIT = 1 << 16
-#: intra-op threads for the ops run on value copies (`vram.run.known.run_on_cpu`); None: the
+#: intra-op threads for the ops run on value copies (`vram.run.values.known.run_on_cpu`); None: the
 #: script's ``torch.get_num_threads()``. One: on a busy machine torch's default pool made them
 #: several times slower (benchmarks/bench_real_values.py measures both)
 VALUE_THREADS: int | None = 1
@@ -32,13 +30,9 @@ HOST_RESERVE = 1 << 30
 CHECK_EVERY = 16 << 20
 
 
-class HostMemoryError(Exception):
-    """The CPU copies of a real-values run (`vram.run.real_values`) do not fit in host memory."""
-
-
 class ChargedStorage:
     """One charged storage: its block, device, the weak reference that frees it, and a CPU copy
-    of its contents when they are known (`vram.run.known`)."""
+    of its contents when they are known (`vram.run.values.known`)."""
 
     __slots__ = ("ptr", "nbytes", "device", "ref", "value", "assumed", "aux", "why")
 
@@ -46,7 +40,7 @@ class ChargedStorage:
         self.ptr, self.nbytes, self.device, self.ref = ptr, nbytes, device, ref
         self.value: torch.UntypedStorage | None = None
         self.assumed = False  # the value was computed from placeholders
-        self.aux: Any = None  # CPU state a CUDA-only kernel's backward needs (`vram.run.real_values`)
+        self.aux: Any = None  # CPU state a CUDA-only kernel's backward needs (`vram.run.values.real_values`)
         self.why = ""  # real-values mode: why the value is unknown (the op that failed on the CPU)
 
 
@@ -65,11 +59,11 @@ class SimState:
         self.autocast_cache: dict[int, tuple[weakref.ref[Any], torch.Tensor]] = {}
         self.active = True
         self.strict_values = False           # unknown values: raise instead of placeholders
-        self.real_values = False             # every value computed on the CPU (`vram.run.real_values`)
+        self.real_values = False             # every value computed on the CPU (`vram.run.values.real_values`)
         self.value_limit = VALUE_LIMIT       # elements of a storage whose known values are kept
         self.unchecked_bytes = 0             # value copies made since host memory was last checked
         self.value_threads: int | None = VALUE_THREADS  # intra-op threads of the CPU value ops
-        self.device_rng: torch.Tensor | None = None  # the simulated GPUs' draws (vram.run.known)
+        self.device_rng: torch.Tensor | None = None  # the simulated GPUs' draws (vram.run.values.known)
         self.report = ValueReport()          # where placeholders were used
         self.host_factory = False            # the running torch function is a CPU factory
         self.host = LazyHost(VALUE_LIMIT, lambda t: None, self._host_unknown)  # lazy host tensors
@@ -112,7 +106,7 @@ class SimState:
     # -- allocation -------------------------------------------------------------------------
     def run_plan(self, idx: int, plan: list[tuple[str, Any]], cublas_op: bool,
                  on_out: Callable[[int], None], on_blas: Callable[[], None]) -> None:
-        """Walk a kernel's allocation plan (`vram.run.kernels.op_plan`) on device `idx`: scratch
+        """Walk a kernel's allocation plan (`vram.run.kernels.plan.op_plan`) on device `idx`: scratch
         ("tmp", "free"), outputs (`on_out(i)`), the cuBLAS call (`on_blas`; after everything for a
         cuBLAS op whose plan does not place it), scratch left uncharged ("note": counted in
         `uncharged`). On an OOM the scratch still held is freed."""
@@ -198,7 +192,7 @@ class SimState:
         if old:
             _memory.get_allocator(b.device).free(old)
 
-    # -- value copies of a real-values run (`vram.run.real_values`) ------------------------------
+    # -- value copies of a real-values run (`vram.run.values.real_values`) ------------------------------
     def reserve(self, nbytes: int) -> None:
         """Before a value copy of `nbytes` is made in real-values mode: refuse the run when it
         would leave less than `HOST_RESERVE` of host memory available

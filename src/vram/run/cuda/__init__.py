@@ -1,0 +1,11 @@
+"""The ``torch.cuda`` surface of a simulated run, and CUDA builds' libraries beside a CPU torch.
+
+- `api`: ``torch.cuda.*`` answered by the simulator: device count and properties, the memory
+  API (``memory_allocated``, ``memory_summary``, ``_record_memory_history``...), streams and
+  events, graphs and ``MemPool``, the patches of ``torch.cuda`` and of storages.
+- `comm`: ``torch.cuda.comm``'s C++ half (scatter, gather, broadcast for ``nn.DataParallel``).
+- `compat`: a torchvision built for CUDA next to a CPU build of torch (its C++ ops defined).
+
+The bottom of the run floor: imports the simulated allocator (`vram.frontend`) and nothing of
+`vram.run`.
+"""

@@ -1,0 +1,20 @@
+"""What each CUDA kernel allocates beyond its outputs, and in which order, from PyTorch's CUDA
+source (``aten/src/ATen/native/cuda``, ``cudnn``, ``transformers/cuda``). Pure rules: a kernel's
+plan is a list of ``("out", i)`` / ``("tmp", nbytes)`` / ``("free", k)`` steps that the engine
+carries out on the simulated allocator.
+
+- `plan`: `op_plan`, the table from an aten op to its plan (losses, ``_foreach_norm``, scalar
+  bases), the uncharged-scratch notes, Python-level functions seen whole.
+- `blas`: cuBLAS and cuBLASLt: the per-handle workspaces, the operand copies of mm/bmm.
+- `norms`: cuDNN batch norm in training (its reserve space, which outputs it makes).
+- `autocast`: CUDA autocast's cast policy (lower precision, float32, promote, banned).
+- `reductions`: the staging buffers and semaphores of ``Reduce.cuh``'s reductions.
+- `scratch`: embedding backward's sort path, layer-norm / RMS-norm backward's partial sums.
+- `sdpa`: ``scaled_dot_product_attention``: which backend ``sdp_utils.cpp`` picks, what it
+  allocates forward and backward.
+- `grouped_mm`: ``torch._grouped_mm`` as ``GroupedBlas.cpp`` runs it.
+- `fastpath`: ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` inference fast paths.
+
+Imported by `vram.run.engine` and `vram.run.runtime`; imports `vram.run.values` (the fast paths'
+known masks) and nothing else of the run floor.
+"""
