@@ -174,7 +174,8 @@ def _run(script: str, gpu: str) -> int:
 
     from vram.frontend import memory as _memory
     from vram.run import runtime as _rt
-    from vram.run.kernels import plan as _k
+    from vram.run.kernels import blas as _blas
+    from vram.run.kernels import plan as _plan
 
     class Simulated:
         def __init__(self, sim) -> None:  # type: ignore[no-untyped-def]
@@ -193,8 +194,8 @@ def _run(script: str, gpu: str) -> int:
 
         def plan(self, op, args, outs):  # type: ignore[no-untyped-def]
             name, props = op.overloadpacket.__name__, self.sim.props[0]
-            steps = _k.op_plan(name, args, outs, props.multi_processor_count, props.max_threads_per_multi_processor)
-            if name in _k.CUBLAS_OPS and ("blas", None) not in steps:
+            steps = _plan.op_plan(name, args, outs, props.multi_processor_count, props.max_threads_per_multi_processor)
+            if name in _blas.CUBLAS_OPS and ("blas", None) not in steps:
                 steps = steps + [("blas", None)]
             return steps
 
@@ -204,7 +205,7 @@ def _run(script: str, gpu: str) -> int:
             props = self.sim.props[0]
             thread = "autograd" if torch._C._current_autograd_node() is not None else "main"
             key = (0, _memory.current_stream(0).cuda_stream, thread, "cublas")
-            self.sim.workspace(key, _k.cublas_workspace_size(props.major, props.minor))
+            self.sim.workspace(key, _blas.cublas_workspace_size(props.major, props.minor))
 
     class ToBackend(TorchFunctionMode):
         def __init__(self, sim) -> None:  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from paths import RECORDINGS as TRACES  # noqa: E402
 from vram.replay.loader import load_snapshot  # noqa: E402
-from vram.run.kernels.plan import bmm_plan, mm_plan, non_overlapping_and_dense  # noqa: E402
+from vram.run.kernels.blas import bmm_plan, mm_plan, non_overlapping_and_dense  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
 
 

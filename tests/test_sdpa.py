@@ -18,7 +18,7 @@ F = torch.nn.functional
 
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from vram.run.kernels.sdpa import sdpa_args, sdpa_rejections, select_sdpa_backend  # noqa: E402
+from vram.run.kernels.sdpa_choice import sdpa_args, sdpa_rejections, select_sdpa_backend  # noqa: E402
 from vram.run.runtime import run_script, simulated_cuda  # noqa: E402
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32

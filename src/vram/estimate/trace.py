@@ -283,7 +283,7 @@ def apply_checkpoint(model: nn.Module, policy: Any, tr: Tracker, blocks: list[nn
     """Wrap each `checkpoint_targets` module's forward in non-reentrant ``torch.utils.checkpoint``.
 
     The recomputation runs inside the autograd engine, under the simulation's function mode (see
-    `vram.run.cuda.api.patch_torch_extras`), so it is cast and routed as the forward was.
+    `vram.run.cuda.patches.patch_torch_extras`), so it is cast and routed as the forward was.
     """
     from torch.utils.checkpoint import checkpoint as ckpt
 

@@ -48,13 +48,13 @@ How it works, inside `simulated_cuda`:
 
 Also: the autograd engine runs under the function mode, so Python code it calls (custom
 ``Function.backward``, hooks, ``torch.utils.checkpoint``'s recomputation) sees the simulated GPU as
-the forward did (see `vram.run.cuda.api.patch_torch_extras`); ``torch.compile`` runs eagerly,
+the forward did (see `vram.run.cuda.patches.patch_torch_extras`); ``torch.compile`` runs eagerly,
 ``GradScaler.step`` steps without reading ``found_inf``, ``UntypedStorage.resize_`` is followed
 (see `vram.run.cuda.api`). Limits: ops inside Python-level
 torch functions (``F.multi_head_attention_forward``, ``F.normalize``…) are seen at the aten level
 only, so they get no autocast casting or SDPA routing — except ``F.multi_head_attention_forward``
 (``nn.MultiheadAttention``) and ``F.normalize``, whose inner calls the mode sees
-(`vram.run.kernels.plan.TRANSPARENT`); ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` in
+(`vram.run.kernels.functions.TRANSPARENT`); ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` in
 inference take PyTorch's fused path as on a GPU (`vram.run.kernels.fastpath`). Backward formulas see meta
 tensors and an active dispatch mode, both "subclass-like" to ``at::isTensorSubclassLike``
 (``ATen/TensorSubclassLikeUtils.h``), so they take out-of-place paths a GPU run does not (issue 12;
@@ -81,13 +81,14 @@ from vram.allocator import history as _history
 from vram.devices.gpus import GpuPreset, resolve_gpu
 from vram.frontend import memory as _memory
 
-from .cuda.api import DeviceProperties, patch_torch_cuda, patch_torch_extras
+from .cuda.api import DeviceProperties, patch_torch_cuda
 from .cuda.compat import define_torchvision_ops, refuse_cuda_ipc
+from .cuda.patches import patch_torch_extras
 from .distributed import install as install_distributed
 from .engine.meta import DispatchMode, FunctionMode
 from .engine.privateuse1 import EngineLimit
+from .kernels.cudnn import uncharged_note
 from .kernels.fastpath import patch_fast_paths
-from .kernels.plan import uncharged_note
 from .memory.host_rng import patch_rng
 from .memory.storage_api import patch_storages
 from .memory.storages import SimState

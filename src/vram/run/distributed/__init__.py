@@ -21,7 +21,7 @@ from typing import Any
 
 from vram.devices.nccl import VERSION as NCCL_VERSION
 from vram.frontend import memory as _memory
-from vram.run.cuda.api import attribute_patches
+from vram.run.cuda.stand_ins import attribute_patches
 from vram.run.memory.storages import SimState
 
 __all__ = ["install", "current_sim"]

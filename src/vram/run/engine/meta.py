@@ -16,8 +16,15 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves, tree_map
 
 from vram.frontend import memory as _memory
+from vram.run.kernels import autocast as _autocast
+from vram.run.kernels import blas as _blas
+from vram.run.kernels import cudnn as _cudnn
 from vram.run.kernels import fastpath as _fast
-from vram.run.kernels import plan as _k
+from vram.run.kernels import functions as _functions
+from vram.run.kernels import grouped_mm as _grouped_mm
+from vram.run.kernels import plan as _plan
+from vram.run.kernels import sdpa as _sdpa
+from vram.run.kernels import sdpa_choice as _sdpa_choice
 from vram.run.memory.lazy_host import LAZY_FACTORIES, factory_numel, seeded
 from vram.run.memory.storages import ChargedStorage, SimState
 from vram.run.values import known
@@ -106,7 +113,7 @@ class DispatchMode(TorchDispatchMode):
             host.ledger.settle()  # the CPU generator is about to be used: pay the deferred draws
         computed, computed_assumed = None, False
         try:
-            run = _k.CUDA_META.get(func, func)  # a meta kernel that is not the CUDA kernel: CUDA's
+            run = _grouped_mm.CUDA_META.get(func, func)  # a meta kernel that is not the CUDA kernel: CUDA's
             out = run(*host.on_meta(args), **host.on_meta(kwargs)) if lazy else run(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
             if needs_data(e) and any(sim.block_of(t) for t in inputs):
@@ -135,7 +142,7 @@ class DispatchMode(TorchDispatchMode):
         if lazy:  # e.g. a copy from the GPU into a lazy host buffer: the buffer's recipe grows
             host.record(func, args, kwargs, out, new_outputs=False)
         if func is _NATIVE_BN:  # inference on cuDNN: only the output (as the PrivateUse1 engine)
-            out = _k.cudnn_batch_norm_outputs("native_batch_norm", args, out)
+            out = _cudnn.cudnn_batch_norm_outputs("native_batch_norm", args, out)
         if func._schema.is_mutable:
             for t in inputs:
                 b = sim.block_of(t)
@@ -166,7 +173,7 @@ class DispatchMode(TorchDispatchMode):
         outs = out if isinstance(out, (tuple, list)) else [out]
         name = func.overloadpacket.__name__
         props = sim.props[idx]
-        plan = _k.op_plan(name, args, outs, props.multi_processor_count, props.max_threads_per_multi_processor,
+        plan = _plan.op_plan(name, args, outs, props.multi_processor_count, props.max_threads_per_multi_processor,
                           (props.major, props.minor))
         done: list[Any] = []
         seen: set[int] = set()
@@ -187,7 +194,7 @@ class DispatchMode(TorchDispatchMode):
                         sim.resize(st, b)
 
         try:
-            sim.run_plan(idx, plan, name in _k.CUBLAS_OPS, on_out,
+            sim.run_plan(idx, plan, name in _blas.CUBLAS_OPS, on_out,
                          lambda: self._cublas_if_device(idx, name, args, kwargs, outs[0]))
         except torch.OutOfMemoryError:
             for st in reversed(done):
@@ -205,10 +212,10 @@ class DispatchMode(TorchDispatchMode):
         thread = "autograd" if torch._C._current_autograd_node() is not None else "main"
         stream = _memory.current_stream(idx).cuda_stream
         p = sim.props[idx]
-        size = _k.cublas_workspace_size(p.major, p.minor)
+        size = _blas.cublas_workspace_size(p.major, p.minor)
         sim.workspace((idx, stream, thread, "cublas"), size)
-        if _k.uses_cublaslt(name, args, kwargs, out):
-            lt = _k.cublaslt_workspace_size(size)
+        if _blas.uses_cublaslt(name, args, kwargs, out):
+            lt = _blas.cublaslt_workspace_size(size)
             if lt:
                 sim.workspace((idx, stream, thread, "cublaslt"), lt)
 
@@ -300,8 +307,8 @@ class FunctionMode(TorchFunctionMode):
                 return b0.ptr + t0.storage_offset() * t0.element_size() if b0.ptr else 0
             if name == "get_device":
                 return b0.device
-            if name in _k.RNN_OPS:
-                raise NotImplementedError(_k.rnn_refusal(name))
+            if name in _cudnn.RNN_OPS:
+                raise NotImplementedError(_cudnn.rnn_refusal(name))
             if name == "record_stream" and len(args) > 1:  # an empty storage has no block: nothing
                 if b0.ptr:  # to do (CUDACachingAllocator.cpp, recordStream); never C++'s, which
                     _memory.get_allocator(b0.device).record_stream(b0.ptr, args[1].cuda_stream)
@@ -321,7 +328,7 @@ class FunctionMode(TorchFunctionMode):
         if name in ("copy_", "copy_.default") and b0 is None and t0 is not None and t0.device.type == "cpu" \
                 and len(args) > 1 and isinstance(args[1], torch.Tensor) and sim.block_of(args[1]) is not None:
             return self._copy_to_host(t0, args[1])
-        if func in _k.TRANSPARENT and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
+        if func in _functions.TRANSPARENT and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
             return self._call(func, lambda: self._inside(func, args, kwargs), None, False, args, kwargs)
         if func in _fast.FUSED and b0 is not None:
             cc = sim.props[b0.device]  # nn.MultiheadAttention / TransformerEncoderLayer in inference
@@ -332,22 +339,23 @@ class FunctionMode(TorchFunctionMode):
         if name == "pin_memory" and t0 is not None:  # page-locked host memory: not GPU memory
             return t0
         if torch.is_autocast_enabled("cuda"):
-            if name in _k.AUTOCAST_BANNED and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
-                raise RuntimeError(_k.AUTOCAST_BANNED[name])
-            if name == "cross_entropy" and _k.simple_cross_entropy(args, kwargs) and self._eligible(t0):
-                return self._call(func, lambda: _k.cross_entropy_autocast(args, kwargs, self._cast),
+            if name in _autocast.AUTOCAST_BANNED and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
+                raise RuntimeError(_autocast.AUTOCAST_BANNED[name])
+            if name == "cross_entropy" and _autocast.simple_cross_entropy(args, kwargs) and self._eligible(t0):
+                return self._call(func, lambda: _autocast.cross_entropy_autocast(args, kwargs, self._cast),
                                   None, False, args, kwargs)
-            args, kwargs = _k.autocast_args(name, args, kwargs, self._eligible, self._cast)
+            args, kwargs = _autocast.autocast_args(name, args, kwargs, self._eligible, self._cast)
         if name in ("softmax", "log_softmax") and b0 is not None:
-            fused = _k.half_to_float_softmax(func, name, args, kwargs)
+            fused = _functions.half_to_float_softmax(func, name, args, kwargs)
             if fused is not None:
                 return self._call(func, fused, None, False, args, kwargs)
         if func is _SDPA and args and (q_idx := sim.seen_idx(args[0])) is not None:
             # a DTensor too: its wrapper's device is cuda on a GPU, so attention.cpp's CUDA
             # _fused_sdp_choice_stub picks the kernel and DTensor runs it on the local shards
-            p, cc = _k.sdpa_args(args, kwargs), sim.props[q_idx]
-            return self._call(func, lambda: _k.sdpa_cuda(p, _k.select_sdpa_backend(p, cc.major, cc.minor), func,
-                                                          cc.major, cc.minor), None, False, args, kwargs)
+            p, cc = _sdpa_choice.sdpa_args(args, kwargs), sim.props[q_idx]
+            backend = _sdpa_choice.select_sdpa_backend
+            return self._call(func, lambda: _sdpa.sdpa_cuda(p, backend(p, cc.major, cc.minor), func, cc.major,
+                                                            cc.minor), None, False, args, kwargs)
         target, explicit_meta = None, False
         default = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)  # set_default_device
         if default is not None and kwargs.get("device") is None and func in _device_constructors():
@@ -522,7 +530,7 @@ class FunctionMode(TorchFunctionMode):
             return dst.copy_(value)
 
     def _inside(self, func: Any, args: Any, kwargs: Any) -> Any:
-        return self._again(lambda: _k.transparent(func)(*args, **kwargs))
+        return self._again(lambda: _functions.transparent(func)(*args, **kwargs))
 
     def _again(self, run: Callable[[], Any]) -> Any:
         """`run` with this mode pushed again (a torch-function mode runs with itself popped)."""

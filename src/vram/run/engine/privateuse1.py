@@ -21,7 +21,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from vram.run.kernels import plan as _k
+from vram.run.kernels import blas as _cublas
+from vram.run.kernels import cudnn as _cudnn
+from vram.run.kernels import grouped_mm as _grouped_mm
+from vram.run.kernels import plan as _plan
 from vram.run.memory.storage_api import raw_device
 from vram.run.memory.storages import ChargedStorage, SimState
 from vram.run.values import known
@@ -277,7 +280,7 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
     computed, computed_assumed = None, False
     try:
-        out = _k.CUDA_META.get(op, op)(*margs, **mkwargs)  # CUDA's output where the meta kernel's differs
+        out = _grouped_mm.CUDA_META.get(op, op)(*margs, **mkwargs)  # CUDA's output where the meta kernel's differs
     except (RuntimeError, NotImplementedError) as e:
         if not needs_data(e):
             raise
@@ -288,7 +291,7 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
             raise value_error(what, f"{op} has no meta kernel" if "no fake impl" in str(e) else "") from None
         out = known.meta_outputs(computed)
     name = op.overloadpacket.__name__
-    out = _k.cudnn_batch_norm_outputs(name, margs, out)
+    out = _cudnn.cudnn_batch_norm_outputs(name, margs, out)
     single = not isinstance(out, tuple)
     outs = [out] if single else list(out)
     schema = op._schema
@@ -349,7 +352,7 @@ def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> Non
 def _charge(sim: BackendState, op: Any, name: str, idx: int, margs: Any, mkwargs: Any, outs: list[Any],
             results: list[Any]) -> None:
     props = sim.props[idx]
-    plan = _k.op_plan(name, margs, outs, props.multi_processor_count, props.max_threads_per_multi_processor,
+    plan = _plan.op_plan(name, margs, outs, props.multi_processor_count, props.max_threads_per_multi_processor,
                       (props.major, props.minor))
     returns = op._schema.returns
 
@@ -357,7 +360,7 @@ def _charge(sim: BackendState, op: Any, name: str, idx: int, margs: Any, mkwargs
         if arg < len(outs) and arg < len(returns):  # a void op (``_amp_foreach_*_``) has none
             _materialise(sim, returns[arg].alias_info, outs, results, arg, idx)
 
-    sim.run_plan(idx, plan, name in _k.CUBLAS_OPS, on_out, lambda: _blas(sim, idx, name, margs, mkwargs, results))
+    sim.run_plan(idx, plan, name in _cublas.CUBLAS_OPS, on_out, lambda: _blas(sim, idx, name, margs, mkwargs, results))
 
 
 def _materialise(sim: BackendState, alias: Any, outs: list[Any], results: list[Any], i: int, idx: int) -> None:

@@ -30,7 +30,8 @@ from torch.utils._pytree import tree_leaves
 
 from vram.run.values import known
 
-from .plan import clone_with_globals, sdpa_args, select_sdpa_backend
+from .functions import clone_with_globals
+from .sdpa_choice import sdpa_args, select_sdpa_backend
 
 _FUSED_SDPA = ("flash", "efficient", "cudnn")
 

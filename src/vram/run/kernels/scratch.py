@@ -16,7 +16,7 @@ cub's own temporary storage (``ATen/cuda/cub.cuh`` ``CUB_WRAPPER``: ``func(nullp
 then ``caching_allocator.allocate(bytes)``, freed when the call returns) is sized by cub's
 dispatch from the tuning policy of the GPU's architecture and the CCCL release PyTorch was
 built with (onesweep/tile sizes, spine lengths): not derivable here, so not charged; the op
-carries a note instead (`vram.run.kernels.plan.uncharged_note`).
+carries a note instead (`vram.run.kernels.cudnn.uncharged_note`).
 """
 from __future__ import annotations
 
