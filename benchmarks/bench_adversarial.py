@@ -1,4 +1,4 @@
-"""Hostile and adversarial-size snapshots (issue #11): time, peak RSS and outcome of each.
+"""Hostile and adversarial-size snapshots: time, peak RSS and outcome of each.
 
 Run: ``python3 benchmarks/bench_adversarial.py`` (``--quick`` for smaller files, ``--only NAME``,
 ``--src DIR`` to measure another checkout's ``src``, e.g. the previous commit's, for a

@@ -1,6 +1,6 @@
 """A 7B Llama built on the CPU, moved to the simulated GPU, one training step: host time and memory.
 
-Issue 10 §7's target: under ``vram run``, this script finishes in under a minute and under 2 GiB
+The target: under ``vram run``, this script finishes in under a minute and under 2 GiB
 of host memory (peak resident set of the ``vram run`` process) on the 2-core CI-sized machine.
 Measured 2026-11-24 (torch 2.13 CPU, transformers 5.23): 27.6 s and 0.44 GiB idle, 43.2 s and
 0.41 GiB while other jobs loaded the machine; before lazy host tensors, ``--layers 2`` alone took

@@ -1,4 +1,4 @@
-"""An 8-rank FSDP2 training step of a Llama-3-8B-shaped model under ``vram run`` (issue 13, item 6).
+"""An 8-rank FSDP2 training step of a Llama-3-8B-shaped model under ``vram run``.
 
 Run: ``python3 benchmarks/bench_distributed.py`` (``--ac full|none``, ``--batch``, ``--seq``,
 ``--steps``, ``--all-ranks`` to simulate all 8 ranks as well as one; needs torch).

@@ -1,4 +1,4 @@
-"""`vram.estimate` speed on a GPT-2-small-sized training step (issue #4 target: < 2 s of tracing).
+"""`vram.estimate` speed on a GPT-2-small-sized training step.
 
 Run: ``python3 benchmarks/bench_estimate.py`` (``--profile`` adds a cProfile listing, ``--batch`` /
 ``--seq`` change the step). One process, one thread (``torch.set_num_threads(1)``); pin it to a

@@ -1,4 +1,4 @@
-"""`vram run --values real` against the default mode, and the value ops' thread count (issue 10 §3).
+"""`vram run --values real` against the default mode, and the value ops' thread count.
 
 Run: ``python3 benchmarks/bench_real_values.py`` (``--repeats N``; needs torch). Two workloads, each
 a GPT (causal SDPA, tied head, AdamW) built on the CPU and moved to the device, trained with

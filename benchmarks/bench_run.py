@@ -1,4 +1,4 @@
-"""`vram run` against plain meta-device execution of the same script (issue 15).
+"""`vram run` against plain meta-device execution of the same script.
 
 Run: ``python3 benchmarks/bench_run.py`` (``--repeats N``; needs torch). The script builds the
 README's GPT-2 small (``examples/mymodels.py``) on the CPU, moves it to the device named on its

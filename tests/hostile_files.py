@@ -1,4 +1,4 @@
-"""Building hostile snapshot files in tests (issue #11): pickles opcode by opcode, segments
+"""Building hostile snapshot files in tests: pickles opcode by opcode, segments
 and trace entries in PyTorch's snapshot shape (spec §18.2, §18.3), and running code in a
 subprocess so that a crash fails a test instead of killing pytest."""
 from __future__ import annotations

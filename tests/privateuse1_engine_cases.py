@@ -1,4 +1,4 @@
-"""The cases of ``vram run --backend privateuse1`` (experimental; `vram.run.engine`, issue 12), run
+"""The cases of ``vram run --backend privateuse1`` (experimental; `vram.run.engine`), run
 by tests/test_privateuse1_engine.py in a child pytest: the engine registers PrivateUse1 for the
 whole process, which must not happen in a worker running the default engine's tests."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A probe for issue 12 (run by ``test_subclass_formulas.py`` in a child process): tensors on a
+"""A probe of backward formulas (run by ``test_subclass_formulas.py`` in a child process): tensors on a
 Python PrivateUse1 backend (``torch.utils.backend_registration._setup_privateuseone_for_python_backend``)
 whose every op runs on meta, with storages made through DLPack (NumPy's exporter) so that each
 storage's death is reported and no storage Python object exists. No dispatch mode, no meta key: autograd sees

@@ -1,4 +1,4 @@
-"""Adversarial-size snapshots (issue #11): the cases that were quadratic (seconds to minutes)
+"""Adversarial-size snapshots: the cases that were quadratic (seconds to minutes)
 replay to the right results, checked against a direct computation. Their speed is measured by
 benchmarks/bench_adversarial.py (full sizes, old code vs new), not here: the machines that run
 the tests are shared and noisy, so a timed test would measure the neighbours.

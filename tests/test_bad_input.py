@@ -1,4 +1,4 @@
-"""Bad input to the API (issue 11 §4): a clear error naming the problem, PyTorch's where it has
+"""Bad input to the API: a clear error naming the problem, PyTorch's where it has
 one, and the allocator's state exactly as it was."""
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def test_address_space_exhaustion_fails_as_pytorch_does_and_changes_nothing():
 
 
 def test_cuda_malloc_async_backend_is_refused_not_simulated_as_native() -> None:
-    """issue 14: vram is PyTorch's native allocator; the async backend's reservations are CUDA's."""
+    """vram is PyTorch's native allocator; the async backend's reservations are CUDA's."""
     with pytest.raises(ConfigError, match=r"^backend:cudaMallocAsync is not simulated"):
         CachingAllocator(SimulatedDevice("1GiB"), "backend:cudaMallocAsync")
     x = vram.empty(MiB)

@@ -1,4 +1,4 @@
-"""The C replay core (`vram.replay.ccore`, issue 15) against the pure-Python engine, byte for byte.
+"""The C replay core (`vram.replay.ccore`) against the pure-Python engine, byte for byte.
 
 Every replay here runs twice, with ``VRAM_CCORE=0`` (Python) and with the C core, and must give
 the same result (less its wall-clock time), ``memory_stats()``, segments and blocks, pools and

@@ -1,4 +1,4 @@
-"""The loader's walk of trace entries in C (`vram.replay._ccore.entries`, issue 15) against the
+"""The loader's walk of trace entries in C (`vram.replay._ccore.entries`) against the
 Python walk (`vram.replay.loader._Walker.entries` with ``VRAM_CCORE=0``), byte for byte.
 
 Each file is loaded both ways; the results must pickle to the same bytes (so equal values, and

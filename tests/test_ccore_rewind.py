@@ -1,4 +1,4 @@
-"""The rewind's walk in C (`vram.replay._ccore.rewind`, issue 15) against `vram.replay.rewind._walk`.
+"""The rewind's walk in C (`vram.replay._ccore.rewind`) against `vram.replay.rewind._walk`.
 
 `rewind` walks the trace in C where it can (``VRAM_CCORE`` unset) and in Python with
 ``VRAM_CCORE=0``; both must give the same start state, equal value for value and in the same

@@ -1,4 +1,4 @@
-"""The command line as a new user meets it (issue 10, "found by a new user")."""
+"""The command line as a new user meets it."""
 from __future__ import annotations
 
 import os

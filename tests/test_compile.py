@@ -1,4 +1,4 @@
-"""``torch.compile`` under ``vram run`` (issue 10 item 4). The compiled program is not modelled
+"""``torch.compile`` under ``vram run``. The compiled program is not modelled
 yet: ``torch.compile`` returns the model unchanged and says once that memory is eager PyTorch's
 (docs/estimate-accuracy.md, "torch.compile": what blocks inductor's CUDA wrapper on a CPU build)."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Small but real programs on the libraries people train with, run under ``vram run`` to their end
-(issue 10): Hugging Face GPT-2 and Llama with GQA (padded masks, gradient checkpointing, bf16
+: Hugging Face GPT-2 and Llama with GQA (padded masks, gradient checkpointing, bf16
 autocast, loss logging, generate), a PEFT LoRA step, a diffusers UNet step, a nanoGPT-style
 loop, a torchvision ResNet and a timm ViT trained with AMP and GradScaler (tests/corpus/; PyPI's
 torchvision wheel is built for CUDA torch, so its operator library cannot load next to the CPU

@@ -1,4 +1,4 @@
-"""`vram diff A B` (issue 12): two snapshots' request sequences aligned, unmatched requests by
+"""`vram diff A B`: two snapshots' request sequences aligned, unmatched requests by
 the frame that made them, the first divergence, peaks side by side. The cases are built from a
 real recording by removing or adding known requests, so the expected alignment is known."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Many simulated GPUs (issue 13): ``torch.distributed`` with the ``nccl`` backend under
+"""Many simulated GPUs: ``torch.distributed`` with the ``nccl`` backend under
 `vram.run.runtime.simulated_cuda`, DDP's gradient buckets, and the ``--nproc-per-node`` launcher.
 
 Expected figures come from PyTorch's sources, as cited: ``ProcessGroupNCCL.cpp`` (``collective``:

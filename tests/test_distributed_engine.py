@@ -1,4 +1,4 @@
-"""torch.distributed ranks on the PrivateUse1 engine (issue 13): a rank's own GPU is the engine's
+"""torch.distributed ranks on the PrivateUse1 engine: a rank's own GPU is the engine's
 device 0, so its backward takes the GPU's formulas.
 
 The autograd engine has ready queues for PrivateUse1 device 0 only: the Python device guard's

@@ -1,4 +1,4 @@
-"""Pipeline parallel under ``vram run --nproc-per-node`` (issue 13): each stage is its own
+"""Pipeline parallel under ``vram run --nproc-per-node``: each stage is its own
 program, simulated in its own process; point-to-point messages carry known values between the
 rank processes (`vram.run.distributed.p2p`), so stages infer their shapes as on GPUs.
 

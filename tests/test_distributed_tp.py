@@ -1,4 +1,4 @@
-"""Tensor and sequence parallel through DTensor on simulated GPUs (issue 13).
+"""Tensor and sequence parallel through DTensor on simulated GPUs.
 
 The collectives: DTensor redistributes through the functional collectives
 (``torch/distributed/tensor/_redistribute.py`` -> ``_collective_utils.py`` ->

@@ -1,4 +1,4 @@
-"""``vram.estimate(model, inputs, layout=...)``: the Python API's multi-GPU layouts (issue 13), the
+"""``vram.estimate(model, inputs, layout=...)``: the Python API's multi-GPU layouts, the
 same layouts as ``vram estimate --ddp/--fsdp/--tp/--pp``. The expected figure is the training loop
 written by hand (`tests/distributed_programs/estimate_equivalent.py`) under ``vram run
 --nproc-per-node``, as in tests/test_estimate_distributed.py."""

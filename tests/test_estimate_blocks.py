@@ -1,6 +1,6 @@
 """`vram estimate`'s categories are allocator blocks, as ``memory_allocated()`` counts them, so the
 gradients of torchvision's resnet18 under bf16 autocast show 46.14 MiB against 44.64 MiB of
-parameters (issue 10): three gradients land in cached blocks the allocator hands out whole because
+parameters: three gradients land in cached blocks the allocator hands out whole because
 splitting would leave at most 1 MiB (``should_split``, large pool; spec §4). The tensors themselves
 are the parameters' size: PyTorch's ``MemTracker`` on the CPU counts 44.592 MiB of gradients, equal
 to the parameters (``torch.distributed._tools.mem_tracker``, same model, same step). The report says

@@ -1,4 +1,4 @@
-"""``vram estimate --ddp/--fsdp`` (issue 13): each rank's figures against the same training loop
+"""``vram estimate --ddp/--fsdp``: each rank's figures against the same training loop
 written by hand (`tests/distributed_programs/estimate_equivalent.py`) under ``vram run
 --nproc-per-node``, and against PyTorch's ``FSDPMemTracker`` on the CPU with the fake process
 group, the way tests/test_fsdp.py compares them.
@@ -176,7 +176,7 @@ def test_pp_refuses_a_model_without_a_top_level_module_list() -> None:
 ], ids=["ddp", "fsdp2", "tp", "pp"])
 def test_checkpoint_with_each_layout_equals_the_run_by_hand(mode: str, flags: list[str], batch: int,
                                                             extra: list[str]) -> None:
-    """``--checkpoint`` combined with each layout (issue 13 §2): every rank's peaks equal the loop
+    """``--checkpoint`` combined with each layout: every rank's peaks equal the loop
     by hand with ``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``) around each
     block, applied as torchtitan does (after the TP plan, before DDP or ``fully_shard``; a pipeline
     stage's blocks after ``build_stage``). The batch is large enough for the peak to be in the

@@ -1,4 +1,4 @@
-"""`vram.estimate` on one GPU runs on the engine `vram run` uses there (PrivateUse1, issue 12):
+"""`vram.estimate` on one GPU runs on the engine `vram run` uses there (PrivateUse1):
 its steady-state peak is the peak a script making the same step reaches under `vram run`, with
 the GPU's in-place backward formulas rather than the subclass-safe ones a dispatch mode forces
 (docs/estimate-accuracy.md, "Why a simulated backward takes other formulas")."""

@@ -1,4 +1,4 @@
-"""``vram explain``'s ``empty_cache()`` points (issue 14 §2): every point where the cache
+"""``vram explain``'s ``empty_cache()`` points: every point where the cache
 (reserved - allocated) is at a local maximum is a candidate, each replayed through the recording.
 
 The recordings are made with vram's allocator (history on) and written as

@@ -1,6 +1,6 @@
 """``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` in inference take PyTorch's fused path
 (``torch._native_multi_head_attention``, ``torch._transformer_encoder_layer_fwd``) under ``vram run`` as
-on a GPU, and allocate what the CUDA code allocates (issue 10). Every expected sequence below is
+on a GPU, and allocate what the CUDA code allocates. Every expected sequence below is
 read off the CUDA source, step by step (B=2, T=16, D=64, 4 heads of 16, float32, H100):
 
 * ``native_multi_head_attention_cuda`` (native/transformers/cuda/attention.cu): with q is k is v, no

@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard``) on simulated GPUs (issue 13), checked against PyTorch's own tracker.
+"""FSDP2 (``fully_shard``) on simulated GPUs, checked against PyTorch's own tracker.
 
 `tests/distributed_programs/fsdp2_mlp.py` is an ordinary FSDP2 training script. Run by
 ``vram run --nproc-per-node 2`` it prints ``max_memory_allocated()`` over a warmed-up baseline;

@@ -1,4 +1,4 @@
-"""FSDP1 (``FullyShardedDataParallel`` with FlatParameters) on simulated GPUs (issue 13), checked
+"""FSDP1 (``FullyShardedDataParallel`` with FlatParameters) on simulated GPUs, checked
 against PyTorch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``; FSDPMemTracker is FSDP2
 only).
 

@@ -1,6 +1,6 @@
 """The functional collectives (``torch.distributed._functional_collectives``, ``torch.ops.
 _c10d_functional``, DTensor's ``_dtensor.shard_dim_alltoall``) reach the simulated process group
-as their CUDA kernels reach ProcessGroupNCCL (issue 13).
+as their CUDA kernels reach ProcessGroupNCCL.
 
 Expected behaviour from PyTorch's sources: ``torch/csrc/distributed/c10d/Functional.cpp`` (outputs
 allocated with ``at::empty`` / ``clone`` on the current stream before the collective, default

@@ -1,4 +1,4 @@
-"""Frees run by Python's garbage collector (issue 11 §1).
+"""Frees run by Python's garbage collector.
 
 A tensor that dies in a reference cycle is finalized whenever the cyclic GC runs: at any
 allocation of Python objects, so also inside an allocator operation on the same thread. Such a

@@ -1,5 +1,5 @@
 """Hugging Face model families with their own code paths under ``vram run --gpu A100-80GB``
-(issue 10, docs/corpus.md "Hugging Face model families"): tests/corpus/hf_families.py trains each
+: tests/corpus/hf_families.py trains each
 family's tiny random-initialised model with AdamW in float32 and bf16 autocast and generates.
 
 Expectations from PyTorch and transformers on the CPU, without vram: the printed parameter count

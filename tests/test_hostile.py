@@ -1,4 +1,4 @@
-"""Hostile and corrupt snapshots (issue #11): nothing crashes, nothing hangs, nothing wrong is
+"""Hostile and corrupt snapshots: nothing crashes, nothing hangs, nothing wrong is
 accepted, and every refusal is one line naming the file and the problem.
 
 Files are built here, opcode by opcode where the pickler would not write them. Expected outcomes

@@ -1,4 +1,4 @@
-"""Values a simulated run knows exactly (issue 10 §3; `vram.run.values.known`).
+"""Values a simulated run knows exactly.
 
 Tensors built by factories or from host data, and small ops on such tensors alone, have the
 values PyTorch computes: the expectations below are the same expressions evaluated by torch on

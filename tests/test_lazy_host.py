@@ -1,4 +1,4 @@
-"""Lazy host tensors (issue 10 §7): a model built on the CPU costs nothing until its bytes are
+"""Lazy host tensors: a model built on the CPU costs nothing until its bytes are
 needed, and then they are exact; the CPU generator's stream is the one a GPU run would see.
 
 Every expectation is PyTorch's own behaviour on real CPU tensors, computed in the test outside the

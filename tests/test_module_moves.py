@@ -1,4 +1,4 @@
-"""Moving a model built on the CPU to the simulated GPU keeps its Parameter objects (issue 10 §1).
+"""Moving a model built on the CPU to the simulated GPU keeps its Parameter objects.
 
 On a GPU, ``Module._apply`` moves each Parameter with ``param.data = moved`` (CPU and CUDA
 tensors have compatible implementations), so the objects survive: tied weights stay tied and

@@ -1,4 +1,4 @@
-"""The optional compiled allocator (`vram.allocator.native`, issue 15) against the pure-Python one.
+"""The optional compiled allocator (`vram.allocator.native`) against the pure-Python one.
 
 The compiled modules are built with mypyc into a temporary folder, then `native_workloads.py`
 runs in two fresh processes, with ``VRAM_NATIVE`` pointing at the build and without it: random

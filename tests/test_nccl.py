@@ -1,4 +1,4 @@
-"""NCCL's memory outside the caching allocator (`vram.devices.nccl`, issue 13 item 3).
+"""NCCL's memory outside the caching allocator (`vram.devices.nccl`).
 
 Every expected figure is computed here by hand from NCCL's source (NVIDIA/nccl 2.30.7, commit
 5067397c): ``src/init.cc`` lines 810-813 (``DEFAULT_LL_BUFFSIZE`` = NCCL_LL_LINES_PER_THREAD 8 x

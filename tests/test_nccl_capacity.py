@@ -1,5 +1,5 @@
 """NCCL's memory is taken from the simulated GPU when PyTorch would create or connect the
-communicator, so it counts toward the card's capacity (`vram.run.distributed.nccl`, issue 13).
+communicator, so it counts toward the card's capacity (`vram.run.distributed.nccl`).
 
 Expected figures are hand-computed from NCCL's source as in tests/test_nccl.py (H100 SXM node,
 NCCL defaults): bookkeeping (2 + 3 x 32 channels) x 2 MiB = 196 MiB when a communicator is

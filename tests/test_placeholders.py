@@ -1,4 +1,4 @@
-"""Reads of values that need the model's arithmetic (issue 10 §3): by default a placeholder
+"""Reads of values that need the model's arithmetic: by default a placeholder
 (zeros), so the script goes on, and every such read is reported by script line, how often and
 what was assumed; ``--strict-values`` stops at the first one."""
 from __future__ import annotations

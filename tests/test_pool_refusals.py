@@ -1,4 +1,4 @@
-"""Issue 14 §1: what vram once refused about private pools, now done as PyTorch does it.
+"""What vram once refused about private pools, now done as PyTorch does it.
 
 Expectations follow ``DeviceCachingAllocator`` in ``c10/cuda/CUDACachingAllocator.cpp``
 (``alloc_block``/``try_allocate_expandable_block``/``unmap_block``/``release_cached_blocks`` for

@@ -1,4 +1,4 @@
-"""Private pools (issue 14 §1): CUDA graph pools and ``torch.cuda.MemPool`` in the allocator.
+"""Private pools: CUDA graph pools and ``torch.cuda.MemPool`` in the allocator.
 
 Every expectation below follows ``DeviceCachingAllocator`` in ``c10/cuda/CUDACachingAllocator.cpp``
 (``get_pool``, ``beginAllocateToPool``/``endAllocateToPool``/``releasePool``,

@@ -1,4 +1,4 @@
-"""The PrivateUse1 engine as ``vram run``'s default for one GPU (issue 12): CUDA's own kernels run
+"""The PrivateUse1 engine as ``vram run``'s default for one GPU: CUDA's own kernels run
 whole, lazy host tensors leave no dispatch mode behind, and paths that once failed under it.
 
 Each expected sequence is read off the CUDA kernel's launch code, cited per test; sizes are the
@@ -38,7 +38,7 @@ def test_one_gpu_defaults_to_privateuse1(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert default_backend(1) == "privateuse1"
     assert default_backend(2) == "meta"
-    monkeypatch.setenv("WORLD_SIZE", "2")  # a torch.distributed rank: autograd on its own GPU (issue 13)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a torch.distributed rank: autograd on its own GPU
     assert default_backend(1) == "privateuse1" and default_backend(2) == "privateuse1"
     monkeypatch.setenv("VRAM_RUN_BACKEND", "privateuse1")
     assert default_backend(1) == "privateuse1"
@@ -189,7 +189,7 @@ def test_inference_batch_norm_is_cudnns(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", ["privateuse1", "meta"])
 def test_small_inference_batch_norm_runs(backend: str) -> None:
-    """Values of small tensors are known (issue 10 §3): the CPU kernel's eval statistics are
+    """Values of small tensors are known: the CPU kernel's eval statistics are
     [0]-shaped, unlike the simulated output's, which once stopped every CNN in eval mode."""
     with simulated_cuda(gpu="24GiB", backend=backend):
         bn = nn.BatchNorm2d(8).cuda().eval()

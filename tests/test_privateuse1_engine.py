@@ -1,4 +1,4 @@
-"""``vram run --backend privateuse1`` (experimental; `vram.run.engine`, issue 12): its cases
+"""``vram run --backend privateuse1`` (experimental; `vram.run.engine`): its cases
 (tests/privateuse1_engine_cases.py) run in a child pytest, because the engine registers
 PrivateUse1 for the whole process (a registered accelerator can change what torch picks
 elsewhere) and must not share a worker with the default engine's tests."""

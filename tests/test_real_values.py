@@ -1,4 +1,4 @@
-"""The real-values mode of ``vram run`` (issue 10 §3; `vram.run.values.real_values`).
+"""The real-values mode of ``vram run``.
 
 Expectations come from the same code run by plain CPU torch: in this mode every simulated op
 also runs on CPU copies, with the CPU kernels a CPU run uses, so a training run's losses are

@@ -1,5 +1,5 @@
 """The programs behind the shared recordings, run under ``vram run`` with the recorded settings and
-compared with what their GPU recorded (issue 12): the allocation-size sequence, the new segments
+compared with what their GPU recorded: the allocation-size sequence, the new segments
 and both peaks. The programs are other people's code: they are read from ../shared/programs (see
 its README for the commands) and copied to a temporary folder to run; the tests skip without it.
 On failure, `vram diff` prints the first divergence with both stacks.

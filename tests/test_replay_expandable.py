@@ -1,6 +1,6 @@
 """Replay of recordings made with ``expandable_segments:True`` (``segment_map`` /
 ``segment_unmap`` events, ``is_expandable`` runs), of blocks pending at the start
-(``active_pending_free``), and of blocks allocated before the trace (issue 14 §1).
+(``active_pending_free``), and of blocks allocated before the trace.
 
 No shared recording uses expandable segments, so the recordings are made here with vram's own
 allocator, in PyTorch's format (checked below against CUDACachingAllocator.cpp: ``map_block``

@@ -1,4 +1,4 @@
-"""What keeps a long replay fast without changing its result (issue 15): the cyclic GC is paused
+"""What keeps a long replay fast without changing its result: the cyclic GC is paused
 while the events run (`vram.replay.safe_pickle.gc_paused`) and restored after, also on errors."""
 from __future__ import annotations
 

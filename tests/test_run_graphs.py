@@ -1,4 +1,4 @@
-"""`vram run` with CUDA graphs and memory pools (issue 14 §1): ``torch.cuda.graph``,
+"""`vram run` with CUDA graphs and memory pools: ``torch.cuda.graph``,
 ``CUDAGraph``, ``graph_pool_handle``, ``MemPool``, ``use_mem_pool``.
 
 Expectations follow ``torch/cuda/graphs.py`` (``graph.__enter__``: synchronize, empty_cache,

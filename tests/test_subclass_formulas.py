@@ -1,4 +1,4 @@
-"""Issue 12, cause 1: which backward formulas PyTorch picks, and why a simulated run picks others.
+"""Which backward formulas PyTorch picks, and why a simulated run picks others.
 
 ``at::isTensorSubclassLike`` (``aten/src/ATen/TensorSubclassLikeUtils.h``) is true for *every* tensor
 while a ``TorchDispatchMode`` is active (``c10::impl::dispatch_mode_enabled()``) and, with no mode, for

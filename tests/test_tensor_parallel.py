@@ -1,5 +1,5 @@
 """Tensor parallel through DTensor (``parallelize_module`` with ``ColwiseParallel`` /
-``RowwiseParallel``) on simulated GPUs (issue 13): `tests/distributed_programs/tp_mlp.py` under
+``RowwiseParallel``) on simulated GPUs: `tests/distributed_programs/tp_mlp.py` under
 ``vram run --nproc-per-node 2``, against PyTorch's sources and its ``MemTracker`` run on the CPU
 with the fake process group (which counts every storage the ops make, 512-byte rounded)."""
 from __future__ import annotations

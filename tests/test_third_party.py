@@ -1,4 +1,4 @@
-"""What unmodified third-party scripts met under ``vram run`` (issue 10, docs/corpus.md), each as a
+"""What unmodified third-party scripts met under ``vram run``, each as a
 minimal reproduction: torch.cuda's replacements take torch's own parameter names (timm's loader
 calls ``torch.cuda.stream(stream=...)``), DataLoader's pin-memory thread runs (minGPT's trainer:
 ``pin_memory=True, num_workers=4``), and ``torch.profiler`` with CUDA activity profiles the CPU

@@ -582,7 +582,7 @@ def test_event_timing_is_zero_on_an_infinitely_fast_gpu() -> None:
 
 
 def test_autocast_casts_einsum_operands_left_to_right() -> None:
-    """autocast_mode.h casts a TensorList with a plain loop, first operand first (issue 12 §3):
+    """autocast_mode.h casts a TensorList with a plain loop, first operand first:
     the order decides which cached blocks the casts reuse."""
     with simulated_cuda():
         a = torch.randn(128, 256, device="cuda")   # bf16 copy: 65,536 B

@@ -1,5 +1,5 @@
 """torchtitan's own training entry point, unmodified, under ``vram run --nproc-per-node 8``
-(issue 13). Needs a torchtitan checkout (not part of vram) named by ``VRAM_TORCHTITAN``, with
+. Needs a torchtitan checkout (not part of vram) named by ``VRAM_TORCHTITAN``, with
 its dependencies importable (torchdata, datasets, tyro, triton) and ``tests/assets/c4_test``
 present; skipped otherwise. docs/estimate-accuracy.md (distributed) says which commit was used.
 

@@ -1,5 +1,5 @@
 """The entry points most training scripts use, run unmodified under ``vram run`` to their end
-(issue 10, docs/corpus.md): Hugging Face ``Trainer`` (bf16, gradient accumulation and
+: Hugging Face ``Trainer`` (bf16, gradient accumulation and
 checkpointing, a loss log every step, ``adamw_torch`` and ``adamw_torch_fused``), PEFT LoRA under
 ``Trainer``, a plain ``accelerate`` loop, and ``Trainer`` on a ``datasets.Dataset`` with evaluation
 and ``auto_find_batch_size`` (tests/corpus/).

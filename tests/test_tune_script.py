@@ -1,4 +1,4 @@
-"""Issue 14 §2 audit: ``vram tune -- script.py args`` (the script recorded once under ``vram run``,
+"""``vram tune -- script.py args`` (the script recorded once under ``vram run``,
 then tuned) and ``vram explain`` on a ``vram run`` dump — each answer checked by a replay of its own."""
 from __future__ import annotations
 

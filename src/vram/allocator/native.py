@@ -1,4 +1,4 @@
-"""The optional compiled allocator (issue 15): the same modules, compiled with mypyc.
+"""The optional compiled allocator: the same modules, compiled with mypyc.
 
 The pure-Python modules are the implementation and the readable reference. ``python3 -m
 vram.allocator.native_build`` compiles `COMPILED` — the hot paths: blocks and pools, stats,

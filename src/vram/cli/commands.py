@@ -449,8 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["privateuse1", "meta"], default=None,
                    help="the simulation engine (default: $VRAM_RUN_BACKEND, else privateuse1 for one GPU and meta "
                         "for --devices > 1 or --nproc-per-node). privateuse1: tensors on a Python PrivateUse1 "
-                        "device, no dispatch mode while the model trains, so autograd takes the GPU's formulas "
-                        "(issue 12); meta: meta tensors under a dispatch mode, whose backward formulas are "
+                        "device, no dispatch mode while the model trains, so autograd takes the GPU's formulas; "
+                        "meta: meta tensors under a dispatch mode, whose backward formulas are "
                         "PyTorch's out-of-place subclass ones (extra allocations; docs/design.md)")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="as torchrun: N processes (ranks) per node, one simulated GPU each")

@@ -1,4 +1,4 @@
-/* vram.replay._ccore: the replay engine's event loop in C (issue 15).
+/* vram.replay._ccore: the replay engine's event loop in C.
  *
  * The readable reference is Python: vram/allocator/caching.py, block.py, stats.py, release.py and
  * the loop `_run` in vram/replay/engine.py. This file repeats exactly what they do, for the subset

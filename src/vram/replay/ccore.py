@@ -1,4 +1,4 @@
-"""The replay loop in C (issue 15): `vram.replay._ccore`, optional, on by default when built.
+"""The replay loop in C: `vram.replay._ccore`, optional, on by default when built.
 
 ``_ccore.c`` repeats, event for event, what the pure-Python engine (`vram.replay.engine._run` over
 `vram.allocator.caching`) does for the replays it models: the caching allocator's malloc, free,

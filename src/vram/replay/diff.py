@@ -1,4 +1,4 @@
-"""``vram diff A B``: where two snapshots of one program part ways (issue 12).
+"""``vram diff A B``: where two snapshots of one program part ways.
 
 Typically A is a real GPU's recording and B a `vram run` dump of the same program (or two
 recordings under different settings). Each side is reduced to its sequence of allocation

@@ -7,7 +7,7 @@ normalised dict of plain Python types::
     {"segments": [...], "device_traces": [[...], ...], "allocator_settings": dict | None,
      "format": "pickle" | "json" | "rmm-csv", "legacy": bool, "warnings": [str, ...]}
 
-Snapshot files are untrusted (issue #11: nothing lost, nothing crashes, nothing wrong accepted).
+Snapshot files are untrusted: nothing lost, nothing crashes, nothing wrong accepted.
 Input size is checked before reading and read in bounded chunks; pickles and JSON are decoded
 to plain data in memory proportional to the file and without native recursion
 (`vram.replay.safe_pickle`); every field is then checked and normalised by `_Walker`, and every

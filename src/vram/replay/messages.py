@@ -1,4 +1,4 @@
-"""Errors and bounded, printable descriptions of untrusted values (issue #11).
+"""Errors and bounded, printable descriptions of untrusted values.
 
 Everything a snapshot file contains may be hostile: a value's ``repr`` can be gigabytes (a list
 of shared references), raise (a tuple nested past the recursion limit, an int past

@@ -1,4 +1,4 @@
-"""Memory pools of a recording without trace pool ids, found by replay (issue 14 §1; spec §5, §11.1).
+"""Memory pools of a recording without trace pool ids, found by replay (spec §5, §11.1).
 
 PyTorch releases before ``TraceEntry`` carried its pool (``mempool_``) write no ``pool_id`` on
 trace entries; only the segments alive at the end say their pool (``segment_pool_id``). The

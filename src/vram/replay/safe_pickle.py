@@ -1,4 +1,4 @@
-"""Decoding untrusted pickles and JSON to plain data, in bounded memory and stack (issue #11).
+"""Decoding untrusted pickles and JSON to plain data, in bounded memory and stack.
 
 Three rules, on top of "nothing in a file can run" (every global, persistent id and object-building
 opcode is refused):

@@ -1,4 +1,4 @@
-"""Load a recorded segment layout into a `CachingAllocator` (issue: replay from mid-run).
+"""Load a recorded segment layout into a `CachingAllocator`.
 
 `import_segments` installs segments and blocks — allocated ones live, free ones cached in their
 pool, pending ones (``active_pending_free``: freed, waiting for events on other streams) active

@@ -1,7 +1,7 @@
 """The allocator's own invariants, checked on every loaded segment before anything is replayed.
 
 A snapshot that breaks one of these cannot have come from PyTorch's caching allocator, so it is
-refused with a one-line error naming the field (issue #11: "nothing wrong accepted"). Each rule
+refused with a one-line error naming the field. Each rule
 was checked against the spec, ``c10/cuda/CUDACachingAllocator.cpp`` and the static checks of
 spec §23 (0 violations over the 1,216 segments and 3,964 blocks of six real recordings).
 Expandable segments (spec §14) are one snapshot entry per mapped run, split at ≥ 512 bytes and

@@ -57,8 +57,7 @@ only, so they get no autocast casting or SDPA routing — except ``F.multi_head_
 (`vram.run.kernels.functions.TRANSPARENT`); ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` in
 inference take PyTorch's fused path as on a GPU (`vram.run.kernels.fastpath`). Backward formulas see meta
 tensors and an active dispatch mode, both "subclass-like" to ``at::isTensorSubclassLike``
-(``ATen/TensorSubclassLikeUtils.h``), so they take out-of-place paths a GPU run does not (issue 12;
-docs/estimate-accuracy.md §4).
+(``ATen/TensorSubclassLikeUtils.h``), so they take out-of-place paths a GPU run does not.
 Storage-level moves, which no mode sees
 (``torch.load(map_location="cuda")``, a checkpoint saved on a GPU, ``storage.cuda()``), are
 charged by `vram.run.memory.storage_api.patch_storages`, which also makes a simulated storage's
@@ -98,7 +97,7 @@ from .values.placeholders import DataDependentError, ValueReport
 
 __all__ = ["BACKENDS", "VALUES", "DataDependentError", "HostMemoryError", "default_backend", "simulated_cuda",
            "run_script", "active_sim"]
-#: the engines of a simulated run: the Python PrivateUse1 backend (`vram.run.engine`, issue 12:
+#: the engines of a simulated run: the Python PrivateUse1 backend (`vram.run.engine`:
 #: the default for one process on one GPU), or meta tensors under two modes (several GPUs,
 #: torch.distributed ranks, `vram.estimate`)
 BACKENDS = ("privateuse1", "meta")

@@ -1,4 +1,4 @@
-"""Layer 4: many simulated GPUs for ``vram run`` (issue 13): ``torch.distributed`` with the
+"""Layer 4: many simulated GPUs for ``vram run``: ``torch.distributed`` with the
 ``nccl`` backend on simulated GPUs, one process per rank.
 
 * `install` (called by `vram.run.runtime.simulated_cuda`) makes ``init_process_group("nccl")``

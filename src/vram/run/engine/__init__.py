@@ -1,4 +1,4 @@
-"""The PrivateUse1 engine of ``vram run``: the default for one process on one GPU (issue 12).
+"""The PrivateUse1 engine of ``vram run``: the default for one process on one GPU.
 
 The older ``meta`` engine (``--backend meta``; several GPUs, distributed ranks) keeps simulated
 tensors on ``meta`` under a ``TorchDispatchMode``; both make

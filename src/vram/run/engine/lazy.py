@@ -1,4 +1,4 @@
-"""Lazy host tensors under the PrivateUse1 engine (`vram.run.memory.lazy_host`; issue 10 §7, issue 12).
+"""Lazy host tensors under the PrivateUse1 engine (`vram.run.memory.lazy_host`).
 
 A CPU-built model costs nothing until something needs its bytes: large CPU factories make meta
 tensors with a recipe, which the function mode plays as CPU tensors. Recording their ops needs a

@@ -8,7 +8,7 @@ input's storage, new ones get a new storage (`vram.run.engine.dlpack`) charged i
 the CUDA kernel's allocations (`vram.run.kernels.plan.op_plan`, with the cuBLAS workspaces of
 `vram.run.engine.meta.DispatchMode`). A block is found from a tensor's data pointer (the storage's
 address *is* the simulated address), never from ``untyped_storage()``, whose Python object would
-pin the storage (issue 12, cause 3).
+pin the storage.
 """
 from __future__ import annotations
 

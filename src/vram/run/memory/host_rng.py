@@ -1,4 +1,4 @@
-"""The CPU generator's stream when host tensors are lazy (issue 10 §7; see `vram.run.memory.lazy_host`).
+"""The CPU generator's stream when host tensors are lazy (see `vram.run.memory.lazy_host`).
 
 A lazy host tensor's random initialisation (``nn.Linear``'s ``kaiming_uniform_``, HF's
 ``normal_``) is not computed, but a GPU run's program draws those numbers from the default CPU

@@ -1,4 +1,4 @@
-"""Host tensors that cost nothing until something needs their bytes (issue 10 §7).
+"""Host tensors that cost nothing until something needs their bytes.
 
 The usual script builds its model on the CPU and then moves it: ``model = Model(); model.to("cuda")``.
 On a GPU run the CPU copy exists for a moment; under ``vram run`` it would cost the CPU work and

@@ -1,4 +1,4 @@
-"""Values a simulated run knows exactly (issue 10 §3), so control flow takes the GPU's branch.
+"""Values a simulated run knows exactly, so control flow takes the GPU's branch.
 
 A simulated CUDA tensor is a meta tensor: it has no data. But many values a script reads do
 not depend on the model's arithmetic: masks, position ids, token ids, step counters, anything

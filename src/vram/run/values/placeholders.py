@@ -130,7 +130,7 @@ class Site:
 
 
 class ValueReport:
-    """The reads of a simulated run that got placeholders, by script line (issue 10 §3)."""
+    """The reads of a simulated run that got placeholders, by script line."""
 
     def __init__(self) -> None:
         self.sites: dict[tuple[str, int, str], Site] = {}

@@ -1,4 +1,4 @@
-"""The real-values mode of a simulated run (``vram run --values real``; issue 10 §3).
+"""The real-values mode of a simulated run (``vram run --values real``).
 
 By default a simulated run knows only values that need no model arithmetic (`vram.run.values.known`:
 factories, host data, small ops on those), and a read of any other value gets a placeholder.
