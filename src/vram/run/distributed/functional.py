@@ -95,34 +95,34 @@ def _as(like: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_complex(t) if like.is_complex() else t
 
 
-def overrides(sim: SimState) -> dict[Any, Any]:
-    """Op overload -> its CUDA behaviour, for `vram.run.memory.storages.SimState.ops` (run with the
-    dispatch mode on, so what they allocate is charged)."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+class FunctionalCollectives:
+    """The ``_c10d_functional`` ops as ``Functional.cpp`` runs them on a CUDA group: outputs
+    allocated on the current stream, the group's asynchronous collective, and the registry that
+    keeps an unwaited output's work (and so its tensors) alive until ``wait_tensor``."""
 
-    registry = _Registry()
-    ops = torch.ops._c10d_functional
+    def __init__(self) -> None:
+        self.registry = _Registry()
 
-    def all_reduce_(t: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    def all_reduce_(self, t: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
         work = _group(group_name).allreduce([_real(t)], _opts("AllreduceOptions", reduce_op))
-        registry.register(t, work)
+        self.registry.register(t, work)
         return t
 
-    def all_reduce(t: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
         out = _real(t).clone(memory_format=torch.contiguous_format)
-        return _as(t, all_reduce_(out, reduce_op, group_name))
+        return _as(t, self.all_reduce_(out, reduce_op, group_name))
 
-    def all_reduce_coalesced_(ts: list[torch.Tensor], reduce_op: str, group_name: str) -> list[torch.Tensor]:
+    def all_reduce_coalesced_(self, ts: list[torch.Tensor], reduce_op: str, group_name: str) -> list[torch.Tensor]:
         work = _group(group_name).allreduce_coalesced(ts, _opts("AllreduceCoalescedOptions", reduce_op))
         for t in ts:
-            registry.register(t, work)
+            self.registry.register(t, work)
         return ts
 
-    def all_reduce_coalesced(ts: list[torch.Tensor], reduce_op: str, group_name: str) -> list[torch.Tensor]:
+    def all_reduce_coalesced(self, ts: list[torch.Tensor], reduce_op: str, group_name: str) -> list[torch.Tensor]:
         outs = [t.clone(memory_format=torch.contiguous_format) for t in ts]
-        return all_reduce_coalesced_(outs, reduce_op, group_name)
+        return self.all_reduce_coalesced_(outs, reduce_op, group_name)
 
-    def all_gather_coalesced(ts: list[torch.Tensor], group_size: int, group_name: str) -> list[torch.Tensor]:
+    def all_gather_coalesced(self, ts: list[torch.Tensor], group_size: int, group_name: str) -> list[torch.Tensor]:
         outs = []
         for t in ts:   # allocate_all_gather_output
             _contiguous(t)
@@ -131,28 +131,28 @@ def overrides(sim: SimState) -> dict[Any, Any]:
             outs.append(t.new_empty(size))
         work = _group(group_name).allgather_into_tensor_coalesced(outs, ts, _opts("AllgatherOptions"))
         for o in outs:
-            registry.register(o, work)
+            self.registry.register(o, work)
         return outs
 
-    def all_gather(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
         _contiguous(t)
-        return _as(t, all_gather_coalesced([_real(t)], group_size, group_name)[0])
+        return _as(t, self.all_gather_coalesced([_real(t)], group_size, group_name)[0])
 
-    def all_gather_out(t: torch.Tensor, group_size: int, group_name: str, *, out: torch.Tensor) -> torch.Tensor:
+    def all_gather_out(self, t: torch.Tensor, group_size: int, group_name: str, *, out: torch.Tensor) -> torch.Tensor:
         _contiguous(t)
         work = _group(group_name)._allgather_base(out, t, _opts("AllgatherOptions"))
-        registry.register(out, work)
+        self.registry.register(out, work)
         return out
 
-    def reduce_scatter_into(ts: list[torch.Tensor], outs: list[torch.Tensor], reduce_op: str,
+    def reduce_scatter_into(self, ts: list[torch.Tensor], outs: list[torch.Tensor], reduce_op: str,
                             group_name: str) -> list[torch.Tensor]:
         opts = _opts("ReduceScatterOptions", reduce_op)
         work = _group(group_name).reduce_scatter_tensor_coalesced(outs, ts, opts)
         for o in outs:
-            registry.register(o, work)
+            self.registry.register(o, work)
         return outs
 
-    def reduce_scatter_coalesced(ts: list[torch.Tensor], reduce_op: str, group_size: int,
+    def reduce_scatter_coalesced(self, ts: list[torch.Tensor], reduce_op: str, group_size: int,
                                  group_name: str) -> list[torch.Tensor]:
         _opts("ReduceScatterOptions", reduce_op)   # the reduce op is checked before allocating
         outs = []
@@ -161,18 +161,18 @@ def overrides(sim: SimState) -> dict[Any, Any]:
             size = list(t.shape)
             size[0] //= group_size
             outs.append(t.new_empty(size))
-        return reduce_scatter_into(ts, outs, reduce_op, group_name)
+        return self.reduce_scatter_into(ts, outs, reduce_op, group_name)
 
-    def reduce_scatter(t: torch.Tensor, reduce_op: str, group_size: int, group_name: str) -> torch.Tensor:
+    def reduce_scatter(self, t: torch.Tensor, reduce_op: str, group_size: int, group_name: str) -> torch.Tensor:
         _contiguous(t)
-        return _as(t, reduce_scatter_coalesced([_real(t)], reduce_op, group_size, group_name)[0])
+        return _as(t, self.reduce_scatter_coalesced([_real(t)], reduce_op, group_size, group_name)[0])
 
-    def reduce_scatter_out(t: torch.Tensor, reduce_op: str, group_size: int, group_name: str, *,
+    def reduce_scatter_out(self, t: torch.Tensor, reduce_op: str, group_size: int, group_name: str, *,
                            out: torch.Tensor) -> torch.Tensor:
         _contiguous(t)
-        return _as(t, reduce_scatter_into([_real(t)], [_real(out)], reduce_op, group_name)[0])
+        return _as(t, self.reduce_scatter_into([_real(t)], [_real(out)], reduce_op, group_name)[0])
 
-    def all_to_all_single(t: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+    def all_to_all_single(self, t: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
                           group_name: str) -> torch.Tensor:
         _contiguous(t)
         size = list(t.shape)
@@ -180,18 +180,18 @@ def overrides(sim: SimState) -> dict[Any, Any]:
         out = t.new_empty(size)
         work = _group(group_name).alltoall_base(out, t, list(output_split_sizes), list(input_split_sizes),
                                                 _opts("AllToAllOptions"))
-        registry.register(out, work)
+        self.registry.register(out, work)
         return out
 
-    def broadcast_(t: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
+    def broadcast_(self, t: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
         work = _group(group_name).broadcast([_real(t)], _opts("BroadcastOptions", root=src))
-        registry.register(t, work)
+        self.registry.register(t, work)
         return t
 
-    def broadcast(t: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
-        return broadcast_(t.clone(memory_format=torch.contiguous_format), src, group_name)
+    def broadcast(self, t: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
+        return self.broadcast_(t.clone(memory_format=torch.contiguous_format), src, group_name)
 
-    def shard_dim_alltoall(t: torch.Tensor, gather_dim: int, shard_dim: int, group_name: str) -> torch.Tensor:
+    def shard_dim_alltoall(self, t: torch.Tensor, gather_dim: int, shard_dim: int, group_name: str) -> torch.Tensor:
         group = _group(group_name)
         n = group.size()
         sizes, out_sizes = list(t.shape), list(t.shape)
@@ -206,21 +206,29 @@ def overrides(sim: SimState) -> dict[Any, Any]:
         out_sizes[gather_dim] *= n
         return out.view(out_sizes)
 
+
+def overrides(sim: SimState) -> dict[Any, Any]:
+    """Op overload -> its CUDA behaviour, for `vram.run.memory.storages.SimState.ops` (run with the
+    dispatch mode on, so what they allocate is charged)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    c = FunctionalCollectives()
+    ops = torch.ops._c10d_functional
     table: dict[Any, Callable[..., Any]] = {
-        ops.all_reduce.default: all_reduce,
-        ops.all_reduce_.default: all_reduce_,
-        ops.all_reduce_coalesced.default: all_reduce_coalesced,
-        ops.all_reduce_coalesced_.default: all_reduce_coalesced_,
-        ops.all_gather_into_tensor.default: all_gather,
-        ops.all_gather_into_tensor_out.default: all_gather_out,
-        ops.all_gather_into_tensor_coalesced.default: all_gather_coalesced,
-        ops.reduce_scatter_tensor.default: reduce_scatter,
-        ops.reduce_scatter_tensor_out.default: reduce_scatter_out,
-        ops.reduce_scatter_tensor_coalesced.default: reduce_scatter_coalesced,
-        ops.all_to_all_single.default: all_to_all_single,
-        ops.broadcast.default: broadcast,
-        ops.broadcast_.default: broadcast_,
-        torch.ops._dtensor.shard_dim_alltoall.default: shard_dim_alltoall,
+        ops.all_reduce.default: c.all_reduce,
+        ops.all_reduce_.default: c.all_reduce_,
+        ops.all_reduce_coalesced.default: c.all_reduce_coalesced,
+        ops.all_reduce_coalesced_.default: c.all_reduce_coalesced_,
+        ops.all_gather_into_tensor.default: c.all_gather,
+        ops.all_gather_into_tensor_out.default: c.all_gather_out,
+        ops.all_gather_into_tensor_coalesced.default: c.all_gather_coalesced,
+        ops.reduce_scatter_tensor.default: c.reduce_scatter,
+        ops.reduce_scatter_tensor_out.default: c.reduce_scatter_out,
+        ops.reduce_scatter_tensor_coalesced.default: c.reduce_scatter_coalesced,
+        ops.all_to_all_single.default: c.all_to_all_single,
+        ops.broadcast.default: c.broadcast,
+        ops.broadcast_.default: c.broadcast_,
+        torch.ops._dtensor.shard_dim_alltoall.default: c.shard_dim_alltoall,
     }
 
     def on_gpu(kernel: Callable[..., Any]) -> Callable[..., Any]:
@@ -232,6 +240,6 @@ def overrides(sim: SimState) -> dict[Any, Any]:
         return run
 
     result = {op: on_gpu(kernel) for op, kernel in table.items()}
-    result[ops.wait_tensor.default] = on_gpu(registry.wait)
+    result[ops.wait_tensor.default] = on_gpu(c.registry.wait)
     result[ops._wrap_tensor_autograd.default] = lambda t: AsyncCollectiveTensor(t)
     return result

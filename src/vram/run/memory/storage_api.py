@@ -46,13 +46,20 @@ def patch_storages(address_of: Callable[[Any], int | None],
       ``type(self)(nbytes, device=self.device).copy_(self)``, must stay lazy.) `raw_device` reads
       the storage's own device for the simulation's use.
     """
-    import torch.serialization as serialization
-    import torch.storage as storage_module
+    restore_identity = _patch_identity(address_of, location_of, make)
+    restore_moves = _patch_moves(to_device, location_of)
 
+    def restore() -> None:
+        restore_moves()
+        restore_identity()
+
+    return restore
+
+
+def _patch_identity(address_of: Callable[[Any], int | None], location_of: Callable[[Any], str | None],
+                    make: Callable[[int, torch.device], Any]) -> Callable[[], None]:
+    """``UntypedStorage(nbytes, device=)``, ``data_ptr()`` and ``device`` (`patch_storages`)."""
     original_ptr = torch.UntypedStorage.data_ptr
-    original_to = storage_module._to
-    original_cpu = torch.UntypedStorage.cpu
-    original_tag = serialization.location_tag
 
     def new(cls: Any, *args: Any, **kwargs: Any) -> Any:
         device = kwargs.get("device")
@@ -63,10 +70,6 @@ def patch_storages(address_of: Callable[[Any], int | None],
                 return made
         return torch._C.StorageBase.__new__(cls, *args, **kwargs)
 
-    def location_tag(storage: Any) -> str:
-        where = location_of(storage) if isinstance(storage, torch.UntypedStorage) else None
-        return original_tag(storage) if where is None else where
-
     def device(self: Any) -> torch.device:
         where = location_of(self)
         return torch.device(where) if where is not None and where != "cpu" else raw_device(self)
@@ -74,6 +77,33 @@ def patch_storages(address_of: Callable[[Any], int | None],
     def data_ptr(self: Any) -> int:
         ptr = address_of(self)
         return original_ptr(self) if ptr is None else ptr
+
+    torch.UntypedStorage.__new__ = new  # type: ignore[method-assign]
+    torch.UntypedStorage.data_ptr = data_ptr  # type: ignore[method-assign]
+    torch.UntypedStorage.device = property(device)  # type: ignore[assignment]
+
+    def restore() -> None:
+        torch.UntypedStorage.data_ptr = original_ptr  # type: ignore[method-assign]
+        del torch.UntypedStorage.__new__
+        del torch.UntypedStorage.device
+
+    return restore
+
+
+def _patch_moves(to_device: Callable[[Any, torch.device], Any],
+                 location_of: Callable[[Any], str | None]) -> Callable[[], None]:
+    """``UntypedStorage.to``/``.cuda()``/``.cpu()`` and ``torch.serialization.location_tag``
+    (`patch_storages`)."""
+    import torch.serialization as serialization
+    import torch.storage as storage_module
+
+    original_to = storage_module._to
+    original_cpu = torch.UntypedStorage.cpu
+    original_tag = serialization.location_tag
+
+    def location_tag(storage: Any) -> str:
+        where = location_of(storage) if isinstance(storage, torch.UntypedStorage) else None
+        return original_tag(storage) if where is None else where
 
     def to(self: Any, device: torch.device, non_blocking: bool = False) -> Any:
         moved = to_device(self, device) if isinstance(self, torch.UntypedStorage) else None
@@ -83,19 +113,13 @@ def patch_storages(address_of: Callable[[Any], int | None],
         moved = to_device(self, torch.device("cpu"))
         return original_cpu(self) if moved is None else moved
 
-    torch.UntypedStorage.__new__ = new  # type: ignore[method-assign]
-    torch.UntypedStorage.data_ptr = data_ptr  # type: ignore[method-assign]
-    torch.UntypedStorage.device = property(device)  # type: ignore[assignment]
     storage_module._to = to  # type: ignore[attr-defined]
     torch.UntypedStorage.cpu = cpu  # type: ignore[method-assign]
     serialization.location_tag = location_tag
 
     def restore() -> None:
         serialization.location_tag = original_tag
-        torch.UntypedStorage.data_ptr = original_ptr  # type: ignore[method-assign]
         storage_module._to = original_to  # type: ignore[attr-defined]
         torch.UntypedStorage.cpu = original_cpu  # type: ignore[method-assign]
-        del torch.UntypedStorage.__new__
-        del torch.UntypedStorage.device
 
     return restore
