@@ -269,6 +269,10 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     result.final_reserved = stats.reserved_bytes[0].current
     if checks is not None:
         result.verification = checks.finish(alloc, dev, final, recorded)
+        if dev.cut_maps:
+            result.verification["notes"].append(
+                f"{dev.cut_maps} page maps refused: an expandable segment outgrew the room the "
+                "recording's later segment addresses leave it (give the recording's GPU with --gpu)")
         result.verification["segments_on_other_devices"] = sum(
             1 for s in snapshot.get("segments", []) if s.get("device", 0) != device)
     result.seconds_replay = time.perf_counter() - t0
