@@ -87,8 +87,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 objs[-1]["alloc_trial"] = trials[k]
         header = f"device {device}: " if len(devices) > 1 else ""
         reports.append(header + _report(path, snap, results, trials))
-    if args.json:
-        print(json.dumps(objs[0] if len(objs) == 1 else {"runs": objs}))
+    if args.json:  # one shape for one run and for several: every run in "runs", the first also on top
+        print(json.dumps({**objs[0], "runs": objs}))
         return 0
     print("\n\n".join(reports))
     return 0
