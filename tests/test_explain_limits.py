@@ -127,3 +127,34 @@ def test_tune_when_nothing_fits_has_no_best_and_says_how_much_more_the_least_dem
     assert main(["tune", str(path), "--top", "1", "--jobs", "1"]) == 0
     text = capsys.readouterr().out
     assert "best:" not in text and "no config fits" in text and "(default)" in text
+
+
+def test_a_recording_whose_reserved_memory_is_flat_is_explained_at_its_allocated_peak() -> None:
+    from paths import RECORDINGS
+    path = RECORDINGS / "cs336-s-forward-bf16-128.pickle"  # steady state: no segment_alloc in the trace
+    snap = load_snapshot(str(path))
+    trace = snap["device_traces"][0]
+    assert not any(e["action"] in ("segment_alloc", "segment_free") for e in trace)
+    # requested bytes after each event, walked back from the final segments (trace sizes are the
+    # requests; the allocated figure counts whole blocks, at least as large)
+    allocated = [sum(s["requested_size"] for s in snap["segments"])]
+    for e in reversed(trace):
+        allocated.append(allocated[-1] - {"alloc": e["size"], "free_completed": -e["size"]}.get(e["action"], 0))
+    after = allocated[::-1][1:]  # after[i]: allocated after event i
+    peak = max(after)
+    ex = explain(str(path), workers=1)
+    assert ex.at["kind"] == "allocated_peak" and ex.at["event_index"] == after.index(peak)
+    assert ex.allocated >= peak
+    assert any("never rose above" in w for w in ex.why)
+
+
+def test_a_state_dump_is_explained_as_the_state_it_holds() -> None:
+    from paths import RECORDINGS
+    path = RECORDINGS / "llm-inference-oom-state.pickle"  # segments at an OOM, one `snapshot` trace entry
+    snap = load_snapshot(str(path))
+    ex = explain(str(path), workers=1)
+    assert ex.at == {"kind": "state", "event_index": -1}
+    assert ex.reserved == sum(s["total_size"] for s in snap["segments"])
+    assert ex.allocated == sum(s["allocated_size"] for s in snap["segments"])
+    assert "no OOM recorded" not in ex.gpu_from and ex.limit is None
+    assert any("state dump" in w for w in ex.why)

@@ -155,6 +155,16 @@ def _why(ex: Explanation) -> None:
             ex.why.append("free in other pools/streams (not usable for this request): " + ", ".join(
                 f"{r['pool']} stream {r['stream']}: {f(r['free_bytes'])} (largest {f(r['largest'])})"
                 for r in others if r["free_bytes"]))
+    elif at["kind"] == "state":
+        ex.why.append(f"the state in the file: {f(ex.reserved)} reserved, {f(ex.allocated)} allocated, "
+                      f"{f(ex.reserved_unallocated)} cached but unallocated (largest free block "
+                      f"{f(ex.largest_free_block)}). The file records no allocation events (a state dump), so "
+                      "there is no peak or failure in it to explain; whether it was taken at an OOM is not in it")
+    elif at["kind"] == "allocated_peak":
+        ex.why.append(f"reserved memory never rose above the {f(ex.reserved)} the recording started with: what "
+                      "reserved it happened before the recording began. Shown instead: the allocated peak, "
+                      f"{f(ex.allocated)} allocated ({f(ex.reserved_unallocated)} cached but unallocated, largest "
+                      f"free block {f(ex.largest_free_block)})")
     else:
         ex.why.append(f"the reserved peak: {f(ex.reserved)} reserved, {f(ex.allocated)} allocated, "
                       f"{f(ex.reserved_unallocated)} cached but unallocated (largest free block "
@@ -192,10 +202,11 @@ def explain(path: str, *, device: int | None = None, gpu: int | str | None = Non
               "frame": user_frame(oom["frames"]) if oom["frames"] else None}
         stop = oom["event_index"]
     else:
-        at = {"kind": "reserved_peak", "event_index": probe["reserved_peak_event"]}
-        stop = probe["reserved_peak_event"] + 1
+        at, stop = _moment(snap, device, probe)
     b_gpu = budget.gpu if isinstance(budget.gpu, int) or budget.gpu is None else gpu_memory(budget.gpu)
-    ex = Explanation(path, device, at, b_gpu, budget.why)
+    why_gpu = "unlimited (a state dump: no OOM event in the file, no --gpu)" if at["kind"] == "state" and \
+        b_gpu is None else budget.why
+    ex = Explanation(path, device, at, b_gpu, why_gpu)
     _state(ex, snap, stop, gpu_bytes, ctx)
     ex.limit = _limit(ex, snap, oom, gpu_bytes, recorded_conf)
     if oom is not None:
@@ -207,6 +218,23 @@ def explain(path: str, *, device: int | None = None, gpu: int | str | None = Non
                       "(CUDACachingAllocator.cpp, the OutOfMemoryError message), not a diagnosis")
     _fixes(ex, path, recorded_conf, probe, budget.context, workers, cluster, progress)
     return ex
+
+
+def _moment(snap: Mapping[str, Any], device: int, probe: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """Without an OOM: the reserved peak; where reserved memory never rose above what the
+    recording started with (the peak is its starting state, made before it began), the allocated
+    peak instead; a file without allocation events (a state dump): the state it holds."""
+    trace = (snap.get("device_traces") or [[]] * (device + 1))[device]
+    if not any(e["action"] == "alloc" for e in trace):
+        return {"kind": "state", "event_index": -1}, 0
+    peak = probe["reserved_peak_event"]
+    if peak >= 0:
+        return {"kind": "reserved_peak", "event_index": peak}, peak + 1
+    timeline = replay(snap, device=device, timeline=True).timeline
+    assert timeline is not None
+    allocated = timeline[0]
+    k = max(range(len(allocated)), key=lambda j: (allocated[j], -j))
+    return {"kind": "allocated_peak", "event_index": k, "reserved_flat": True}, k + 1
 
 
 def _limit(ex: Explanation, snap: Mapping[str, Any], oom: dict[str, Any] | None, gpu: int | None,

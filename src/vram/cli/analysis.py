@@ -82,8 +82,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         return 0
     f = format_size
     at = ex.at
-    where = (f"the OOM at event {at['event_index']:,}" if at["kind"] == "oom"
-             else f"the reserved peak (event {at['event_index']:,})")
+    where = {"oom": f"the OOM at event {at['event_index']:,}",
+             "state": "the state in the file (no allocation events)",
+             "allocated_peak": f"the allocated peak (event {at['event_index']:,}; reserved memory is flat)",
+             }.get(at["kind"], f"the reserved peak (event {at['event_index']:,})")
     lines = [f"{_shown(args.snapshot)}, device {ex.device}: {where}"]
     if at["kind"] == "oom":
         lines.append("  " + _shown(at["message"], 2000))
