@@ -11,9 +11,8 @@ of both sides.
 """
 from __future__ import annotations
 
-import re
-
 import difflib
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
