@@ -50,3 +50,18 @@ def test_frames_from_a_file_are_printed_safely() -> None:
     frames = [{"filename": "/x/\x1b]0;owned\x07evil.py", "line": 3, "name": "f\x1b[2J"}]
     shown = user_frame(frames)
     assert "\x1b" not in shown and "\x07" not in shown and "evil.py:3" in shown
+
+
+def test_a_stack_without_python_frames_is_named_by_what_allocated_not_by_the_unwinder() -> None:
+    # a ``stacks="all"`` stack of an allocation on the autograd engine's thread, innermost first:
+    # the capture (torch/csrc/profiler/unwind), the allocator, the factory, the op, the node
+    cpp = ["torch::unwind::unwind()", "torch::CapturedTraceback::gather(bool, bool, bool)",
+           "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(signed char, unsigned long, "
+           "CUstream_st*)", "at::detail::empty_generic(c10::ArrayRef<long>, c10::Allocator*)",
+           "at::native::mm(at::Tensor const&, at::Tensor const&)",
+           "torch::autograd::generated::MmBackward0::apply(std::vector<at::Tensor>&&)",
+           "torch::autograd::Engine::thread_main(std::shared_ptr<torch::autograd::GraphTask> const&)"]
+    frames = [{"filename": "??", "line": 0, "name": n} for n in cpp]
+    assert user_frame(frames) == "(no Python frame) autograd backward: MmBackward0"
+    assert user_frame(frames[:5]) == "(no Python frame) at::native::mm(at::Tensor const&, at::Tensor const&)"
+    assert user_frame(frames[:2]) == "(no Python frame)"

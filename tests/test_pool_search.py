@@ -34,7 +34,7 @@ def strip_ids(snap: dict[str, Any]) -> dict[str, Any]:
 
 def outcome(r: Any) -> dict[str, Any]:
     """A replay's answer: figures and the final layout (pools named only where recorded)."""
-    out = {k: v for k, v in r.to_json().items() if k != "seconds_replay"}
+    out = {k: v for k, v in r.to_json().items() if k not in ("seconds_replay", "caveats")}
     out["layout"] = [(s["address"], s["total_size"], [(b["size"], b["state"]) for b in s["blocks"]])
                      for s in segments(r.allocator)]
     return out
@@ -93,13 +93,27 @@ def test_a_mempool_recording_replays_without_ids():
     assert outcome(replay(old, verify=True)) == outcome(replay(new, verify=True))
 
 
-def test_a_segment_live_before_the_trace_of_either_pool_is_ambiguous():
+def test_a_segment_live_before_the_trace_of_either_pool_verifies_and_withholds_the_figure_it_decides():
     # mid_run: the default segment holding d was allocated before the trace and is freed in it:
-    # as a default segment or one of an unrecorded private pool it replays exactly either way,
-    # but the default pool's largest free block at the start (the reserved peak) differs.
+    # as a default segment or one of an unrecorded private pool it replays exactly either way
+    # (so the recording verifies), but the default pool's largest free block at the start (the
+    # reserved peak) differs: that figure is withheld, naming the segment, and a what-if refused.
     from test_pool_replay import mid_run
-    with pytest.raises(SnapshotError, match=r"different largest_free_block_at_reserved_peak here"):
-        replay(strip_ids(recording(mid_run)), verify=True)
+    new = recording(mid_run)
+    old = strip_ids(new)
+    r = replay(old, verify=True)
+    assert exact(r.verification)
+    truth = replay(new, verify=True)
+    assert r.largest_free_block_at_reserved_peak is None
+    assert truth.largest_free_block_at_reserved_peak is not None
+    freed = next(e for e in old["device_traces"][0] if e["action"] == "segment_free")
+    why = next(c for c in r.caveats if c.startswith("largest_free_block_at_reserved_peak not given"))
+    assert f"{truth.largest_free_block_at_reserved_peak}" in why and f"{freed['addr']:#x}" in why
+    assert {k: v for k, v in outcome(r).items() if k != "largest_free_block_at_reserved_peak"} == \
+        {k: v for k, v in outcome(truth).items() if k != "largest_free_block_at_reserved_peak"}
+    with pytest.raises(SnapshotError, match=rf"different largest_free_block_at_reserved_peak here .*: which pool the "
+                                            rf"segment at {freed['addr']:#x} .* would settle it"):
+        replay(old, gpu="1GiB")
 
 
 def test_an_oom_in_a_capture_replays_under_the_recorded_config_and_ambiguous_what_ifs_are_refused():
@@ -116,16 +130,25 @@ def test_an_oom_in_a_capture_replays_under_the_recorded_config_and_ambiguous_wha
     assert outcome(replay(old, gpu="1GiB")) == outcome(replay(new, gpu="1GiB"))
 
 
-def test_a_truly_ambiguous_recording_is_refused_in_one_line():
+def test_a_truly_ambiguous_recording_verifies_and_its_what_ifs_are_refused_in_one_line():
     # G's 6 MiB block is freed at once and G released and emptied: nothing shows whether that
-    # segment was the default pool's or a private pool's, and the largest free block of the
-    # default pool at the reserved peak differs between the two.
-    old = strip_ids(recording(release_g_keep_h))
+    # segment was the default pool's or a private pool's. Both replay it event for event (it
+    # verifies), but the largest free block of the default pool at the reserved peak differs
+    # between the two: withheld under the recorded config, and a what-if is refused naming the
+    # segment whose pool would settle it.
+    new = recording(release_g_keep_h)
+    old = strip_ids(new)
+    r = replay(old, verify=True)
+    assert exact(r.verification) and r.largest_free_block_at_reserved_peak is None
+    assert r.peak_reserved == replay(new, verify=True).peak_reserved
+    g_segment = [e for e in old["device_traces"][0] if e["action"] == "segment_alloc"][1]
     with pytest.raises(SnapshotError, match=r"^device_traces\[0\]: a recording without trace pool ids: 2 "
                                             r"assignments of pools .* reproduce it exactly but give different "
-                                            r"largest_free_block_at_reserved_peak here \(\d+ vs \d+\): "
-                                            r"ambiguous, not replayed$") as e:
-        replay(old, verify=True)
+                                            r"largest_free_block_at_reserved_peak here \(\d+ vs \d+\): which pool "
+                                            rf"the segment at {g_segment['addr']:#x} \(allocated at event \d+, "
+                                            r"freed at event \d+\) belonged to: the default pool or a private one "
+                                            r"would settle it; ambiguous, not replayed$") as e:
+        replay(old, conf="max_split_size_mb:40")
     assert "\n" not in str(e.value)
 
 

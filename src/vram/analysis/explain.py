@@ -32,7 +32,7 @@ from vram.replay.engine import device_count, replay
 from vram.units import format_size
 
 from .fleet import ReplayJob, load_cached, run_jobs
-from .tune import budgets_for, tune
+from .tune import budgets_for, cap_bound, smallest_fit, tune
 
 #: consumers listed
 TOP = 10
@@ -40,8 +40,6 @@ TOP = 10
 EMPTY_CACHE_REPLAYS = 32
 #: working ``empty_cache()`` points listed
 EMPTY_CACHE_FIXES = 3
-#: replays spent bisecting the smallest GPU that fits
-GPU_BISECTIONS = 10
 MiB = 1 << 20
 
 
@@ -62,6 +60,11 @@ class Explanation:
     pending_frees: dict[str, int] = field(default_factory=dict)
     why: list[str] = field(default_factory=list)
     fixes: list[dict[str, Any]] = field(default_factory=list)
+    #: what bounded PyTorch at the OOM, in bytes: ``{"low", "high", "cause"}`` (`_limit`); None
+    #: without an OOM on a GPU of unknown size
+    limit: dict[str, Any] | None = None
+    #: the recording has no allocation after the OOM: the program's later needs are not in it
+    ends_at_oom: bool = False
 
     @property
     def reserved_unallocated(self) -> int:
@@ -129,6 +132,19 @@ def _why(ex: Explanation) -> None:
         ex.why.append(f"the request: {f(at['size'])} from the {at['pool']} pool on stream {at['stream']}; "
                       f"{f(ex.allocated)} allocated, {f(ex.reserved)} reserved, "
                       f"{f(at['device_free'])} of the GPU free")
+        lim = ex.limit
+        if lim is not None and lim["cause"] == "per-process cap":
+            ex.why.append(f"the device had {f(at['device_free'])} free, enough for the {f(lim['high'] - ex.reserved)} "
+                          "segment the request needed, so cudaMalloc would have succeeded: the OOM came from a "
+                          "per-process cap (torch.cuda.set_per_process_memory_fraction, or "
+                          "per_process_memory_fraction in PYTORCH_CUDA_ALLOC_CONF). The recording brackets it: "
+                          f"at least {lim['low']:,} B (the most reserved before, which it allowed) and below "
+                          f"{lim['high']:,} B (reserved + that segment, which it refused); every fix below is "
+                          f"verified against {lim['high'] - 1:,} B, the most it can have allowed")
+        if ex.ends_at_oom:
+            ex.why.append(f"the recording stops at this failure (no allocation after event {at['event_index']}): it "
+                          "shows what was live and cached up to the failure, not what the program would have "
+                          "allocated after it, so each fix below is verified only up to this point")
         if ex.reserved_unallocated:
             ex.why.append(f"{f(ex.reserved_unallocated)} reserved but unallocated could not serve it: the "
                           f"largest free block in its pool and stream is {f(ex.largest_free_block)}; the "
@@ -139,6 +155,16 @@ def _why(ex: Explanation) -> None:
             ex.why.append("free in other pools/streams (not usable for this request): " + ", ".join(
                 f"{r['pool']} stream {r['stream']}: {f(r['free_bytes'])} (largest {f(r['largest'])})"
                 for r in others if r["free_bytes"]))
+    elif at["kind"] == "state":
+        ex.why.append(f"the state in the file: {f(ex.reserved)} reserved, {f(ex.allocated)} allocated, "
+                      f"{f(ex.reserved_unallocated)} cached but unallocated (largest free block "
+                      f"{f(ex.largest_free_block)}). The file records no allocation events (a state dump), so "
+                      "there is no peak or failure in it to explain; whether it was taken at an OOM is not in it")
+    elif at["kind"] == "allocated_peak":
+        ex.why.append(f"reserved memory never rose above the {f(ex.reserved)} the recording started with: what "
+                      "reserved it happened before the recording began. Shown instead: the allocated peak, "
+                      f"{f(ex.allocated)} allocated ({f(ex.reserved_unallocated)} cached but unallocated, largest "
+                      f"free block {f(ex.largest_free_block)})")
     else:
         ex.why.append(f"the reserved peak: {f(ex.reserved)} reserved, {f(ex.allocated)} allocated, "
                       f"{f(ex.reserved_unallocated)} cached but unallocated (largest free block "
@@ -146,27 +172,6 @@ def _why(ex: Explanation) -> None:
     if ex.pending_frees["blocks"]:
         ex.why.append(f"{f(ex.pending_frees['bytes'])} in {ex.pending_frees['blocks']} freed blocks waits on "
                       "other streams' events (record_stream) and cannot be reused yet")
-
-
-def _bisect_gpu(path: str, device: int, conf: str, low: int, high: int, workers: int | None,
-                cluster: str | None) -> int | None:
-    """The smallest GPU (bytes for PyTorch, 2 MiB steps) in (low, high] where `conf` has no OOM."""
-    def fits(gpu: int) -> bool:
-        r = run_jobs([ReplayJob(path, device, conf, gpu)], workers=1)[0]
-        return "error" not in r and r["ooms"] == 0
-
-    if not fits(high):
-        return None
-    lo, hi = low // (2 * MiB), -(-high // (2 * MiB))
-    for _ in range(GPU_BISECTIONS):
-        if hi - lo <= 1:
-            break
-        mid = (lo + hi) // 2
-        if fits(mid * 2 * MiB):
-            hi = mid
-        else:
-            lo = mid
-    return min(hi * 2 * MiB, high)
 
 
 def explain(path: str, *, device: int | None = None, gpu: int | str | None = None, context: int | str = 0,
@@ -197,17 +202,58 @@ def explain(path: str, *, device: int | None = None, gpu: int | str | None = Non
               "frame": user_frame(oom["frames"]) if oom["frames"] else None}
         stop = oom["event_index"]
     else:
-        at = {"kind": "reserved_peak", "event_index": probe["reserved_peak_event"]}
-        stop = probe["reserved_peak_event"] + 1
+        at, stop = _moment(snap, device, probe)
     b_gpu = budget.gpu if isinstance(budget.gpu, int) or budget.gpu is None else gpu_memory(budget.gpu)
-    ex = Explanation(path, device, at, b_gpu, budget.why)
+    why_gpu = "unlimited (a state dump: no OOM event in the file, no --gpu)" if at["kind"] == "state" and \
+        b_gpu is None else budget.why
+    ex = Explanation(path, device, at, b_gpu, why_gpu)
     _state(ex, snap, stop, gpu_bytes, ctx)
+    ex.limit = _limit(ex, snap, oom, gpu_bytes, recorded_conf)
+    if oom is not None:
+        trace = snap["device_traces"][device]
+        ex.ends_at_oom = not any(e["action"] == "alloc" for e in trace[oom["event_index"] + 1:])
     _why(ex)
     if oom is not None and recorded_conf and parse_alloc_conf(recorded_conf).expandable_segments:
         ex.why.append("expandable_segments was already on: the message's advice to set it is fixed text "
                       "(CUDACachingAllocator.cpp, the OutOfMemoryError message), not a diagnosis")
     _fixes(ex, path, recorded_conf, probe, budget.context, workers, cluster, progress)
     return ex
+
+
+def _moment(snap: Mapping[str, Any], device: int, probe: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """Without an OOM: the reserved peak; where reserved memory never rose above what the
+    recording started with (the peak is its starting state, made before it began), the allocated
+    peak instead; a file without allocation events (a state dump): the state it holds."""
+    trace = (snap.get("device_traces") or [[]] * (device + 1))[device]
+    if not any(e["action"] == "alloc" for e in trace):
+        return {"kind": "state", "event_index": -1}, 0
+    peak = probe["reserved_peak_event"]
+    if peak >= 0:
+        return {"kind": "reserved_peak", "event_index": peak}, peak + 1
+    timeline = replay(snap, device=device, timeline=True).timeline
+    assert timeline is not None
+    allocated = timeline[0]
+    k = max(range(len(allocated)), key=lambda j: (allocated[j], -j))
+    return {"kind": "allocated_peak", "event_index": k, "reserved_flat": True}, k + 1
+
+
+def _limit(ex: Explanation, snap: Mapping[str, Any], oom: dict[str, Any] | None, gpu: int | None,
+           conf: str) -> dict[str, Any] | None:
+    """What bounded PyTorch at the OOM. On a given GPU: that GPU. At a recorded OOM with less than
+    the requested segment free on the device: the device (reserved + its free memory). With more
+    free: a per-process cap (`vram.analysis.tune.cap_bound`), bracketed by the recording: every
+    earlier segment was allowed, so the cap was at least the most reserved before the OOM
+    (``low``), and this one was refused, so it was below reserved + the segment (``high``)."""
+    if gpu is not None:
+        return {"low": gpu, "high": gpu, "cause": "device"}
+    if oom is None or not oom.get("recorded"):
+        return None
+    cap = cap_bound(oom, parse_alloc_conf(conf).large_segment_size if conf else 20 * MiB)
+    if cap is None:
+        total = oom["reserved"] + oom["device_free"]
+        return {"low": total, "high": total, "cause": "device"}
+    before = replay(snap, device=ex.device, stop_at=oom["event_index"])
+    return {"low": before.peak_reserved, "high": cap + 1, "cause": "per-process cap"}
 
 
 def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any], context: int | str,
@@ -223,9 +269,8 @@ def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any]
             ex.fixes.append({"kind": "config", "change": f"PYTORCH_CUDA_ALLOC_CONF={r['conf']}", "verified": True,
                              "peak_reserved": r["peak_reserved"]})
         if not good:
-            best = tuned.best["conf"] or "the default"
             ex.fixes.append({"kind": "config", "verified": False,
-                             "change": f"no allocator setting avoids it ({len(tuned.results)} tried; best: {best})"})
+                             "change": f"no allocator setting avoids it (none of the {len(tuned.results)} tried)"})
     else:
         base = probe["peak_reserved"]
         for r in [r for r in tuned.results if not r["oom"] and r["peak_reserved"] < base][:3]:
@@ -237,18 +282,31 @@ def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any]
         return
     ctx = context if isinstance(context, int) else 0
     if oom:
-        need = _bisect_gpu(path, ex.device, recorded_conf, ex.gpu, max(unlimited["peak_reserved"], ex.gpu),
-                           workers, cluster)
-        if need is not None:
-            ex.fixes.append({"kind": "gpu", "change": f"a GPU with {f(need - ex.gpu)} more memory ({need + ctx:,} B "
-                                                      f"for PyTorch and the context, not {ex.gpu + ctx:,} B)",
-                             "verified": True, "gpu": need + ctx, "more": need - ex.gpu})
+        need = smallest_fit(path, ex.device, recorded_conf, ex.gpu, max(unlimited["peak_reserved"], ex.gpu))
+        if need is not None and need > ex.gpu:  # (fitting on ex.gpu itself would contradict the OOM)
+            ex.fixes.append(_more_memory_fix(ex, need, ctx))
         live = unlimited["peak_requested"]
         if live > ex.gpu:
             ex.fixes.insert(0, {"kind": "does_not_fit", "verified": True, "more": live - ex.gpu,
                                 "change": f"it does not fit: the tensors requested and alive at once reach "
                                           f"{f(live)}, {f(live - ex.gpu)} more than the {f(ex.gpu)} PyTorch could "
                                           "have: it needs at least that much more, whatever the settings"})
+
+
+def _more_memory_fix(ex: Explanation, need: int, ctx: int) -> dict[str, Any]:
+    """More memory for PyTorch: a larger cap under a per-process cap, else a larger GPU; "at
+    least" where the recording stops at the failure (what follows it is not recorded)."""
+    f, lim = format_size, ex.limit
+    least = "at least " if ex.ends_at_oom else ""
+    after = " to get past this request (what the program needs after it is not in the recording)" \
+        if ex.ends_at_oom else ""
+    if lim is not None and lim["cause"] == "per-process cap":
+        return {"kind": "cap", "verified": True, "cap": need, "more": need - ex.gpu, "lower_bound": ex.ends_at_oom,
+                "change": f"a per-process cap allowing {least}{need:,} B{after} (the recorded cap allowed between "
+                          f"{lim['low']:,} and {lim['high'] - 1:,} B; the device had room)"}
+    return {"kind": "gpu", "verified": True, "gpu": need + ctx, "more": need - ex.gpu, "lower_bound": ex.ends_at_oom,
+            "change": f"a GPU with {least}{f(need - ex.gpu)} more memory ({need + ctx:,} B for PyTorch and the "
+                      f"context, not {ex.gpu + ctx:,} B){after}"}
 
 
 def cache_peaks(allocated: Sequence[int], reserved: Sequence[int], end: int, limit: int) -> list[int]:

@@ -23,6 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vram.allocator.caching import allocation_size
+from vram.allocator.config import parse_alloc_conf
+
 from .fleet import ReplayJob, run_jobs
 
 MAX_SPLIT_MB = (None, 64, 128, 256, 512, 1024)
@@ -82,23 +85,50 @@ class TuneResult:
     results: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
+    #: where no config fits: the least demanding config found and the smallest budget it fits in
+    #: (``{"conf", "gpu", "more"}``, checked by replay; one snapshot on a known GPU), else None
+    least_demanding: dict[str, Any] | None = None
+
     @property
-    def best(self) -> dict[str, Any]:
-        return self.results[0]
+    def best(self) -> dict[str, Any] | None:
+        """The first config without an OOM; None when every config runs out of memory."""
+        return self.results[0] if self.results and not self.results[0]["oom"] else None
 
     def to_json(self) -> dict[str, Any]:
-        return {"best": self.best, "results": self.results, "notes": self.notes,
+        return {"best": self.best, "least_demanding": self.least_demanding, "results": self.results,
+                "notes": self.notes,
                 "snapshots": [{"path": p, "gpu": b.gpu, "context": b.context, "gpu_from": b.why}
                               for p, b in zip(self.snapshots, self.budgets)]}
 
 
+def cap_bound(oom: dict[str, Any], large_segment_size: int = 20971520) -> int | None:
+    """At a recorded OOM, the most a per-process cap can have allowed, or None where the device
+    itself was full.
+
+    ``alloc_block`` (CUDACachingAllocator.cpp) fails either on the cap, ``total_allocated_memory
+    + alloc_size > allowed_memory_maximum`` (``set_per_process_memory_fraction``), or on
+    ``cudaMalloc``, which fails only with less than ``alloc_size`` free on the device. The OOM
+    entry records the device's free memory after the retry: with at least ``alloc_size`` free,
+    only a cap can have refused, and it was below reserved + ``alloc_size``."""
+    need = allocation_size(oom["size"], large_segment_size)
+    if oom["device_free"] < need:
+        return None
+    return oom["reserved"] + need - 1
+
+
 def budgets_for(probes: Sequence[dict[str, Any]], gpu: int | str | None, context: int | str) -> list[Budget]:
-    """The GPU for each snapshot, from the user or from its recorded OOM (see module doc)."""
+    """The GPU for each snapshot, from the user or from its recorded OOM (see module doc): under
+    a per-process cap (`cap_bound`), the cap's upper end."""
     out = []
     for probe in probes:
         oom = probe.get("oom")
         if gpu is not None:
             out.append(Budget(gpu, context, "given"))
+        elif oom is not None and oom.get("recorded") and (cap := cap_bound(
+                oom, parse_alloc_conf(probe["conf"]).large_segment_size)) is not None:
+            out.append(Budget(cap, 0, f"recorded OOM at event {oom['event_index']} with "
+                                      f"{oom['device_free']:,} B of the device free: a per-process cap, "
+                                      f"at most {cap:,} B (reserved + the segment requested, less 1)"))
         elif oom is not None and oom.get("recorded"):
             out.append(Budget(oom["reserved"] + oom["device_free"], 0,
                               f"recorded OOM at event {oom['event_index']}: reserved + free there"))
@@ -170,7 +200,57 @@ def tune(paths: Sequence[str], *, gpu: int | str | None = None, context: int | s
                                     "changed during the run, or the failure was not for lack of bytes")
     rows.sort(key=_rank_key)
     result.results = rows
+    if rows and rows[0]["oom"] and len(paths) == 1 and isinstance(budgets[0].gpu, int):
+        result.least_demanding = _least_demanding(rows, paths[0], devs[0], budgets[0])
     return result
+
+
+#: configs bisected for the smallest budget each fits in, when none fits
+LEAST_DEMANDING_TRIES = 3
+#: replays spent bisecting one budget
+BISECTIONS = 10
+_STEP = 2 << 20
+
+
+def smallest_fit(path: str, device: int, conf: str, low: int, high: int, context: int | str = 0) -> int | None:
+    """The smallest budget (bytes for PyTorch, 2 MiB steps, at most ``BISECTIONS`` replays) in
+    (low, high] where `conf` replays `path` without an OOM; None if it does not fit in `high`."""
+    def fits(gpu: int) -> bool:
+        r = run_jobs([ReplayJob(path, device, conf, gpu, context)], workers=1)[0]
+        return "error" not in r and r["ooms"] == 0
+
+    if not fits(high):
+        return None
+    lo, hi = low // _STEP, -(-high // _STEP)
+    for _ in range(BISECTIONS):
+        if hi - lo <= 1:
+            break
+        mid = (lo + hi) // 2
+        if fits(mid * _STEP):
+            hi = mid
+        else:
+            lo = mid
+    return min(hi * _STEP, high)
+
+
+def _least_demanding(rows: Sequence[dict[str, Any]], path: str, device: int, budget: Budget) -> dict[str, Any] | None:
+    """Where every config runs out of memory on `budget`: of the configs that fail latest (the
+    default among them), the one that fits in the least memory, and that memory (bisected, each
+    step a replay). Its need on a GPU without limit bounds the search."""
+    gpu = budget.gpu
+    assert isinstance(gpu, int)
+    latest = sorted(rows, key=lambda r: (-(r["per_snapshot"][0]["first_oom_event"] or 0), r["peak_reserved"]))
+    tries = [r["conf"] for r in latest[:LEAST_DEMANDING_TRIES]]
+    tries += [] if "" in tries else [""]
+    best: dict[str, Any] | None = None
+    for conf in tries:
+        free = run_jobs([ReplayJob(path, device, conf)], workers=1)[0]
+        if "error" in free:
+            continue
+        need = smallest_fit(path, device, conf, gpu, max(free["peak_reserved"], gpu + _STEP), budget.context)
+        if need is not None and need > gpu and (best is None or need < best["gpu"]):
+            best = {"conf": conf, "gpu": need, "more": need - gpu}
+    return best
 
 
 def paste_line(conf: str) -> str:

@@ -82,8 +82,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         return 0
     f = format_size
     at = ex.at
-    where = (f"the OOM at event {at['event_index']:,}" if at["kind"] == "oom"
-             else f"the reserved peak (event {at['event_index']:,})")
+    where = {"oom": f"the OOM at event {at['event_index']:,}",
+             "state": "the state in the file (no allocation events)",
+             "allocated_peak": f"the allocated peak (event {at['event_index']:,}; reserved memory is flat)",
+             }.get(at["kind"], f"the reserved peak (event {at['event_index']:,})")
     lines = [f"{_shown(args.snapshot)}, device {ex.device}: {where}"]
     if at["kind"] == "oom":
         lines.append("  " + _shown(at["message"], 2000))
@@ -166,12 +168,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json()))
         return 0
     f = format_size
-    base = next((r for r in result.results if r["conf"] == ""), result.best)
+    base = next(r for r in result.results if r["conf"] == "")
     for p, b in zip(paths, result.budgets):
         gpu = "unlimited" if b.gpu is None else f"{b.gpu:,} B" if isinstance(b.gpu, int) else b.gpu
         print(f"{_shown(p)}: GPU {gpu} ({_shown(b.why)})")
     print(f"\n{'rank':>4}  {'peak reserved':>14}  {'vs default':>11}  {'OOM':<4} {'cudaMalloc':>10}  config")
-    for k, r in enumerate(result.results[:args.top], 1):
+    shown = result.results[:args.top]
+    if base not in shown:  # the default is always a row of the table
+        shown = shown + [base]
+    for r in shown:
+        k = result.results.index(r) + 1
         delta = r["peak_reserved"] - base["peak_reserved"]
         sign = "-" if delta < 0 else "+"
         print(f"{k:>4}  {f(r['peak_reserved']):>14}  {sign + f(abs(delta)):>11}  {'yes' if r['oom'] else 'no':<4} "
@@ -179,7 +185,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for note in result.notes:
         print(f"note: {_shown(note, 400)}")
     best = result.best
-    print(f"\nbest: {paste_line(best['conf'])}" + ("   (still runs out of memory)" if best["oom"] else ""))
+    if best is None:
+        print(f"\nno config fits: every one of the {len(result.results)} tried runs out of memory (a peak "
+              "reserved above is where it failed, not what it needs)")
+        least = result.least_demanding
+        if least is not None:
+            print(f"the least demanding found, {_shown(least['conf'] or '(default)', 200)}, needs "
+                  f"{f(least['more'])} more: it fits in {least['gpu']:,} B for PyTorch (checked by replay)")
+        return 0
+    print(f"\nbest: {paste_line(best['conf'])}")
     if "per_process_memory_fraction" in best["conf"]:
         print("(per_process_memory_fraction in PYTORCH_CUDA_ALLOC_CONF needs a recent PyTorch; else call "
               "torch.cuda.set_per_process_memory_fraction)")

@@ -87,8 +87,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 objs[-1]["alloc_trial"] = trials[k]
         header = f"device {device}: " if len(devices) > 1 else ""
         reports.append(header + _report(path, snap, results, trials))
-    if args.json:
-        print(json.dumps(objs[0] if len(objs) == 1 else {"runs": objs}))
+    if args.json:  # one shape for one run and for several: every run in "runs", the first also on top
+        print(json.dumps({**objs[0], "runs": objs}))
         return 0
     print("\n\n".join(reports))
     return 0
@@ -117,7 +117,8 @@ def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[di
         ("peak reserved", lambda r: format_size(r.peak_reserved)),
         ("peak nvidia-smi (reserved + context)", lambda r: format_size(r.peak_device_used)),
         ("reserved - allocated at reserved peak", lambda r: format_size(r.fragmentation_at_reserved_peak)),
-        ("largest free block at reserved peak", lambda r: format_size(r.largest_free_block_at_reserved_peak)),
+        ("largest free block at reserved peak", lambda r: "not known (see notes)"
+         if r.largest_free_block_at_reserved_peak is None else format_size(r.largest_free_block_at_reserved_peak)),
         ("segment allocations (cudaMalloc/map)", lambda r: f"{r.segment_allocs:,}"),
         ("segment frees (cudaFree/unmap)", lambda r: f"{r.segment_frees:,}"),
         ("cudaMalloc retries", lambda r: f"{r.alloc_retries:,}"),
@@ -141,6 +142,9 @@ def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[di
             if frames:
                 lines.append("recorded stack (innermost first):")
                 lines += [f"  {_shown(f['filename'])}:{f['line']} in {_shown(f['name'])}" for f in frames]
+    for r in results:
+        if r.caveats:
+            lines += [""] + [f"note [{_shown(_label(r.conf))}]: {note}" for note in r.caveats]
     if trials:
         for r, t in zip(results, trials):
             if not t["ok"]:

@@ -22,6 +22,8 @@ from .simulated import SimulatedDevice, VirtualAddressSpace
 #: synthetic addresses live far below the 0x7f… range real drivers hand out
 SYNTHETIC_BOTTOM = 0x4000_0000_0000
 SYNTHETIC_TOP = 0x6000_0000_0000
+#: the smallest page any expandable segment maps (the small pool's, kSmallBuffer)
+_PAGE = 2 << 20
 
 
 class TraceDevice(SimulatedDevice):
@@ -45,6 +47,9 @@ class TraceDevice(SimulatedDevice):
         #: every successful map / unmap of expandable-segment pages: (address, size)
         self.maps: list[tuple[int, int]] = []
         self.unmaps: list[tuple[int, int]] = []
+        self._live_pages: set[int] = set()  # 2 MiB pages mapped now (address // 2 MiB)
+        #: maps refused because a segment outgrew a range cut at a later recorded base
+        self.cut_maps = 0
 
     def malloc(self, size: int) -> int | None:
         if self.fail_mallocs or size <= 0 or not self._fits(size):
@@ -79,24 +84,56 @@ class TraceDevice(SimulatedDevice):
     # -- expandable segments ----------------------------------------------------------------
     def reserve(self, size: int) -> int:
         """cuMemAddressReserve: the base of the recorded segment whose first ``segment_map`` comes
-        next (outside every range reserved now), else a synthetic range."""
-        rec = self.recorded_maps[self.map_cursor] if self.map_cursor < len(self.recorded_maps) else None
-        if rec is not None and self._reservation_at(rec[0]) is None and rec[0] not in self._allocations:
-            self._va.take(rec[0], size)  # recorded ranges lie above the synthetic window
-            self._reservations[rec[0]] = size
-            self._mapped[rec[0]] = 0
-            return rec[0]
-        return super().reserve(size)
+        next, else a synthetic range.
 
-    def adopt_reservation(self, base: int, size: int, mapped: int) -> bool:
+        A range is ``segment_size × numSegments(total + total / 8)`` (``ExpandableSegment`` in
+        CUDACachingAllocator.cpp), so on the recording's GPU no range reached the next recorded
+        base. This device may be larger than that GPU (its size is not in the recording), so
+        recorded ranges may overlap here: each is cut where the next one begins (`_cut_around`),
+        as long as no page mapped now lies in the new range."""
+        rec = self.recorded_maps[self.map_cursor] if self.map_cursor < len(self.recorded_maps) else None
+        if rec is None or rec[0] in self._reservations or rec[0] in self._allocations:
+            return super().reserve(size)
+        base = rec[0]
+        try:
+            self._va.take(base, size)
+        except ValueError:  # a recorded base inside this device's synthetic window
+            return super().reserve(size)
+        if not self._cut_around(base, size):
+            self._va.free(base)
+            return super().reserve(size)
+        self._mapped[base] = 0
+        return base
+
+    def _cut_around(self, base: int, size: int) -> bool:
+        """Make room for a recorded range at `base`: the range below it ends there, and this one
+        ends at the next reserved base above; False when a page mapped now lies in the room."""
+        end = min((b for b in self._reservations if base < b < base + size), default=base + size)
+        lo, hi = base // _PAGE, -(-end // _PAGE)
+        if any(lo <= p < hi for p in self._live_pages):
+            return False
+        around = self._reservation_at(base)
+        if around is not None:
+            self._reservations[around] = base - around
+        self._reservations[base] = end - base
+        return True
+
+    def adopt_reservation(self, base: int, size: int, mapped: int,
+                          runs: Sequence[tuple[int, int]] = ()) -> bool:
         """Take over a recorded expandable segment's range with `mapped` bytes already mapped
-        (a recording's starting state); False when they do not fit or the range is in use."""
+        (a recording's starting state), the mapped `runs` given as (address, size); False when
+        they do not fit or the range is in use. Overlapping recorded ranges are cut as in
+        `reserve`."""
         if mapped < 0 or not self._fits(mapped) or base in self._reservations or base in self._allocations:
             return False
         self._va.take(base, size)
-        self._reservations[base] = size
+        if not self._cut_around(base, size):
+            self._va.free(base)
+            return False
         self._mapped[base] = mapped
         self.used += mapped
+        for ptr, length in runs:
+            self._live_pages.update(range(ptr // _PAGE, -(-(ptr + length) // _PAGE)))
         return True
 
     def _reservation_at(self, ptr: int) -> int | None:
@@ -115,8 +152,15 @@ class TraceDevice(SimulatedDevice):
         return base
 
     def map(self, ptr: int, size: int) -> bool:
+        """cuMemMap; fails (as out of memory) where a range cut at a later recorded base would
+        have to grow past it: the recording's GPU could not have held such a segment."""
+        base = self._reservation_at(ptr)
+        if base is not None and ptr + size > base + self._reservations[base]:
+            self.cut_maps += 1
+            return False
         if self.fail_mallocs or not super().map(ptr, size):
             return False
+        self._live_pages.update(range(ptr // _PAGE, -(-(ptr + size) // _PAGE)))
         rec = self.recorded_maps[self.map_cursor] if self.map_cursor < len(self.recorded_maps) else None
         if rec == (ptr, size):
             self.map_cursor += 1
@@ -125,4 +169,5 @@ class TraceDevice(SimulatedDevice):
 
     def unmap(self, ptr: int, size: int) -> None:
         super().unmap(ptr, size)
+        self._live_pages.difference_update(range(ptr // _PAGE, -(-(ptr + size) // _PAGE)))
         self.unmaps.append((ptr, size))

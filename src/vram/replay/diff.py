@@ -12,6 +12,7 @@ of both sides.
 from __future__ import annotations
 
 import difflib
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,30 @@ def user_frame(frames: Sequence[Mapping[str, Any]]) -> str:
             return _where(f)
     if python:
         return _where(python[0])
-    return printable(f"(no Python frame) {frames[0].get('name', '?')}", 300) if frames else "?"
+    return _cpp_frame(frames) if frames else "?"
+
+
+#: innermost C++ frames of a ``stacks="all"`` recording that are the stack capture, the
+#: allocator and the empty-tensor factories: they are in every stack, so they say nothing
+_MACHINERY = ("torch::unwind::", "torch::CapturedTraceback", "torch::(anonymous namespace)::gather", "c10::",
+              "std::", "at::detail::empty", "at::native::empty", "at::empty", "at::_ops::empty", "at::cuda::empty")
+#: an autograd node's ``apply`` (``torch/csrc/autograd/generated/Functions.cpp``): the backward op
+_BACKWARD_NODE = re.compile(r"torch::autograd::generated::(\w+)::apply")
+
+
+def _cpp_frame(frames: Sequence[Mapping[str, Any]]) -> str:
+    """A stack without Python frames (an allocation on a C++ thread, such as the autograd
+    engine's): the backward node that allocated, else the innermost frame past the capture and
+    allocator machinery (``torch::unwind::unwind()`` tops every such stack)."""
+    names = [str(f.get("name", "")) for f in frames]
+    for name in names:
+        node = _BACKWARD_NODE.search(name)
+        if node:
+            return printable(f"(no Python frame) autograd backward: {node.group(1)}", 300)
+    for name in names:
+        if name and not name.startswith(_MACHINERY) and name != "??":
+            return printable(f"(no Python frame) {name}", 300)
+    return "(no Python frame)"
 
 
 def _where(f: Mapping[str, Any]) -> str:

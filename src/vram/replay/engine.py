@@ -68,7 +68,8 @@ class ReplayResult:
     peak_reserved: int = 0
     peak_device_used: int = 0
     allocated_at_reserved_peak: int = 0
-    largest_free_block_at_reserved_peak: int = 0
+    #: None where it depends on facts the recording lacks (``notes`` says which)
+    largest_free_block_at_reserved_peak: int | None = 0
     segment_allocs: int = 0
     segment_frees: int = 0
     alloc_retries: int = 0
@@ -80,6 +81,8 @@ class ReplayResult:
     verification: dict[str, Any] | None = None
     reserved_peak_event: int = -1
     skipped_events: int = 0
+    #: what the recording does not say and how the replay dealt with it (figures withheld)
+    caveats: list[str] = field(default_factory=list)
     #: which engine replayed the events: "C" (`vram.replay.ccore`) or "Python (why not C)"
     engine: str = field(default="", repr=False, compare=False)
     allocator: CachingAllocator | None = field(default=None, repr=False)
@@ -190,10 +193,11 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     scan = ccore.scan(trace)  # every event read once, in C, for the rewind and the C loop (None: not here)
     unknown = pool_search.to_infer(final, trace, device, scan.first_pool_id if scan else 0)
     if unknown is not None:  # an older recording whose pools are found by replay: vram.replay.pool_search
-        return pool_search.agree([replay(s, gpu=gpu, context=context, conf=conf, verify=verify, device=device,
-                                         progress=progress, stop_at=stop_at, timeline=timeline,
-                                         skip_cycles=skip_cycles, empty_cache_at=empty_cache_at)
-                                  for s in pool_search.labellings(snapshot, device, unknown, replay)], device)
+        what_if = (conf is not None and conf != recorded_conf) or gpu is not None or bool(empty_cache_at)
+        asked = dict(gpu=gpu, context=context, conf=conf, verify=verify, device=device, progress=progress,
+                     stop_at=stop_at, timeline=timeline, skip_cycles=skip_cycles, empty_cache_at=empty_cache_at)
+        return pool_search.decide(pool_search.labellings(snapshot, device, unknown, replay),
+                                  lambda s, **over: replay(s, **{**asked, **over}), device, what_if)
     plan = plan_pools(final, trace, device, scan.first_pool_id if scan else 0)  # private pools: pool_replay
     if final or not trace:
         divisions, expandable = _recorded_rules(recorded_conf, conf is not None)
@@ -251,7 +255,7 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
 
     with gc_paused():  # the replay makes no garbage cycles: see `gc_paused`
         dev, alloc, result, checks = play(trace, verify, progress, True)
-        if result.largest_free_block_at_reserved_peak < 0:  # too many streams to track it on the go:
+        if (result.largest_free_block_at_reserved_peak or 0) < 0:  # too many streams to track it on the go:
             # replay again up to the peak (the replay is deterministic)
             _, alloc2, _, _ = play(trace[:result.reserved_peak_event + 1], False, None, False)
             result.largest_free_block_at_reserved_peak = _largest_free_block(alloc2)
@@ -269,6 +273,10 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     result.final_reserved = stats.reserved_bytes[0].current
     if checks is not None:
         result.verification = checks.finish(alloc, dev, final, recorded)
+        if dev.cut_maps:
+            result.verification["notes"].append(
+                f"{dev.cut_maps} page maps refused: an expandable segment outgrew the room the "
+                "recording's later segment addresses leave it (give the recording's GPU with --gpu)")
         result.verification["segments_on_other_devices"] = sum(
             1 for s in snapshot.get("segments", []) if s.get("device", 0) != device)
     result.seconds_replay = time.perf_counter() - t0
@@ -399,7 +407,7 @@ def _run(alloc: CachingAllocator, dev: _ReplayDevice, trace: Sequence[Mapping[st
                 best_reserved = reserved.current
                 result.reserved_peak_event = i
                 result.allocated_at_reserved_peak = allocated.current
-                if track_peak and result.largest_free_block_at_reserved_peak >= 0:
+                if track_peak and (result.largest_free_block_at_reserved_peak or 0) >= 0:
                     largest, steps = _largest_free(alloc, 4096 + 32 * i - peak_steps)
                     peak_steps += steps
                     result.largest_free_block_at_reserved_peak = largest

@@ -192,7 +192,7 @@ def _install_expandable(alloc: CachingAllocator, stream: int, pool: BlockPool,
                          "several expandable segments there")
     device = alloc.device
     adopt = getattr(device, "adopt_reservation", None)
-    if adopt is None or not adopt(base, size, mapped):
+    if adopt is None or not adopt(base, size, mapped, [(r["address"], r["total_size"]) for r in runs]):
         free, dev_total = device.mem_get_info()
         raise StateError(f"{where} ({mapped} bytes mapped at {base:#x}) does not fit on the device "
                          f"({free} of {dev_total} bytes free, or the range is already in use)")
