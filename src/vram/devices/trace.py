@@ -17,11 +17,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .base import DriverError
 from .simulated import SimulatedDevice, VirtualAddressSpace
 
 #: synthetic addresses live far below the 0x7f… range real drivers hand out
 SYNTHETIC_BOTTOM = 0x4000_0000_0000
 SYNTHETIC_TOP = 0x6000_0000_0000
+#: where synthetic reservations go once that window is full, on a GPU of unlimited size: each
+#: expandable segment reserves 1 1/8 of the card (spec §14), and the stand-in size of an
+#: unlimited card is arbitrary, so its address space is unlimited too (far above any recorded
+#: address, which the loader keeps below 2**64 but real drivers below 2**48)
+UNBOUNDED_BOTTOM = 1 << 60
+UNBOUNDED_TOP = 1 << 63
 
 
 class TraceDevice(SimulatedDevice):
@@ -45,6 +52,9 @@ class TraceDevice(SimulatedDevice):
         #: every successful map / unmap of expandable-segment pages: (address, size)
         self.maps: list[tuple[int, int]] = []
         self.unmaps: list[tuple[int, int]] = []
+        #: the GPU's size is a stand-in for "unlimited": reservations never run out of addresses
+        self.unbounded_address_space = False
+        self._beyond = VirtualAddressSpace(UNBOUNDED_BOTTOM, UNBOUNDED_TOP)
 
     def malloc(self, size: int) -> int | None:
         if self.fail_mallocs or size <= 0 or not self._fits(size):
@@ -86,7 +96,24 @@ class TraceDevice(SimulatedDevice):
             self._reservations[rec[0]] = size
             self._mapped[rec[0]] = 0
             return rec[0]
-        return super().reserve(size)
+        try:
+            return super().reserve(size)
+        except DriverError:
+            ptr = self._beyond.allocate(size) if self.unbounded_address_space else None
+            if ptr is None:
+                raise
+            self._reservations[ptr] = self._beyond.size_of(ptr) or size
+            self._mapped[ptr] = 0
+            return ptr
+
+    def release(self, ptr: int) -> None:
+        if self._beyond.size_of(ptr) is None:
+            super().release(ptr)
+            return
+        if self._mapped.get(ptr):
+            raise ValueError(f"releasing reserved range {ptr:#x} that still has mapped pages")
+        del self._reservations[ptr], self._mapped[ptr]
+        self._beyond.free(ptr)
 
     def adopt_reservation(self, base: int, size: int, mapped: int) -> bool:
         """Take over a recorded expandable segment's range with `mapped` bytes already mapped

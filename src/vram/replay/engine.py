@@ -213,6 +213,7 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
         dev = _ReplayDevice(recorded, total, ctx, device, recorded_maps=recorded_maps)
         dev.reproduce_ooms = verify or (conf is None and gpu is None)
         dev.capacity_known = gpu is not None
+        dev.unbounded_address_space = gpu is None  # (a stand-in size: vram.devices.trace)
         dev.empty_cache_at = frozenset(empty_cache_at)
         alloc = CachingAllocator(dev, conf_text)
         import_segments(alloc, initial)
