@@ -150,3 +150,54 @@ def test_expandable_what_ifs_on_many_streams_with_no_gpu(tmp_path: Path, capsys:
     result = tune.tune([path], workers=1)
     assert not result.failed
     assert any(r["conf"].startswith("expandable_segments:True") for r in result.results)
+
+
+# --------------------------------------------------------------------------- writers
+
+
+def _fail_midway(real: Any) -> Any:
+    """`real` (json.dump or pickle.dump) that writes a little, then fails as a full disk does."""
+    def dump(obj: Any, f: Any, *args: Any, **kw: Any) -> None:
+        f.write("{" if "b" not in getattr(f, "mode", "b") else b"\x80")
+        raise OSError(28, "No space left on device")
+    return dump
+
+
+@pytest.mark.parametrize("suffix", [".json", ".pickle"])
+def test_a_failing_export_leaves_the_old_file(tmp_path: Path, suffix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written to a temporary file and renamed: a write that fails halfway leaves the file that
+    was there (also when it is the input), and no partial file beside it."""
+    import json as json_module
+
+    from vram.replay.loader import load_snapshot
+
+    src = tmp_path / f"in{suffix}"
+    assert main(["export", SMALL, "-o", str(src)]) == 0
+    before = src.read_bytes()
+    os.chmod(src, 0o640)
+    target = json_module if suffix == ".json" else pickle
+    monkeypatch.setattr(target, "dump", _fail_midway(target.dump))
+    assert main(["export", str(src), "-o", str(src)]) != 0
+    assert src.read_bytes() == before
+    assert os.listdir(tmp_path) == [src.name]
+    monkeypatch.undo()
+    assert main(["export", str(src), "-o", str(src)]) == 0  # over the input, whole
+    assert load_snapshot(str(src))["device_traces"] == load_snapshot(SMALL)["device_traces"]
+    assert os.stat(src).st_mode & 0o777 == 0o640 and os.listdir(tmp_path) == [src.name]
+
+
+def test_a_huge_settings_int_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """No allocator setting is wider than 64 bits (CUDAAllocatorConfig.h: size_t and double);
+    a 5,000-digit one is refused when read, so JSON (which refuses > 4,300 digits) never
+    starts a file it cannot finish."""
+    from vram.replay.loader import SnapshotError, load_snapshot
+
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(pickle.dumps({"segments": [], "device_traces": [[]],
+                                  "allocator_settings": {"max_split_size": 7 * 10**4999}}))
+    out = tmp_path / "out.json"
+    out.write_text("old")
+    with pytest.raises(SnapshotError, match=r"allocator_settings.max_split_size is absurdly large"):
+        load_snapshot(str(bad))
+    assert main(["export", str(bad), "-o", str(out)]) != 0
+    assert out.read_text() == "old"
