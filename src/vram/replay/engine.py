@@ -269,7 +269,8 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     result.final_allocated = stats.allocated_bytes[0].current
     result.final_reserved = stats.reserved_bytes[0].current
     if checks is not None:
-        result.verification = checks.finish(alloc, dev, final, recorded)
+        result.verification = checks.finish(alloc, dev, final, recorded, live_at_start={
+            b["address"] for seg in initial for b in seg["blocks"] if b["state"] != "inactive"})
         result.verification["segments_on_other_devices"] = sum(
             1 for s in snapshot.get("segments", []) if s.get("device", 0) != device)
     result.seconds_replay = time.perf_counter() - t0
