@@ -278,7 +278,7 @@ def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any]
                              "peak_reserved": r["peak_reserved"],
                              "saves": base - r["peak_reserved"]})
     _empty_cache_fixes(ex, path, recorded_conf, probe, context, workers, cluster)
-    if ex.gpu is None:
+    if ex.gpu is None or "error" in unlimited:  # (the error: no GPU fix can be checked)
         return
     ctx = context if isinstance(context, int) else 0
     if oom:

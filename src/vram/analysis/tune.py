@@ -84,6 +84,8 @@ class TuneResult:
     budgets: list[Budget]
     results: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: candidates that could not be replayed: ``{"conf", "error"}``, not ranked
+    failed: list[dict[str, Any]] = field(default_factory=list)
 
     #: where no config fits: the least demanding config found and the smallest budget it fits in
     #: (``{"conf", "gpu", "more"}``, checked by replay; one snapshot on a known GPU), else None
@@ -96,7 +98,7 @@ class TuneResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"best": self.best, "least_demanding": self.least_demanding, "results": self.results,
-                "notes": self.notes,
+                "notes": self.notes, "failed": self.failed,
                 "snapshots": [{"path": p, "gpu": b.gpu, "context": b.context, "gpu_from": b.why}
                               for p, b in zip(self.snapshots, self.budgets)]}
 
@@ -143,8 +145,10 @@ def _rank_key(row: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _rows(confs: Sequence[str], paths: Sequence[str], devices: Sequence[int], budgets: Sequence[Budget],
-          workers: int | None, cluster: str | None,
-          progress: Callable[[int, int], None] | None) -> list[dict[str, Any]]:
+          workers: int | None, cluster: str | None, progress: Callable[[int, int], None] | None,
+          failed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One ranked row per config that replayed on every snapshot; the others go to `failed` (one
+    candidate that cannot be replayed does not stop the search)."""
     jobs = [ReplayJob(p, d, conf, b.gpu, b.context) for conf in confs for p, d, b in zip(paths, devices, budgets)]
     out = run_jobs(jobs, workers=workers, cluster=cluster, progress=progress)
     rows = []
@@ -153,7 +157,8 @@ def _rows(confs: Sequence[str], paths: Sequence[str], devices: Sequence[int], bu
         runs = out[k * n:(k + 1) * n]
         errors = [r["error"] for r in runs if "error" in r]
         if errors:
-            raise ValueError(f"config {conf!r}: {errors[0]}")
+            failed.append({"conf": conf, "error": errors[0]})
+            continue
         rows.append({
             "conf": conf,
             "peak_reserved": max(r["peak_reserved"] for r in runs),
@@ -175,25 +180,34 @@ def tune(paths: Sequence[str], *, gpu: int | str | None = None, context: int | s
         raise ValueError("no snapshot to tune")
     devs = list(devices) if devices is not None else [0] * len(paths)
     probes = run_jobs([ReplayJob(p, d) for p, d in zip(paths, devs)], workers=workers, cluster=cluster)
-    for p, probe in zip(paths, probes):
-        if "error" in probe:
-            raise ValueError(f"{p}: {probe['error']}")
+    unread = [probe["error"] for probe in probes if "error" in probe]  # each names its file
+    if len(unread) == len(probes):
+        raise ValueError(unread[0])
+    kept = [k for k, probe in enumerate(probes) if "error" not in probe]
+    paths, devs, probes = [paths[k] for k in kept], [devs[k] for k in kept], [probes[k] for k in kept]
     budgets = budgets_for(probes, gpu, context)
     result = TuneResult(list(paths), budgets)
+    result.notes += [f"not tuned: {e}" for e in unread]
     grid = base_grid()
     recorded = sorted({probe["conf"] for probe in probes} - set(grid))
-    rows = _rows(recorded + grid, paths, devs, budgets, workers, cluster, progress)
-    if all(b.gpu is not None for b in budgets):
+    rows = _rows(recorded + grid, paths, devs, budgets, workers, cluster, progress, result.failed)
+    if all(b.gpu is not None for b in budgets) and rows:
         bases = [r["conf"] for r in sorted(rows, key=_rank_key)[:GC_STAGE_BASES]]
-        rows += _rows(gc_grid(bases), paths, devs, budgets, workers, cluster, progress)
+        rows += _rows(gc_grid(bases), paths, devs, budgets, workers, cluster, progress, result.failed)
     else:
         result.notes.append("garbage_collection_threshold and per_process_memory_fraction not searched: "
                             "they act against the GPU's size, and it is unlimited here (pass --gpu)")
-    for p, probe, b in zip(paths, probes, budgets):
+    if not rows:
+        raise ValueError(f"no config could be replayed: {result.failed[0]['conf'] or '(default)'}: "
+                         f"{result.failed[0]['error']}")
+    if result.failed:
+        first = result.failed[0]
+        result.notes.append(f"{len(result.failed)} config(s) could not be replayed and are not ranked "
+                            f"(first: {first['conf'] or '(default)'}: {first['error']})")
+    for k, (p, probe, b) in enumerate(zip(paths, probes, budgets)):
         oom = probe.get("oom")
-        if oom is not None and oom.get("recorded") and gpu is None:
-            row = next(r for r in rows if r["conf"] == probe["conf"])
-            k = list(paths).index(p)
+        row = next((r for r in rows if r["conf"] == probe["conf"]), None)
+        if oom is not None and oom.get("recorded") and gpu is None and row is not None:
             if row["per_snapshot"][k]["first_oom_event"] != oom["event_index"]:
                 result.notes.append(f"{p}: on {b.gpu:,} B the recorded config does not fail at the "
                                     f"recorded OOM (event {oom['event_index']}): the GPU's other memory "

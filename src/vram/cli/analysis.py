@@ -36,12 +36,11 @@ def _progress(label: str) -> Any:
 
 def cmd_replay_fleet(args: argparse.Namespace) -> int:
     """``vram replay A B C ...``: every snapshot (every device, every --conf) replayed in parallel."""
-    from vram.analysis.fleet import ReplayJob, load_cached, run_jobs
-    from vram.replay.engine import device_count
+    from vram.analysis.fleet import ReplayJob, devices_of, run_jobs
 
     jobs = []
     for path in args.snapshot:
-        devices = [args.device] if args.device is not None else range(device_count(load_cached(path)))
+        devices = [args.device] if args.device is not None else devices_of(path)
         for device in devices:
             for conf in args.conf or [None]:
                 jobs.append(ReplayJob(path, device, conf, args.gpu, args.context, args.verify))
@@ -168,8 +167,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json()))
         return 0
     f = format_size
-    base = next(r for r in result.results if r["conf"] == "")
-    for p, b in zip(paths, result.budgets):
+    # the default config, or (when it could not be replayed: see the notes) the first row
+    base = next((r for r in result.results if r["conf"] == ""), result.results[0])
+    for p, b in zip(result.snapshots, result.budgets):
         gpu = "unlimited" if b.gpu is None else f"{b.gpu:,} B" if isinstance(b.gpu, int) else b.gpu
         print(f"{_shown(p)}: GPU {gpu} ({_shown(b.why)})")
     print(f"\n{'rank':>4}  {'peak reserved':>14}  {'vs default':>11}  {'OOM':<4} {'cudaMalloc':>10}  config")

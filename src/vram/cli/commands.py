@@ -215,6 +215,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     import pickle
 
     from vram.replay.loader import to_pytorch_snapshot
+    from vram.views.output import replaced
 
     snap = _load(args.snapshot)
     if args.start is not None or args.end is not None:
@@ -236,10 +237,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise ValueError(f"{_shown(args.snapshot)}: its JSON form would spell out {frames:,} stack "
                              f"frames (shared by reference in the file), over the {limit:,} limit: "
                              "export to .pickle instead")
-        with open(args.output, "w") as f:
+        with replaced(args.output, "w") as f:
             json.dump(out, f)
     else:
-        with open(args.output, "wb") as f:
+        with replaced(args.output, "wb") as f:
             pickle.dump(out, f)
     print(f"wrote {args.output}: {len(out['segments'])} segments, "
           f"{sum(len(t) for t in out['device_traces']):,} trace events")

@@ -17,11 +17,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .base import DriverError
 from .simulated import SimulatedDevice, VirtualAddressSpace
 
 #: synthetic addresses live far below the 0x7f… range real drivers hand out
 SYNTHETIC_BOTTOM = 0x4000_0000_0000
 SYNTHETIC_TOP = 0x6000_0000_0000
+#: where synthetic reservations go once that window is full, on a GPU of unlimited size: each
+#: expandable segment reserves 1 1/8 of the card (spec §14), and the stand-in size of an
+#: unlimited card is arbitrary, so its address space is unlimited too (far above any recorded
+#: address, which the loader keeps below 2**64 but real drivers below 2**48)
+UNBOUNDED_BOTTOM = 1 << 60
+UNBOUNDED_TOP = 1 << 63
 #: the smallest page any expandable segment maps (the small pool's, kSmallBuffer)
 _PAGE = 2 << 20
 
@@ -50,6 +57,9 @@ class TraceDevice(SimulatedDevice):
         self._live_pages: set[int] = set()  # 2 MiB pages mapped now (address // 2 MiB)
         #: maps refused because a segment outgrew a range cut at a later recorded base
         self.cut_maps = 0
+        #: the GPU's size is a stand-in for "unlimited": reservations never run out of addresses
+        self.unbounded_address_space = False
+        self._beyond = VirtualAddressSpace(UNBOUNDED_BOTTOM, UNBOUNDED_TOP)
 
     def malloc(self, size: int) -> int | None:
         if self.fail_mallocs or size <= 0 or not self._fits(size):
@@ -93,17 +103,39 @@ class TraceDevice(SimulatedDevice):
         as long as no page mapped now lies in the new range."""
         rec = self.recorded_maps[self.map_cursor] if self.map_cursor < len(self.recorded_maps) else None
         if rec is None or rec[0] in self._reservations or rec[0] in self._allocations:
-            return super().reserve(size)
+            return self._synthetic_reserve(size)
         base = rec[0]
         try:
             self._va.take(base, size)
         except ValueError:  # a recorded base inside this device's synthetic window
-            return super().reserve(size)
+            return self._synthetic_reserve(size)
         if not self._cut_around(base, size):
             self._va.free(base)
-            return super().reserve(size)
+            return self._synthetic_reserve(size)
         self._mapped[base] = 0
         return base
+
+    def _synthetic_reserve(self, size: int) -> int:
+        """A range in the synthetic window; past its end, on a GPU of unlimited size, one in the
+        unbounded window above it."""
+        try:
+            return super().reserve(size)
+        except DriverError:
+            ptr = self._beyond.allocate(size) if self.unbounded_address_space else None
+            if ptr is None:
+                raise
+            self._reservations[ptr] = self._beyond.size_of(ptr) or size
+            self._mapped[ptr] = 0
+            return ptr
+
+    def release(self, ptr: int) -> None:
+        if self._beyond.size_of(ptr) is None:
+            super().release(ptr)
+            return
+        if self._mapped.get(ptr):
+            raise ValueError(f"releasing reserved range {ptr:#x} that still has mapped pages")
+        del self._reservations[ptr], self._mapped[ptr]
+        self._beyond.free(ptr)
 
     def _cut_around(self, base: int, size: int) -> bool:
         """Make room for a recorded range at `base`: the range below it ends there, and this one

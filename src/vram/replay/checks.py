@@ -3,7 +3,7 @@
 size, order) and the final segments and blocks (address, size, state, ``requested_size``)."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from vram.allocator.caching import CachingAllocator
@@ -50,8 +50,34 @@ class Checks:
         else:
             self.note(i, "alloc_address", _hex(addr), _hex(ours) if ours is not None else "OOM")
 
+    def frees_of_no_live_block(self, live_at_start: Collection[int]) -> None:
+        """Note each ``free_requested`` of an address where the recording has no live block then
+        (never allocated, or freed already): PyTorch records one only when ``free()`` is called
+        on a live block (CUDACachingAllocator.cpp, ``free``: ``record_trace(FREE_REQUESTED, ...)``),
+        so such a trace was not written by it as it stands and its replay is not called exact.
+        `live_at_start`: the blocks allocated (or pending) when the trace begins."""
+        live = set(live_at_start)
+        stray, first = 0, -1
+        for i, e in enumerate(self.trace):
+            action = e["action"]
+            if action == "alloc":
+                live.add(e["addr"])
+            elif action == "free_requested":
+                if e["addr"] in live:
+                    live.discard(e["addr"])
+                    continue
+                stray += 1
+                first = i if first < 0 else first
+                if not any(d["event_index"] == i and d["kind"] == "free" for d in self.divergences):
+                    self.note(i, "free", "a live block", "none at that address")
+        if stray:
+            self.notes.append(f"{stray:,} free_requested event(s) (the first: event {first:,}) free an address "
+                              "with no live block in the recording (never allocated, or freed already): "
+                              "not as PyTorch records frees, so not verified")
+
     def finish(self, alloc: CachingAllocator, dev: TraceDevice, final: Sequence[Mapping[str, Any]],
-               recorded: Sequence[tuple[int, int]]) -> dict[str, Any]:
+               recorded: Sequence[tuple[int, int]], live_at_start: Collection[int] = ()) -> dict[str, Any]:
+        self.frees_of_no_live_block(live_at_start)
         ours = [(a, s) for a, s, _ in dev.mallocs]
         seg_matched = sum(1 for x, y in zip(ours, recorded) if x == y)
         rec_frees = [(e["addr"], e["size"]) for e in self.rare if e["action"] == "segment_free"]

@@ -217,6 +217,7 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
         dev = _ReplayDevice(recorded, total, ctx, device, recorded_maps=recorded_maps)
         dev.reproduce_ooms = verify or (conf is None and gpu is None)
         dev.capacity_known = gpu is not None
+        dev.unbounded_address_space = gpu is None  # (a stand-in size: vram.devices.trace)
         dev.empty_cache_at = frozenset(empty_cache_at)
         alloc = CachingAllocator(dev, conf_text)
         import_segments(alloc, initial)
@@ -272,7 +273,8 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     result.final_allocated = stats.allocated_bytes[0].current
     result.final_reserved = stats.reserved_bytes[0].current
     if checks is not None:
-        result.verification = checks.finish(alloc, dev, final, recorded)
+        result.verification = checks.finish(alloc, dev, final, recorded, live_at_start={
+            b["address"] for seg in initial for b in seg["blocks"] if b["state"] != "inactive"})
         if dev.cut_maps:
             result.verification["notes"].append(
                 f"{dev.cut_maps} page maps refused: an expandable segment outgrew the room the "

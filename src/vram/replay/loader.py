@@ -382,6 +382,8 @@ class _Walker:
         self._plain_nodes += 1
         if self._plain_nodes > self._plain_budget or depth > _MAX_PLAIN_DEPTH:
             raise Invalid(f"{path} is too large or too deeply nested")
+        if type(v) is int and not -_LIMIT < v < _LIMIT:  # no setting is wider than 64 bits
+            raise Invalid(f"{path} is absurdly large ({int_text(v)})")
         if v is None or type(v) in (bool, int, str) or type(v) is float and math.isfinite(v):
             return v
         if type(v) in (list, tuple):

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 from vram.devices.host import available_memory
 
-from .messages import Invalid, one_line
+from .messages import Invalid, brief, one_line
 
 __all__ = ["MEMORY_BASE", "MEMORY_FACTOR", "OPCODE_BYTES", "available_memory", "decode_json", "decode_pickle",
            "gc_paused", "memory_cap"]
@@ -337,10 +337,25 @@ def decode_pickle(data: bytes) -> Any:
     return obj
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's dict, refused when a key repeats: a parser keeps only the last value (RFC 8259
+    §4: names "SHOULD be unique"; json.dump never repeats one), so a repeated
+    ``"device_traces"`` would silently drop every event before it."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise Invalid(f"unreadable JSON: the key {brief(key, 60)} appears twice in one object")
+            seen.add(key)
+    return out
+
+
 def decode_json(data: bytes) -> Any:
-    """JSON to plain data under the same memory cap (NaN/Infinity are refused later, by the walk)."""
+    """JSON to plain data under the same memory cap (NaN/Infinity are refused later, by the walk;
+    a key repeated in an object here: `_unique_keys`)."""
     try:
-        return _capped(len(data), lambda: json.loads(data.decode("utf-8-sig")))
+        return _capped(len(data), lambda: json.loads(data.decode("utf-8-sig"), object_pairs_hook=_unique_keys))
     except _MemoryCapped as exc:
         raise _too_big(len(data), exc) from None
     except RecursionError:

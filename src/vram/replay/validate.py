@@ -23,6 +23,10 @@ K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: every block size is a multiple (spec §
 K_SMALL_SIZE = MiB  # kSmallSize: large-pool blocks are bigger (spec §5, §8)
 K_SMALL_BUFFER = 2 * MiB  # kSmallBuffer: every small segment, and the small-pool page (spec §6, §14)
 K_MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: no large segment is smaller (spec §6)
+#: every segment base is aligned to at least this: "any address of a variable residing in global
+#: memory or returned by one of the memory allocation routines from the driver or runtime API is
+#: always aligned to at least 256 bytes" (CUDA C++ Programming Guide, Device Memory Accesses)
+SEGMENT_ALIGNMENT = 256
 #: Stream ids from here up are the replay's pseudo streams (vram.replay.engine). A recorded
 #: stream is ``int64_t(cudaStream_t)``, a user-space pointer (< 2**57 on any 64-bit OS) or a
 #: small constant (0 legacy default, 1, 2 per-thread default): never this large.
@@ -47,6 +51,9 @@ def check_segment(seg: Mapping[str, Any], path: str) -> None:
         raise stream_error(f"{path}.stream", seg["stream"])
     if total % K_MIN_BLOCK_SIZE:
         raise Invalid(f"{path}.total_size is {total}, not a multiple of 512 (spec §2: kMinBlockSize)")
+    if seg["address"] % SEGMENT_ALIGNMENT:
+        raise Invalid(f"{path}.address is {seg['address']:#x}, not a multiple of {SEGMENT_ALIGNMENT}: "
+                      "cudaMalloc and cuMemAddressReserve return addresses aligned to at least that")
     if small and (total % K_SMALL_BUFFER if expandable else total != K_SMALL_BUFFER):
         need = "a multiple of 2 MiB (small pages)" if expandable else "exactly 2 MiB"
         raise Invalid(f"{path} is a {total}-byte segment labelled 'small': small-pool segments are "

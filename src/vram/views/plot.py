@@ -6,8 +6,11 @@ reserved peak: one row per segment, its blocks coloured by state.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
+
+from .output import replaced
 
 GIB = float(1 << 30)
 MIB = float(1 << 20)
@@ -107,5 +110,7 @@ def plot_replays(runs: Sequence[tuple[str, Any]], peak_segments: Sequence[dict[s
     seg_ax.set_title(f"{len(peak_segments):,} segments at the reserved peak ({label0}, event "
                      f"{ref.reserved_peak_event}): blue allocated, orange pending free, grey free")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fmt = os.path.splitext(os.fspath(out))[1][1:].lower() or None
+    with replaced(out, "wb") as f:  # (savefig takes the format from a path's suffix, not a file's)
+        fig.savefig(f, dpi=110, format=fmt)
     plt.close(fig)

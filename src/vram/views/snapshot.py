@@ -15,6 +15,8 @@ from vram.allocator.block import Block
 from vram.allocator.caching import CachingAllocator
 from vram.allocator.config import allocator_settings
 
+from .output import replaced
+
 
 def _state(block: Block) -> str:
     if block.allocated:
@@ -96,6 +98,7 @@ def snapshot(allocators: Iterable[CachingAllocator]) -> dict[str, Any]:
 
 
 def dump_snapshot(data: dict[str, Any], filename: str = "dump_snapshot.pickle") -> None:
-    """``torch.cuda.memory._dump_snapshot``: pickle the snapshot dict."""
-    with open(filename, "wb") as f:
+    """``torch.cuda.memory._dump_snapshot``: pickle the snapshot dict (through a temporary file
+    renamed over `filename`: `vram.views.output`)."""
+    with replaced(filename, "wb") as f:
         pickle.dump(data, f)

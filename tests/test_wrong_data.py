@@ -1,0 +1,82 @@
+"""Nothing wrong accepted: data PyTorch cannot have written is refused with one line, or replayed
+with a note and divergences, never verified 100 % without a word. Expected outcomes come from
+PyTorch's sources (cited per test), not from vram's output."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vram.replay.engine import replay
+from vram.replay.loader import load_snapshot, to_pytorch_snapshot
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hostile_files import BASE, TRACES, MiB, reject, segment, snap  # noqa: E402
+
+RECORDING = str(TRACES / "cs336-s-mem.pickle")
+
+
+def _mutated(how: str) -> dict[str, Any]:
+    s = to_pytorch_snapshot(load_snapshot(RECORDING))
+    trace = s["device_traces"][0]
+    if how == "free twice":  # a free_requested repeated before its completion
+        k = next(i for i, e in enumerate(trace) if e["action"] == "free_requested")
+        trace.insert(k + 1, dict(trace[k]))
+    elif how == "free a free block":  # a free_requested after the block's free completed
+        k = next(i for i, e in enumerate(trace) if e["action"] == "free_completed")
+        trace.insert(k + 1, dict(trace[k], action="free_requested"))
+    elif how == "free what was never allocated":
+        k = next(i for i, e in enumerate(trace) if e["action"] == "alloc")
+        trace.insert(k + 1, dict(trace[k], action="free_requested", addr=0x1234_0000_0000))
+    return load_snapshot(json.dumps(s).encode())
+
+
+@pytest.mark.parametrize("how", ["free twice", "free a free block", "free what was never allocated"])
+@pytest.mark.parametrize("engine", ["C", "Python"])
+def test_a_free_of_no_live_block_is_not_verified(how: str, engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyTorch records free_requested only in ``free()`` of a live block (CUDACachingAllocator.cpp:
+    ``record_trace(TraceEntry::FREE_REQUESTED, ...)`` for the block being freed); a trace with
+    another is not one PyTorch wrote, whatever else matches."""
+    if engine == "Python":
+        monkeypatch.setenv("VRAM_CCORE", "0")
+    s = _mutated(how)
+    assert replay(load_snapshot(RECORDING), verify=True).verification["divergences"] == []
+    v = replay(s, verify=True).verification
+    assert [d["kind"] for d in v["divergences"]] == ["free"]
+    assert any("free an address with no live block" in n for n in v["notes"])
+
+
+def test_rmm_frees_of_pointers_never_allocated_are_noted(tmp_path: Path) -> None:
+    """RMM logs every allocate and free (logging_resource_adaptor); a free of a pointer the log
+    never allocated is not verified silently."""
+    p = tmp_path / "log.csv"
+    p.write_text("Thread,Time,Action,Pointer,Size,Stream\n"
+                 "1,10:00:00.000001,allocate,0x7f0000000000,1048576,0x0\n"
+                 "1,10:00:00.000002,free,0x7f0000200000,1048576,0x0\n"
+                 "1,10:00:00.000003,free,0x7f0000000000,1048576,0x0\n")
+    v = replay(load_snapshot(str(p)), verify=True).verification
+    assert any(d["kind"] == "free" and d["event_index"] == 1 for d in v["divergences"])
+    assert any("free an address with no live block" in n for n in v["notes"])
+
+
+def test_a_repeated_json_key_is_refused() -> None:
+    """json.loads keeps the last of repeated keys: ``"device_traces": [[]]`` after the real one
+    would drop every event. json.dump never writes a key twice, so the file is refused."""
+    text = json.dumps(to_pytorch_snapshot(load_snapshot(RECORDING)))
+    assert text.endswith("}")
+    reject((text[:-1] + ', "device_traces": [[]]}').encode(), "unreadable JSON", "'device_traces' appears twice")
+    entry = '{"action": "alloc", "addr": 512, "size": 512, "addr": 1024}'
+    reject(('{"segments": [], "device_traces": [[' + entry + ']]}').encode(), "'addr' appears twice")
+
+
+@pytest.mark.parametrize("offset", [1, 8, 128])
+def test_a_segment_at_an_unaligned_address_is_refused(offset: int) -> None:
+    """cudaMalloc and cuMemAddressReserve return addresses aligned to at least 256 bytes (CUDA C++
+    Programming Guide, Device Memory Accesses)."""
+    seg = segment(BASE + offset, [(2 * MiB, "active_allocated", 2 * MiB)])
+    reject(snap([seg]), "segments[0].address", "not a multiple of 256")
+    load_snapshot(snap([segment(BASE + 256, [(2 * MiB, "active_allocated", 2 * MiB)])]))
