@@ -101,7 +101,8 @@ def _state(ex: Explanation, snap: Mapping[str, Any], stop: int, gpu: int | None,
     for block in alloc.all_blocks():
         if block.allocated:
             frames = known.get(block.ptr)
-            label = user_frame(frames) if frames else "(allocated before the recording began)"
+            label = (user_frame(frames) if frames else "(allocated before the recording began)" if frames is None
+                     else "(recorded without a Python stack: e.g. autograd's backward, run in C++)")
             g = groups.setdefault(label, [0, 0])
             g[0] += block.size
             g[1] += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -11,6 +12,7 @@ from typing import Any
 
 from vram.units import format_size
 
+from .defaults import DEFAULT_CONTEXT, DEFAULT_GPU, REPLAY_CONTEXT_HELP
 from .examples import epilog
 
 JOBS_HELP = "parallel replays (default: one per core; 1: serially)"
@@ -113,32 +115,17 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-_WRAPPER = """\
-import os, runpy, sys
-import torch
-dump, script = sys.argv[1], sys.argv[2]
-sys.argv = sys.argv[2:]
-sys.path[0] = os.path.dirname(os.path.abspath(script))
-torch.cuda.memory._record_memory_history()
-try:
-    runpy.run_path(script, run_name="__main__")
-finally:
-    torch.cuda.memory._dump_snapshot(dump)
-"""
-
-
-def _record_script(argv: list[str], gpu: str | None, context: str) -> str:
-    """Run ``script.py args`` once under ``vram run`` (a subprocess), recording every allocation
-    from its start; returns the dump's path. An OOM in the script still leaves the recording."""
+def _record_script(argv: list[str], gpu: str | None, context: str, work: str) -> str:
+    """Run ``script.py args`` once under ``vram run --snapshot`` (a subprocess), recording every
+    allocation from its start into `work`; returns the dump's path. An OOM in the script still
+    leaves the recording."""
     if not argv:
         raise ValueError("vram tune --: give the script to run, e.g. vram tune -- train.py --batch 8")
     if not os.path.isfile(argv[0]):
         raise OSError(f"can't open file {argv[0]!r}: no such file")
-    work = tempfile.mkdtemp(prefix="vram-tune-")
-    wrapper, dump = os.path.join(work, "record.py"), os.path.join(work, "recording.pickle")
-    with open(wrapper, "w") as fh:
-        fh.write(_WRAPPER)
-    cmd = [sys.executable, "-m", "vram", "run", "--gpu", gpu or "80GiB", "--context", context, wrapper, dump, *argv]
+    dump = os.path.join(work, "recording.pickle")
+    cmd = [sys.executable, "-m", "vram", "run", "--gpu", gpu or DEFAULT_GPU, "--context", context,
+           "--snapshot", dump, "--no-next-step", *argv]
     proc = subprocess.run(cmd, stdout=sys.stderr)
     if not os.path.isfile(dump) or os.path.getsize(dump) == 0:
         raise RuntimeError(f"the script exited with status {proc.returncode} under vram run before "
@@ -150,13 +137,22 @@ def _record_script(argv: list[str], gpu: str | None, context: str) -> str:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from vram.analysis.tune import paste_line, tune
-
     paths = list(args.snapshot)
     if args.script is not None:
         if paths:
             raise ValueError("give snapshots or '-- script.py args', not both")
-        paths = [_record_script(args.script, args.gpu, args.context)]
+        work = tempfile.mkdtemp(prefix="vram-tune-")
+        try:  # the recording is needed only while tuning: the folder goes when tune ends
+            return _tune(args, [_record_script(args.script, args.gpu, args.context if args.gpu else DEFAULT_CONTEXT,
+                                                    work)])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return _tune(args, paths)
+
+
+def _tune(args: argparse.Namespace, paths: list[str]) -> int:
+    from vram.analysis.tune import paste_line, tune
+
     if not paths:
         raise ValueError("nothing to tune: give snapshots, or '-- script.py args'")
     result = tune(paths, gpu=args.gpu, context=args.context,
@@ -164,7 +160,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                   workers=args.jobs, cluster=args.cluster, progress=_progress("tuning"))
     if args.json:
         print(json.dumps(result.to_json()))
-        return 0
+        return 1 if result.best["oom"] else 0
     f = format_size
     base = next((r for r in result.results if r["conf"] == ""), result.best)
     for p, b in zip(paths, result.budgets):
@@ -183,7 +179,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if "per_process_memory_fraction" in best["conf"]:
         print("(per_process_memory_fraction in PYTORCH_CUDA_ALLOC_CONF needs a recent PyTorch; else call "
               "torch.cuda.set_per_process_memory_fraction)")
-    return 0
+    return 1 if best["oom"] else 0  # EXIT_CODES: 1 is "every config runs out of memory"
 
 
 def add_parsers(sub: Any, gpu_help: str) -> None:
@@ -197,7 +193,7 @@ def add_parsers(sub: Any, gpu_help: str) -> None:
     p.add_argument("--device", type=int, default=None,
                    help="device index (default: the first with a recorded OOM, else 0)")
     p.add_argument("--gpu", help=gpu_help + " (default: at a recorded OOM, what PyTorch could have had there)")
-    p.add_argument("--context", default="0", help="CUDA context bytes with --gpu")
+    p.add_argument("--context", default=None, help=REPLAY_CONTEXT_HELP)
     p.add_argument("--jobs", type=int, default=None, help=JOBS_HELP)
     p.add_argument("--cluster", default=None, help=CLUSTER_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -210,7 +206,7 @@ def add_parsers(sub: Any, gpu_help: str) -> None:
     p.add_argument("snapshot", nargs="*", help="snapshots to tune one config for (or '-- script.py args')")
     p.add_argument("--device", type=int, default=None, help="device index in every snapshot (default 0)")
     p.add_argument("--gpu", help=gpu_help + " (default: from a recorded OOM, else unlimited)")
-    p.add_argument("--context", default="0", help="CUDA context bytes with --gpu")
+    p.add_argument("--context", default=None, help=REPLAY_CONTEXT_HELP)
     p.add_argument("--top", type=int, default=15, help="rows shown (default 15)")
     p.add_argument("--jobs", type=int, default=None, help=JOBS_HELP)
     p.add_argument("--cluster", default=None, help=CLUSTER_HELP)

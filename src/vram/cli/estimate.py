@@ -100,14 +100,14 @@ def run_estimate(args: argparse.Namespace) -> int:
         if args.max_batch:
             obj = {"max_batch": best, "estimate": obj}
         print(json.dumps(obj))
-        return 0
+        return 0 if result.fits else 1
     if args.max_batch:
         if best:
             print(f"largest batch that fits: {best} (the first dimension of every --input); at that batch:\n")
         else:
             print("batch 1 does not fit; what batch 1 needs:\n")
     print(result)
-    return 0
+    return 0 if result.fits else 1  # EXIT_CODES: 1 is "does not fit"
 
 
 def _run_layout(args: argparse.Namespace, shapes: list[tuple[list[int], Any]], model_dtype: Any,
@@ -132,4 +132,4 @@ def _run_layout(args: argparse.Namespace, shapes: list[tuple[list[int], Any]], m
     dtype = str(model_dtype).replace("torch.", "") if model_dtype is not None else None
     result = estimate_layout(args.model, inputs, layout, dtype=dtype, max_batch=args.max_batch, **kw)
     print(json.dumps(result.to_json()) if args.json else result)
-    return 0
+    return 0 if all(r.fits for r in result.results.values()) else 1
