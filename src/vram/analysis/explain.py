@@ -172,8 +172,9 @@ def _bisect_gpu(path: str, device: int, conf: str, low: int, high: int, workers:
 
 def explain(path: str, *, device: int | None = None, gpu: int | str | None = None, context: int | str = 0,
             workers: int | None = None, cluster: str | None = None,
-            progress: Callable[[int, int], None] | None = None) -> Explanation:
-    """Explain one snapshot file (see the module doc)."""
+            progress: Callable[[int, int], None] | None = None, fixes: bool = True) -> Explanation:
+    """Explain one snapshot file (see the module doc); without `fixes`, only the moment and what
+    fills the memory there (no replays of fixes)."""
     from vram.devices.gpus import gpu_memory
     from vram.units import parse_size
 
@@ -207,7 +208,8 @@ def explain(path: str, *, device: int | None = None, gpu: int | str | None = Non
     if oom is not None and recorded_conf and parse_alloc_conf(recorded_conf).expandable_segments:
         ex.why.append("expandable_segments was already on: the message's advice to set it is fixed text "
                       "(CUDACachingAllocator.cpp, the OutOfMemoryError message), not a diagnosis")
-    _fixes(ex, path, recorded_conf, probe, budget.context, workers, cluster, progress)
+    if fixes:
+        _fixes(ex, path, recorded_conf, probe, budget.context, workers, cluster, progress)
     return ex
 
 

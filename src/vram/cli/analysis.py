@@ -79,6 +79,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     ex = explain(args.snapshot, device=args.device, gpu=args.gpu, context=args.context, workers=args.jobs,
                  cluster=args.cluster, progress=_progress("trying fixes"))
+    if args.html is not None:
+        from .html import write_report
+
+        write_report(args.html, args.snapshot, gpu=args.gpu, context=args.context, explanation=ex)
+        print(f"wrote {args.html}", file=sys.stderr)
     if args.json:
         print(json.dumps(ex.to_json()))
         return 0
@@ -197,6 +202,8 @@ def add_parsers(sub: Any, gpu_help: str) -> None:
     p.add_argument("--jobs", type=int, default=None, help=JOBS_HELP)
     p.add_argument("--cluster", default=None, help=CLUSTER_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report: memory over time with "
+                   "the OOM marked, the segments and top consumers there, the fixes")
     p.set_defaults(func=cmd_explain)
 
     help_ = "search allocator settings for the lowest peak reserved without an OOM, by replay"

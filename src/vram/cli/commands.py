@@ -203,6 +203,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from vram.views.plot import plot_replays
     from vram.views.snapshot import segments
 
+    if args.output is None and args.html is None:
+        raise ValueError("give -o FILE.png, --html FILE.html, or both")
+    if args.html is not None:
+        from .html import write_report
+
+        write_report(args.html, args.snapshot, device=args.device, gpu=args.gpu, context=args.context)
+        print(f"wrote {args.html}")
+        if args.output is None:
+            return 0
     snap = _load(args.snapshot)
     confs = [None] + list(args.conf or [])
     runs = []
@@ -380,7 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_summary)
 
     p = snapshot_cmd("plot", "plot memory over the trace and a segment map at the reserved peak")
-    p.add_argument("-o", "--output", required=True, help="output image, e.g. out.png")
+    p.add_argument("-o", "--output", help="output image, e.g. out.png (needs matplotlib)")
+    p.add_argument("--html", metavar="FILE", help="a self-contained HTML report instead (or as well): memory over "
+                   "time with the OOM marked, segments and top consumers at the OOM or reserved peak")
     p.add_argument("--gpu", help=GPU_HELP + " for the what-if runs (default: no limit)")
     p.add_argument("--context", default=None, help=REPLAY_CONTEXT_HELP)
     p.add_argument("--conf", action="append", metavar="CONF", help="what-if config to overlay (repeatable)")

@@ -153,17 +153,30 @@ def _report(args: argparse.Namespace, status: int, context: int, snapshot: str |
         sys.stdout.flush()
         print("\n".join(end_of_run_lines(figures, context, snapshot, argv)), file=sys.stderr, flush=True)
     if args.html is not None:
-        from vram.frontend import memory as _memory
-
-        from .html import write_report
-
-        write_report(args.html, _memory._snapshot(), title=f"vram run {os.path.basename(args.script)}",
-                     context=context)
-        print(f"vram run: wrote {args.html}", file=sys.stderr)
+        _html(args, snapshot, context)
     if args.json:
         print(json.dumps({"status": status, "script": args.script, "context": context, "snapshot": snapshot,
                           "devices": figures}))
     return status
+
+
+def _html(args: argparse.Namespace, snapshot: str | None, context: int) -> None:
+    """``--html``: the report of the recording (`vram.cli.html`), from --snapshot's file or a
+    temporary dump of the run's history."""
+    import tempfile
+
+    from vram.frontend import memory as _memory
+
+    from .html import write_report
+
+    with tempfile.TemporaryDirectory(prefix="vram-run-") as work:
+        path = snapshot
+        if path is None:
+            path = os.path.join(work, "run.pickle")
+            _memory._dump_snapshot(path)
+        write_report(args.html, path, gpu=_memory.get_device(0).total_memory, context=context,
+                     title=f"vram run {' '.join([args.script, *args.args])}")
+    print(f"vram run: wrote {args.html}", file=sys.stderr)
 
 
 def _launch(args: argparse.Namespace, conf: str | None) -> int:
