@@ -67,6 +67,21 @@ class Explanation:
     def reserved_unallocated(self) -> int:
         return self.reserved - self.allocated
 
+    def __str__(self) -> str:
+        from .report import explanation_text
+
+        return explanation_text(self)
+
+    def __repr__(self) -> str:
+        from .report import explanation_repr
+
+        return explanation_repr(self)
+
+    def _repr_html_(self) -> str:
+        from .report import explanation_html
+
+        return explanation_html(self)
+
     def to_json(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out["reserved_unallocated"] = self.reserved_unallocated

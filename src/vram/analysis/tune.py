@@ -86,6 +86,21 @@ class TuneResult:
     def best(self) -> dict[str, Any]:
         return self.results[0]
 
+    def __str__(self) -> str:
+        from .report import tune_text
+
+        return tune_text(self)
+
+    def __repr__(self) -> str:
+        from .report import tune_repr
+
+        return tune_repr(self)
+
+    def _repr_html_(self) -> str:
+        from .report import tune_html
+
+        return tune_html(self)
+
     def to_json(self) -> dict[str, Any]:
         return {"best": self.best, "results": self.results, "notes": self.notes,
                 "snapshots": [{"path": p, "gpu": b.gpu, "context": b.context, "gpu_from": b.why}
@@ -172,7 +187,3 @@ def tune(paths: Sequence[str], *, gpu: int | str | None = None, context: int | s
     result.results = rows
     return result
 
-
-def paste_line(conf: str) -> str:
-    """The line to paste before the command that runs the program."""
-    return f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "unset PYTORCH_CUDA_ALLOC_CONF  # the default is best"

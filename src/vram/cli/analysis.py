@@ -76,6 +76,7 @@ def cmd_replay_fleet(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from vram.analysis.explain import explain
+    from vram.analysis.report import explanation_text
 
     ex = explain(args.snapshot, device=args.device, gpu=args.gpu, context=args.context, workers=args.jobs,
                  cluster=args.cluster, progress=_progress("trying fixes"))
@@ -84,39 +85,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
         write_report(args.html, args.snapshot, gpu=args.gpu, context=args.context, explanation=ex)
         print(f"wrote {args.html}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(ex.to_json()))
-        return 0
-    f = format_size
-    at = ex.at
-    where = (f"the OOM at event {at['event_index']:,}" if at["kind"] == "oom"
-             else f"the reserved peak (event {at['event_index']:,})")
-    lines = [f"{_shown(args.snapshot)}, device {ex.device}: {where}"]
-    if at["kind"] == "oom":
-        lines.append("  " + _shown(at["message"], 2000))
-        if at.get("frame"):
-            lines.append(f"  requested at {_shown(at['frame'], 300)}")
-    gpu = _shown(ex.gpu_from) if ex.gpu is None else f"{ex.gpu:,} B for PyTorch ({_shown(ex.gpu_from)})"
-    lines += ["", f"GPU: {gpu}",
-              f"allocated {f(ex.allocated)}, reserved {f(ex.reserved)}, reserved but unallocated "
-              f"{f(ex.reserved_unallocated)}, largest free block {f(ex.largest_free_block)}", "",
-              "top consumers (live tensors by the user's stack frame):"]
-    for c in ex.top_consumers:
-        lines.append(f"  {f(c['bytes']):>12}  {c['blocks']:>6,} blocks  {_shown(c['frame'], 300)}")
-    if ex.free_by_pool:
-        lines += ["", "free blocks by pool and stream:"]
-        lines += [f"  {r['pool']:<5} stream {r['stream']:<4} {f(r['free_bytes']):>12} in {r['blocks']:,} blocks, "
-                  f"largest {f(r['largest'])}" for r in ex.free_by_pool]
-    lines += ["", "why:"] + [f"  - {w}" for w in ex.why]
-    lines += ["", "what would have avoided it (each replayed through the whole recording):" if at["kind"] == "oom"
-              else "what lowers the peak (each replayed through the whole recording):"]
-    if not ex.fixes:
-        lines.append("  nothing found")
-    for fix in ex.fixes:
-        mark = "verified" if fix["verified"] else "fails   "
-        extra = f"  (peak reserved {f(fix['peak_reserved'])})" if "peak_reserved" in fix else ""
-        lines.append(f"  [{mark}] {_shown(fix['change'], 400)}{extra}")
-    print("\n".join(lines))
+    print(json.dumps(ex.to_json()) if args.json else explanation_text(ex))
     return 0
 
 
@@ -156,35 +125,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace, paths: list[str]) -> int:
-    from vram.analysis.tune import paste_line, tune
+    from vram.analysis.report import tune_text
+    from vram.analysis.tune import tune
 
     if not paths:
         raise ValueError("nothing to tune: give snapshots, or '-- script.py args'")
     result = tune(paths, gpu=args.gpu, context=args.context,
                   devices=[args.device] * len(paths) if args.device is not None else None,
                   workers=args.jobs, cluster=args.cluster, progress=_progress("tuning"))
-    if args.json:
-        print(json.dumps(result.to_json()))
-        return 1 if result.best["oom"] else 0
-    f = format_size
-    base = next((r for r in result.results if r["conf"] == ""), result.best)
-    for p, b in zip(paths, result.budgets):
-        gpu = "unlimited" if b.gpu is None else f"{b.gpu:,} B" if isinstance(b.gpu, int) else b.gpu
-        print(f"{_shown(p)}: GPU {gpu} ({_shown(b.why)})")
-    print(f"\n{'rank':>4}  {'peak reserved':>14}  {'vs default':>11}  {'OOM':<4} {'cudaMalloc':>10}  config")
-    for k, r in enumerate(result.results[:args.top], 1):
-        delta = r["peak_reserved"] - base["peak_reserved"]
-        sign = "-" if delta < 0 else "+"
-        print(f"{k:>4}  {f(r['peak_reserved']):>14}  {sign + f(abs(delta)):>11}  {'yes' if r['oom'] else 'no':<4} "
-              f"{r['segment_allocs']:>10,}  {_shown(r['conf'] or '(default)', 200)}")
-    for note in result.notes:
-        print(f"note: {_shown(note, 400)}")
-    best = result.best
-    print(f"\nbest: {paste_line(best['conf'])}" + ("   (still runs out of memory)" if best["oom"] else ""))
-    if "per_process_memory_fraction" in best["conf"]:
-        print("(per_process_memory_fraction in PYTORCH_CUDA_ALLOC_CONF needs a recent PyTorch; else call "
-              "torch.cuda.set_per_process_memory_fraction)")
-    return 1 if best["oom"] else 0  # EXIT_CODES: 1 is "every config runs out of memory"
+    print(json.dumps(result.to_json()) if args.json else tune_text(result, args.top))
+    return 1 if result.best["oom"] else 0  # EXIT_CODES: 1 is "every config runs out of memory"
 
 
 def add_parsers(sub: Any, gpu_help: str) -> None:

@@ -118,10 +118,13 @@ def _try_alloc(result: Any, size: int) -> dict[str, Any]:
 
 
 def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[dict[str, Any]] | None) -> str:
+    from vram.replay.engine import UNLIMITED
+
     r0 = results[0]
     lines = [f"{_shown(path)}: {r0.events:,} events replayed ({snap['format']}"
              f"{', legacy format' if snap.get('legacy') else ''}), GPU "
-             f"{format_size(r0.gpu)}, context {format_size(r0.context)}"]
+             f"{'not limited (--gpu sets one)' if r0.gpu >= UNLIMITED else format_size(r0.gpu)}, "
+             f"context {format_size(r0.context)}"]
     rows = [
         ("config", lambda r: _label(r.conf)),
         ("peak allocated", lambda r: format_size(r.peak_allocated)),
@@ -243,7 +246,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         trace = traces[args.device] if args.device < len(traces) else []
         start = 0 if args.start is None else event_index(trace, args.start, "--from")
         end = len(trace) if args.end is None else event_index(trace, args.end, "--to")
-        if start >= end:
+        if start == end:
             raise ValueError(f"--from {_shown(args.start)} --to {_shown(args.end)} holds no events: "
                              + _trace_extent(trace))
         out = cut(snap, start, end, args.device)

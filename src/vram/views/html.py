@@ -117,7 +117,8 @@ def consumers_table(consumers: Sequence[dict[str, Any]]) -> str:
         f'<tr><td class="n">{escape(format_size(c["bytes"]))}</td><td class="n">{c["blocks"]:,}</td>'
         f'<td style="width:160px"><div class="bar" style="width:{100 * c["bytes"] / most:.1f}%"></div></td>'
         f'<td><code>{escape(str(c["frame"]))}</code></td></tr>' for c in consumers)
-    return f"<table><tr><th>bytes</th><th>blocks</th><th></th><th>where (the user's stack frame)</th></tr>{rows}</table>"
+    head = "<tr><th>bytes</th><th>blocks</th><th></th><th>where (the user's stack frame)</th></tr>"
+    return f"<table>{head}{rows}</table>"
 
 
 def render_report(title: str, facts: Sequence[tuple[str, str]], allocated: Sequence[int],
