@@ -37,6 +37,17 @@ exit status:
   2  error: bad arguments or input, stated on one line"""
 
 
+def check_context(gpu: str, context: int) -> None:
+    """A CUDA context as large as the GPU leaves PyTorch nothing: say so, naming ``--context``."""
+    from vram.devices.gpus import gpu_memory
+    from vram.units import format_size
+
+    total = gpu_memory(gpu, "--gpu")
+    if context >= total:
+        raise ValueError(f"the CUDA context ({format_size(context)}, --context) leaves nothing of the "
+                         f"{format_size(total)} GPU (--gpu): pass a larger --gpu, or --context 0 to leave it out")
+
+
 def joined_conf(confs: Sequence[str] | str | None) -> str | None:
     """``--conf`` given several times to a command that runs one config: PyTorch's comma-joined
     ``PYTORCH_CUDA_ALLOC_CONF`` (``--conf a:1 --conf b:2`` is ``a:1,b:2``); None when not given."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from vram.units import format_size, parse_size
 
-from .defaults import CONTEXT_HELP, DEFAULT_CONTEXT, DEFAULT_GPU, TORCH_HINT, joined_conf
+from .defaults import CONTEXT_HELP, DEFAULT_CONTEXT, DEFAULT_GPU, TORCH_HINT, check_context, joined_conf
 from .examples import epilog
 
 
@@ -100,6 +100,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.standalone and args.nnodes != 1:
         raise ValueError("--standalone is one node: it cannot go with --nnodes > 1")
     context = parse_size(args.context, "--context")  # bad input stops here, before the script starts
+    check_context(args.gpu, context)
     conf = joined_conf(args.conf)
     chosen = args.backend is not None or bool(os.environ.get("VRAM_RUN_BACKEND"))
     if args.backend is not None:  # the environment carries it to a launcher's ranks too
