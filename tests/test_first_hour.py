@@ -275,3 +275,38 @@ def test_needs_pytorch_error_says_how_to_get_the_cpu_wheel(tmp_path: Path, monke
     err = capsys.readouterr().err
     assert "vram run needs PyTorch" in err
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in err
+
+
+def test_a_rank_line_pytorch_already_prefixed_is_prefixed_once() -> None:
+    import io
+    import threading
+
+    from vram.run.distributed.launcher import _forward
+
+    out = io.StringIO()
+    _forward(io.BytesIO(b"[rank0]:[W reducer.cpp] Time stats are only collected for CPU and CUDA\nplain\n"), out,
+             "[rank0]:", threading.Lock())
+    assert out.getvalue() == "[rank0]:[W reducer.cpp] Time stats are only collected for CPU and CUDA\n[rank0]:plain\n"
+
+
+def test_the_nccl_note_is_short_unless_nccl_debug_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vram.run.distributed.launcher import outside_lines
+
+    nccl = {"bytes": 508 * MiB, "lines": ["channels: 24 per communicator", "bookkeeping: 74 x 2 MiB",
+                                          "communicator 0 (2 ranks): 508 MiB", "not counted: NVLS buffers"]}
+    monkeypatch.delenv("NCCL_DEBUG", raising=False)
+    short = outside_lines({0: (0, nccl), 1: (0, nccl)})
+    assert len(short) == 4 and short[-1].strip() == "not counted: NVLS buffers"
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    assert len(outside_lines({0: (0, nccl), 1: (0, nccl)})) == 7
+
+
+def test_the_placeholder_report_is_not_a_paragraph_about_generate() -> None:
+    from vram.run.values import ValueReport
+
+    report = ValueReport()
+    report.sites[("train.py", 3, "loss.item()")] = type("S", (), {"reads": 2, "derived": False, "assumed": "0.0",
+                                                                   "file": "train.py", "line": 3,
+                                                                   "expression": "loss.item()"})()
+    text = report.render()
+    assert "loss.item()" in text and "generate()" not in text and "Mamba" not in text
