@@ -29,7 +29,7 @@ def _shown(text: Any, limit: int = 200) -> str:
 def _progress(label: str) -> Any:
     from .progress import Progress
 
-    bar = Progress(label)
+    bar = Progress(label, unit="replays")  # explain, tune and fleets count whole replays
 
     def report(done: int, total: int) -> None:
         bar(done, total)
