@@ -38,3 +38,21 @@ def test_dynamo_handler_table_builds_under_the_simulation() -> None:
             get.cache_clear()  # built again, outside the simulation, by the next trace
         assert torch.cuda._maybe_exchange_device in handlers
         assert torch.cuda._exchange_device(-1) == 0 and torch.cuda._maybe_exchange_device(-1) == 0
+
+
+def test_a_library_compiling_its_helpers_says_nothing(tmp_path, monkeypatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """DeepSpeed and litgpt decorate helper functions with ``torch.compile`` when imported; the
+    script never compiles its model, so the notice (about a compiled model's memory) is not said."""
+    lib = tmp_path / "site-packages" / "helperlib"
+    lib.mkdir(parents=True)
+    (lib / "__init__.py").write_text("import torch\n\n@torch.compile\ndef gelu(x):\n    return x * 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    with simulated_cuda("24GiB"):
+        import helperlib
+
+        assert helperlib.gelu(torch.ones(2, device="cuda")).is_cuda
+    assert "torch.compile runs eagerly" not in capsys.readouterr().err
+    with simulated_cuda("24GiB"):
+        torch.compile(torch.nn.Linear(2, 2).cuda())   # a model, whoever compiles it
+    assert capsys.readouterr().err.count("torch.compile runs eagerly") == 1

@@ -373,7 +373,7 @@ def test_cli_named_inputs_and_a_returned_loss(model_file: str, capsys: pytest.Ca
 
 
 def test_cli_max_batch(model_file: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["estimate", "tinymodels:mlp", "--input", "8x256", "--gpu", "200MiB",
+    assert cli.main(["estimate", "tinymodels:mlp", "--input", "8x256", "--gpu", "200MiB", "--context", "0",
                      "--optimizer", "sgd", "--max-batch", "--json"]) == 0
     obj = json.loads(capsys.readouterr().out)
     best = obj["max_batch"]

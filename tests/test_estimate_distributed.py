@@ -140,7 +140,8 @@ def test_pp_estimate_equals_the_run_by_hand() -> None:
 
 
 def test_max_batch_with_fsdp_is_the_boundary() -> None:
-    gpu = ["--gpu", "700MiB"]   # a size-only GPU is an H100 node: NCCL takes 484 MiB of it at the first collective
+    # a size-only GPU is an H100 node: NCCL takes 484 MiB of it at the first collective
+    gpu = ["--gpu", "700MiB", "--context", "0"]
     best = estimate(*INPUT, "--fsdp", "2", "--max-batch", *gpu)["max_batch"]
     assert best and best > 1
     at = estimate("--input", f"{best}x256", "--fsdp", "2", *gpu)["estimates"]["0"]

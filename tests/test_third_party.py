@@ -181,7 +181,7 @@ def test_an_oom_in_backward_with_a_cpu_dataset_alive_is_catchable(tmp_path: Any)
         "try:\n    y.backward()\nexcept torch.OutOfMemoryError as e:\n"
         "    print('caught', str(e).startswith('CUDA out of memory'))\n"
         "print('done', data.shape)\n")
-    r = subprocess.run([sys.executable, "-m", "vram", "run", "--gpu", "100MiB", str(script)],
+    r = subprocess.run([sys.executable, "-m", "vram", "run", "--gpu", "100MiB", "--context", "0", str(script)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split("\n")[:2] == ["caught True", "done torch.Size([1000, 512])"]

@@ -6,6 +6,7 @@ The top level mirrors ``torch.cuda``'s memory API (``vram.memory_allocated()``,
 reference dies. `vram.memory` holds the private history/snapshot functions as in
 ``torch.cuda.memory`` (``_record_memory_history``, ``_snapshot``, ``_dump_snapshot``).
 """
+import os as _os
 import sys as _sys
 
 from .allocator import (
@@ -91,17 +92,42 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """``vram.estimate(...)`` / ``vram.max_batch(...)`` import torch only when first used.
+    """``vram.estimate(...)`` / ``vram.max_batch(...)`` import torch only when first used;
+    ``vram.replay(...)`` imports the replay engine when first used.
 
-    ``vram.estimate`` is the `vram.estimate` package, which is callable: ``vram.estimate(model,
-    inputs, ...)`` calls ``vram.estimate.estimate``.
+    ``vram.estimate`` and ``vram.replay`` are packages that are callable: ``vram.estimate(model,
+    inputs, ...)`` calls ``vram.estimate.estimate``, ``vram.replay("run.pickle", ...)``
+    `vram.replay.replay`.
     """
-    if name in ("estimate", "max_batch", "EstimateResult"):
-        import importlib
+    import importlib
 
+    if name in ("estimate", "max_batch", "EstimateResult"):
         _estimate = importlib.import_module(".estimate", __name__)  # sets vram.estimate
         return _estimate if name == "estimate" else getattr(_estimate, name)
+    if name == "replay":
+        return importlib.import_module(".replay", __name__)
     raise AttributeError(f"module 'vram' has no attribute {name!r}")
+
+
+def explain(path: str | _os.PathLike[str], **kwargs: object) -> object:
+    """``vram explain PATH`` from Python: why the recording at `path` ran out of memory (or what
+    its reserved peak is made of), with fixes checked by replay. Keywords: ``device``, ``gpu``,
+    ``context``, ``workers``. Returns a `vram.analysis.explain.Explanation` (``print()`` it for
+    the command's report; a notebook shows it as HTML)."""
+    from .analysis.explain import explain as _explain
+
+    return _explain(_os.fspath(path), **kwargs)  # type: ignore[arg-type]
+
+
+def tune(paths: str | _os.PathLike[str] | list[str], **kwargs: object) -> object:
+    """``vram tune PATH...`` from Python: allocator settings ranked by peak reserved without OOM,
+    each replayed through the recording(s). Keywords: ``gpu``, ``context``, ``devices``,
+    ``workers``. Returns a `vram.analysis.tune.TuneResult` (``.best["conf"]``; ``print()`` it for
+    the command's table)."""
+    from .analysis.tune import tune as _tune
+
+    many = [paths] if isinstance(paths, (str, _os.PathLike)) else list(paths)
+    return _tune([_os.fspath(p) for p in many], **kwargs)  # type: ignore[arg-type]
 
 
 __all__ = [
@@ -115,5 +141,5 @@ __all__ = [
     "memory_snapshot", "caching_allocator_alloc", "caching_allocator_delete", "device_count",
     "current_device", "set_device", "current_stream", "default_stream", "stream", "synchronize",
     "list_gpu_processes", "get_allocator", "get_device", "memory_cached", "max_memory_cached",
-    "reset_max_memory_allocated", "reset_max_memory_cached",
+    "reset_max_memory_allocated", "reset_max_memory_cached", "explain", "tune", "replay", "estimate", "max_batch",
 ]

@@ -70,6 +70,21 @@ class Explanation:
     def reserved_unallocated(self) -> int:
         return self.reserved - self.allocated
 
+    def __str__(self) -> str:
+        from .report import explanation_text
+
+        return explanation_text(self)
+
+    def __repr__(self) -> str:
+        from .report import explanation_repr
+
+        return explanation_repr(self)
+
+    def _repr_html_(self) -> str:
+        from .report import explanation_html
+
+        return explanation_html(self)
+
     def to_json(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out["reserved_unallocated"] = self.reserved_unallocated
@@ -104,7 +119,8 @@ def _state(ex: Explanation, snap: Mapping[str, Any], stop: int, gpu: int | None,
     for block in alloc.all_blocks():
         if block.allocated:
             frames = known.get(block.ptr)
-            label = user_frame(frames) if frames else "(allocated before the recording began)"
+            label = (user_frame(frames) if frames else "(allocated before the recording began)" if frames is None
+                     else "(recorded without a Python stack: e.g. autograd's backward, run in C++)")
             g = groups.setdefault(label, [0, 0])
             g[0] += block.size
             g[1] += 1
@@ -176,8 +192,9 @@ def _why(ex: Explanation) -> None:
 
 def explain(path: str, *, device: int | None = None, gpu: int | str | None = None, context: int | str = 0,
             workers: int | None = None, cluster: str | None = None,
-            progress: Callable[[int, int], None] | None = None) -> Explanation:
-    """Explain one snapshot file (see the module doc)."""
+            progress: Callable[[int, int], None] | None = None, fixes: bool = True) -> Explanation:
+    """Explain one snapshot file (see the module doc); without `fixes`, only the moment and what
+    fills the memory there (no replays of fixes)."""
     from vram.devices.gpus import gpu_memory
     from vram.units import parse_size
 
@@ -216,7 +233,8 @@ def explain(path: str, *, device: int | None = None, gpu: int | str | None = Non
     if oom is not None and recorded_conf and parse_alloc_conf(recorded_conf).expandable_segments:
         ex.why.append("expandable_segments was already on: the message's advice to set it is fixed text "
                       "(CUDACachingAllocator.cpp, the OutOfMemoryError message), not a diagnosis")
-    _fixes(ex, path, recorded_conf, probe, budget.context, workers, cluster, progress)
+    if fixes:
+        _fixes(ex, path, recorded_conf, probe, budget.context, workers, cluster, progress)
     return ex
 
 

@@ -96,6 +96,21 @@ class TuneResult:
         """The first config without an OOM; None when every config runs out of memory."""
         return self.results[0] if self.results and not self.results[0]["oom"] else None
 
+    def __str__(self) -> str:
+        from .report import tune_text
+
+        return tune_text(self)
+
+    def __repr__(self) -> str:
+        from .report import tune_repr
+
+        return tune_repr(self)
+
+    def _repr_html_(self) -> str:
+        from .report import tune_html
+
+        return tune_html(self)
+
     def to_json(self) -> dict[str, Any]:
         return {"best": self.best, "least_demanding": self.least_demanding, "results": self.results,
                 "notes": self.notes, "failed": self.failed,
@@ -265,8 +280,3 @@ def _least_demanding(rows: Sequence[dict[str, Any]], path: str, device: int, bud
         if need is not None and need > gpu and (best is None or need < best["gpu"]):
             best = {"conf": conf, "gpu": need, "more": need - gpu}
     return best
-
-
-def paste_line(conf: str) -> str:
-    """The line to paste before the command that runs the program."""
-    return f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "unset PYTORCH_CUDA_ALLOC_CONF  # the default is best"

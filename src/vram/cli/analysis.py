@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -11,6 +12,7 @@ from typing import Any
 
 from vram.units import format_size
 
+from .defaults import DEFAULT_CONTEXT, DEFAULT_GPU, REPLAY_CONTEXT_HELP
 from .examples import epilog
 
 JOBS_HELP = "parallel replays (default: one per core; 1: serially)"
@@ -27,7 +29,7 @@ def _shown(text: Any, limit: int = 200) -> str:
 def _progress(label: str) -> Any:
     from .progress import Progress
 
-    bar = Progress(label)
+    bar = Progress(label, unit="replays")  # explain, tune and fleets count whole replays
 
     def report(done: int, total: int) -> None:
         bar(done, total)
@@ -73,73 +75,30 @@ def cmd_replay_fleet(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from vram.analysis.explain import explain
+    from vram.analysis.report import explanation_text
 
     ex = explain(args.snapshot, device=args.device, gpu=args.gpu, context=args.context, workers=args.jobs,
                  cluster=args.cluster, progress=_progress("trying fixes"))
-    if args.json:
-        print(json.dumps(ex.to_json()))
-        return 0
-    f = format_size
-    at = ex.at
-    where = {"oom": f"the OOM at event {at['event_index']:,}",
-             "state": "the state in the file (no allocation events)",
-             "allocated_peak": f"the allocated peak (event {at['event_index']:,}; reserved memory is flat)",
-             }.get(at["kind"], f"the reserved peak (event {at['event_index']:,})")
-    lines = [f"{_shown(args.snapshot)}, device {ex.device}: {where}"]
-    if at["kind"] == "oom":
-        lines.append("  " + _shown(at["message"], 2000))
-        if at.get("frame"):
-            lines.append(f"  requested at {_shown(at['frame'], 300)}")
-    gpu = _shown(ex.gpu_from) if ex.gpu is None else f"{ex.gpu:,} B for PyTorch ({_shown(ex.gpu_from)})"
-    lines += ["", f"GPU: {gpu}",
-              f"allocated {f(ex.allocated)}, reserved {f(ex.reserved)}, reserved but unallocated "
-              f"{f(ex.reserved_unallocated)}, largest free block {f(ex.largest_free_block)}", "",
-              "top consumers (live tensors by the user's stack frame):"]
-    for c in ex.top_consumers:
-        lines.append(f"  {f(c['bytes']):>12}  {c['blocks']:>6,} blocks  {_shown(c['frame'], 300)}")
-    if ex.free_by_pool:
-        lines += ["", "free blocks by pool and stream:"]
-        lines += [f"  {r['pool']:<5} stream {r['stream']:<4} {f(r['free_bytes']):>12} in {r['blocks']:,} blocks, "
-                  f"largest {f(r['largest'])}" for r in ex.free_by_pool]
-    lines += ["", "why:"] + [f"  - {w}" for w in ex.why]
-    lines += ["", "what would have avoided it (each replayed through the whole recording):" if at["kind"] == "oom"
-              else "what lowers the peak (each replayed through the whole recording):"]
-    if not ex.fixes:
-        lines.append("  nothing found")
-    for fix in ex.fixes:
-        mark = "verified" if fix["verified"] else "fails   "
-        extra = f"  (peak reserved {f(fix['peak_reserved'])})" if "peak_reserved" in fix else ""
-        lines.append(f"  [{mark}] {_shown(fix['change'], 400)}{extra}")
-    print("\n".join(lines))
+    if args.html is not None:
+        from .html import write_report
+
+        write_report(args.html, args.snapshot, gpu=args.gpu, context=args.context, explanation=ex)
+        print(f"wrote {args.html}", file=sys.stderr)
+    print(json.dumps(ex.to_json()) if args.json else explanation_text(ex))
     return 0
 
 
-_WRAPPER = """\
-import os, runpy, sys
-import torch
-dump, script = sys.argv[1], sys.argv[2]
-sys.argv = sys.argv[2:]
-sys.path[0] = os.path.dirname(os.path.abspath(script))
-torch.cuda.memory._record_memory_history()
-try:
-    runpy.run_path(script, run_name="__main__")
-finally:
-    torch.cuda.memory._dump_snapshot(dump)
-"""
-
-
-def _record_script(argv: list[str], gpu: str | None, context: str) -> str:
-    """Run ``script.py args`` once under ``vram run`` (a subprocess), recording every allocation
-    from its start; returns the dump's path. An OOM in the script still leaves the recording."""
+def _record_script(argv: list[str], gpu: str | None, context: str, work: str) -> str:
+    """Run ``script.py args`` once under ``vram run --snapshot`` (a subprocess), recording every
+    allocation from its start into `work`; returns the dump's path. An OOM in the script still
+    leaves the recording."""
     if not argv:
         raise ValueError("vram tune --: give the script to run, e.g. vram tune -- train.py --batch 8")
     if not os.path.isfile(argv[0]):
         raise OSError(f"can't open file {argv[0]!r}: no such file")
-    work = tempfile.mkdtemp(prefix="vram-tune-")
-    wrapper, dump = os.path.join(work, "record.py"), os.path.join(work, "recording.pickle")
-    with open(wrapper, "w") as fh:
-        fh.write(_WRAPPER)
-    cmd = [sys.executable, "-m", "vram", "run", "--gpu", gpu or "80GiB", "--context", context, wrapper, dump, *argv]
+    dump = os.path.join(work, "recording.pickle")
+    cmd = [sys.executable, "-m", "vram", "run", "--gpu", gpu or DEFAULT_GPU, "--context", context,
+           "--snapshot", dump, "--no-next-step", *argv]
     proc = subprocess.run(cmd, stdout=sys.stderr)
     if not os.path.isfile(dump) or os.path.getsize(dump) == 0:
         raise RuntimeError(f"the script exited with status {proc.returncode} under vram run before "
@@ -151,53 +110,30 @@ def _record_script(argv: list[str], gpu: str | None, context: str) -> str:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from vram.analysis.tune import paste_line, tune
-
     paths = list(args.snapshot)
     if args.script is not None:
         if paths:
             raise ValueError("give snapshots or '-- script.py args', not both")
-        paths = [_record_script(args.script, args.gpu, args.context)]
+        work = tempfile.mkdtemp(prefix="vram-tune-")
+        try:  # the recording is needed only while tuning: the folder goes when tune ends
+            return _tune(args, [_record_script(args.script, args.gpu, args.context if args.gpu else DEFAULT_CONTEXT,
+                                                    work)])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return _tune(args, paths)
+
+
+def _tune(args: argparse.Namespace, paths: list[str]) -> int:
+    from vram.analysis.report import tune_text
+    from vram.analysis.tune import tune
+
     if not paths:
         raise ValueError("nothing to tune: give snapshots, or '-- script.py args'")
     result = tune(paths, gpu=args.gpu, context=args.context,
                   devices=[args.device] * len(paths) if args.device is not None else None,
                   workers=args.jobs, cluster=args.cluster, progress=_progress("tuning"))
-    if args.json:
-        print(json.dumps(result.to_json()))
-        return 0
-    f = format_size
-    # the default config, or (when it could not be replayed: see the notes) the first row
-    base = next((r for r in result.results if r["conf"] == ""), result.results[0])
-    for p, b in zip(result.snapshots, result.budgets):
-        gpu = "unlimited" if b.gpu is None else f"{b.gpu:,} B" if isinstance(b.gpu, int) else b.gpu
-        print(f"{_shown(p)}: GPU {gpu} ({_shown(b.why)})")
-    print(f"\n{'rank':>4}  {'peak reserved':>14}  {'vs default':>11}  {'OOM':<4} {'cudaMalloc':>10}  config")
-    shown = result.results[:args.top]
-    if base not in shown:  # the default is always a row of the table
-        shown = shown + [base]
-    for r in shown:
-        k = result.results.index(r) + 1
-        delta = r["peak_reserved"] - base["peak_reserved"]
-        sign = "-" if delta < 0 else "+"
-        print(f"{k:>4}  {f(r['peak_reserved']):>14}  {sign + f(abs(delta)):>11}  {'yes' if r['oom'] else 'no':<4} "
-              f"{r['segment_allocs']:>10,}  {_shown(r['conf'] or '(default)', 200)}")
-    for note in result.notes:
-        print(f"note: {_shown(note, 400)}")
-    best = result.best
-    if best is None:
-        print(f"\nno config fits: every one of the {len(result.results)} tried runs out of memory (a peak "
-              "reserved above is where it failed, not what it needs)")
-        least = result.least_demanding
-        if least is not None:
-            print(f"the least demanding found, {_shown(least['conf'] or '(default)', 200)}, needs "
-                  f"{f(least['more'])} more: it fits in {least['gpu']:,} B for PyTorch (checked by replay)")
-        return 0
-    print(f"\nbest: {paste_line(best['conf'])}")
-    if "per_process_memory_fraction" in best["conf"]:
-        print("(per_process_memory_fraction in PYTORCH_CUDA_ALLOC_CONF needs a recent PyTorch; else call "
-              "torch.cuda.set_per_process_memory_fraction)")
-    return 0
+    print(json.dumps(result.to_json()) if args.json else tune_text(result, args.top))
+    return 1 if result.best is None else 0  # EXIT_CODES: 1 is "every config runs out of memory"
 
 
 def add_parsers(sub: Any, gpu_help: str) -> None:
@@ -211,10 +147,12 @@ def add_parsers(sub: Any, gpu_help: str) -> None:
     p.add_argument("--device", type=int, default=None,
                    help="device index (default: the first with a recorded OOM, else 0)")
     p.add_argument("--gpu", help=gpu_help + " (default: at a recorded OOM, what PyTorch could have had there)")
-    p.add_argument("--context", default="0", help="CUDA context bytes with --gpu")
+    p.add_argument("--context", default=None, help=REPLAY_CONTEXT_HELP)
     p.add_argument("--jobs", type=int, default=None, help=JOBS_HELP)
     p.add_argument("--cluster", default=None, help=CLUSTER_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report: memory over time with "
+                   "the OOM marked, the segments and top consumers there, the fixes")
     p.set_defaults(func=cmd_explain)
 
     help_ = "search allocator settings for the lowest peak reserved without an OOM, by replay"
@@ -224,7 +162,7 @@ def add_parsers(sub: Any, gpu_help: str) -> None:
     p.add_argument("snapshot", nargs="*", help="snapshots to tune one config for (or '-- script.py args')")
     p.add_argument("--device", type=int, default=None, help="device index in every snapshot (default 0)")
     p.add_argument("--gpu", help=gpu_help + " (default: from a recorded OOM, else unlimited)")
-    p.add_argument("--context", default="0", help="CUDA context bytes with --gpu")
+    p.add_argument("--context", default=None, help=REPLAY_CONTEXT_HELP)
     p.add_argument("--top", type=int, default=15, help="rows shown (default 15)")
     p.add_argument("--jobs", type=int, default=None, help=JOBS_HELP)
     p.add_argument("--cluster", default=None, help=CLUSTER_HELP)

@@ -13,12 +13,26 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from vram.units import format_size, parse_size
+from vram.units import parse_size
 
 from .analysis import CLUSTER_HELP, JOBS_HELP
 from .analysis import add_parsers as add_analysis_parsers
+from .defaults import (
+    CONTEXT_HELP,
+    DEFAULT_CONTEXT,
+    DEFAULT_GPU,
+    EXIT_CODES,
+    REPLAY_CONTEXT_HELP,
+    TORCH_HINT,
+    joined_conf,
+    replay_context,
+)
 from .examples import epilog, overview
 from .progress import Progress as _Progress
+from .reports import label as _label
+from .reports import replay_report, side_names, trace_extent, try_alloc
+from .reports import shown as _shown
+from .run import add_parser as add_run_parser
 
 MiB = 1024 * 1024
 
@@ -47,17 +61,6 @@ def _replay(path: str, snap: dict[str, Any], **kw: Any) -> Any:
         raise SnapshotError(f"{printable(path)}: ran out of memory replaying it") from None
 
 
-def _shown(text: Any, limit: int = 200) -> str:
-    """Text from a file, safe to print: control characters escaped, at most `limit` chars."""
-    from vram.replay.messages import printable
-
-    return printable(str(text), limit)
-
-
-def _label(conf: str) -> str:
-    return conf if conf else "default config"
-
-
 def cmd_replay(args: argparse.Namespace) -> int:
     """One snapshot: every device (or --device) under every --conf. Several: `cli.analysis`."""
     from vram.replay.engine import device_count
@@ -80,103 +83,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
                                    verify=args.verify, device=device,
                                    progress=_Progress(f"replaying ({_shown(label)})"),
                                    skip_cycles=not args.no_cycle_skip))
-        trials = [_try_alloc(r, parse_size(args.alloc, "--alloc")) for r in results] if args.alloc else None
+        trials = [try_alloc(r, parse_size(args.alloc, "--alloc")) for r in results] if args.alloc else None
         for k, r in enumerate(results):
             objs.append(r.to_json())
             if trials:
                 objs[-1]["alloc_trial"] = trials[k]
         header = f"device {device}: " if len(devices) > 1 else ""
-        reports.append(header + _report(path, snap, results, trials))
+        reports.append(header + replay_report(path, snap, results, trials))
     if args.json:  # one shape for one run and for several: every run in "runs", the first also on top
         print(json.dumps({**objs[0], "runs": objs}))
         return 0
     print("\n\n".join(reports))
     return 0
-
-
-def _try_alloc(result: Any, size: int) -> dict[str, Any]:
-    from vram.allocator.errors import OutOfMemoryError
-
-    alloc = result.allocator
-    try:
-        ptr = alloc.malloc(size)
-    except OutOfMemoryError as e:
-        return {"size": size, "ok": False, "message": str(e)}
-    alloc.free(ptr)
-    return {"size": size, "ok": True, "message": None}
-
-
-def _report(path: str, snap: dict[str, Any], results: list[Any], trials: list[dict[str, Any]] | None) -> str:
-    r0 = results[0]
-    lines = [f"{_shown(path)}: {r0.events:,} events replayed ({snap['format']}"
-             f"{', legacy format' if snap.get('legacy') else ''}), GPU "
-             f"{format_size(r0.gpu)}, context {format_size(r0.context)}"]
-    rows = [
-        ("config", lambda r: _label(r.conf)),
-        ("peak allocated", lambda r: format_size(r.peak_allocated)),
-        ("peak reserved", lambda r: format_size(r.peak_reserved)),
-        ("peak nvidia-smi (reserved + context)", lambda r: format_size(r.peak_device_used)),
-        ("reserved - allocated at reserved peak", lambda r: format_size(r.fragmentation_at_reserved_peak)),
-        ("largest free block at reserved peak", lambda r: "not known (see notes)"
-         if r.largest_free_block_at_reserved_peak is None else format_size(r.largest_free_block_at_reserved_peak)),
-        ("segment allocations (cudaMalloc/map)", lambda r: f"{r.segment_allocs:,}"),
-        ("segment frees (cudaFree/unmap)", lambda r: f"{r.segment_frees:,}"),
-        ("cudaMalloc retries", lambda r: f"{r.alloc_retries:,}"),
-        ("OOMs", lambda r: f"{r.ooms:,}" if r.oom is None else f"{r.ooms:,} (first: event {r.oom['event_index']:,})"),
-        ("replay time", lambda r: f"{r.seconds_replay:.2f} s" + (
-            f" ({r.skipped_events:,} events in repeated periods)" if r.skipped_events else "")),
-    ]
-    width = max(len(name) for name, _ in rows) + 2
-    cells = [[fn(r) for r in results] for _, fn in rows]
-    if trials:
-        rows.append(("then allocate " + format_size(trials[0]["size"]), _label))
-        cells.append(["succeeds" if t["ok"] else "OOM" for t in trials])
-    colw = [max(len(c[k]) for c in cells) + 2 for k in range(len(results))]
-    lines.append("")
-    for (name, _), vals in zip(rows, cells):
-        lines.append(name.ljust(width) + "".join(v.rjust(w) for v, w in zip(vals, colw)))
-    for r in results:
-        if r.oom is not None:
-            lines += ["", f"[{_shown(_label(r.conf))}] OOM at event {r.oom['event_index']:,}:", r.oom["message"]]
-            frames = [f for f in r.oom["frames"] if f.get("line")][:6]
-            if frames:
-                lines.append("recorded stack (innermost first):")
-                lines += [f"  {_shown(f['filename'])}:{f['line']} in {_shown(f['name'])}" for f in frames]
-    for r in results:
-        if r.caveats:
-            lines += [""] + [f"note [{_shown(_label(r.conf))}]: {note}" for note in r.caveats]
-    if trials:
-        for r, t in zip(results, trials):
-            if not t["ok"]:
-                lines += ["", f"[{_shown(_label(r.conf))}] allocating {format_size(t['size'])} now fails:",
-                          t["message"]]
-    for r in results:
-        if r.verification is not None:
-            lines += ["", "verification against the recording:"]
-            for key, name in (("segment_allocs", "segment_alloc (size, order, address)"),
-                              ("segment_frees", "segment_free (address, size, order)"),
-                              ("segment_maps", "segment_map (address, size, order)"),
-                              ("segment_unmaps", "segment_unmap (address, size, order)"),
-                              ("alloc_addresses", "alloc addresses"),
-                              ("recorded_ooms", "OOMs (same event, recorded free memory)"),
-                              ("final_segments", "final segments"), ("final_blocks", "final blocks")):
-                m, t = r.verification[key]["matched"], r.verification[key]["total"]
-                if key in ("segment_maps", "segment_unmaps") and not t:
-                    continue  # no expandable segments: nothing to say
-                pct = 100.0 * m / t if t else 100.0
-                lines.append(f"  {name:<40} {m:>8,} / {t:<8,} {pct:6.2f}%")
-            unknown = r.verification.get("unknown_actions") or {}
-            if unknown:
-                names = ", ".join(f"'{_shown(a, 24)}' x{c:,}" for a, c in sorted(unknown.items())[:5])
-                lines.append(f"  not replayed: {sum(unknown.values()):,} events with unknown actions ({names})")
-            others = r.verification.get("segments_on_other_devices", 0)
-            if others:
-                lines.append(f"  not verified: {others:,} segments on other devices (see --device)")
-            lines += [f"  note: {note}" for note in r.verification.get("notes", ())]
-            for d in r.verification["divergences"][:5]:
-                lines += [f"  divergence ({d['kind']}) at event {d['event_index']}: expected "
-                          f"{d['expected']}, got {d['actual']}"] + [f"      {c}" for c in d["context"]]
-    return "\n".join(lines)
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
@@ -185,6 +103,9 @@ def cmd_summary(args: argparse.Namespace) -> int:
     snap = _load(args.snapshot)
     result = _replay(args.snapshot, snap, device=args.device, stop_at=args.at, progress=_Progress("replaying"))
     stats = result.allocator.memory_stats()
+    if args.json:
+        print(json.dumps(dict(stats)))
+        return 0
     print(memory_summary_from_stats(stats, args.device, args.abbreviated), end="")
     return 0
 
@@ -193,6 +114,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from vram.views.plot import plot_replays
     from vram.views.snapshot import segments
 
+    if args.output is None and args.html is None:
+        raise ValueError("give -o FILE.png, --html FILE.html, or both")
+    if args.html is not None:
+        from .html import write_report
+
+        write_report(args.html, args.snapshot, device=args.device, gpu=args.gpu, context=args.context)
+        print(f"wrote {args.html}")
+        if args.output is None:
+            return 0
     snap = _load(args.snapshot)
     confs = [None] + list(args.conf or [])
     runs = []
@@ -225,6 +155,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         trace = traces[args.device] if args.device < len(traces) else []
         start = 0 if args.start is None else event_index(trace, args.start, "--from")
         end = len(trace) if args.end is None else event_index(trace, args.end, "--to")
+        if start == end:
+            raise ValueError(f"--from {_shown(args.start)} --to {_shown(args.end)} holds no events: "
+                             + trace_extent(trace))
         out = cut(snap, start, end, args.device)
     else:
         out = to_pytorch_snapshot(snap)
@@ -251,11 +184,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     """``vram diff A B``: where two snapshots of one program part ways (`vram.replay.diff`)."""
     from vram.replay.diff import compare, render, side
 
-    a = side(_shown(os.path.basename(args.a)), _load(args.a), args.device)
-    b = side(_shown(os.path.basename(args.b)), _load(args.b), args.device)
+    name_a, name_b = side_names(args.a, args.b)
+    a = side(_shown(name_a), _load(args.a), args.device)
+    b = side(_shown(name_b), _load(args.b), args.device)
     result = compare(a, b)
     print(json.dumps(result.to_json(), indent=1) if args.json else render(result, args.top))
-    return 0
+    return 0 if result.identical else 1  # EXIT_CODES: 1 is "differs"
 
 
 def demo(gpu: str, context: str, conf: str | None) -> int:
@@ -264,68 +198,16 @@ def demo(gpu: str, context: str, conf: str | None) -> int:
     return run_demo(gpu, context, conf)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    """``vram run``: execute a PyTorch script as if on a CUDA GPU (see `vram.run.runtime`)."""
-    try:
-        from vram.run.runtime import run_script
-    except ImportError as e:  # pragma: no cover - torch missing
-        raise RuntimeError(f"vram run needs PyTorch ({e})") from None
-    if os.path.isdir(args.script):  # as python does: a directory runs its __main__.py
-        if not os.path.isfile(os.path.join(args.script, "__main__.py")):
-            raise OSError(f"can't find '__main__' module in {args.script!r} (a directory, not a script)")
-    elif not os.path.isfile(args.script):
-        raise OSError(f"can't open file {args.script!r}: no such file")
-    chosen = args.backend is not None or bool(os.environ.get("VRAM_RUN_BACKEND"))
-    if args.backend is not None:  # the environment carries it to a launcher's ranks too
-        os.environ["VRAM_RUN_BACKEND"] = args.backend
-    if args.nproc_per_node is not None:
-        return _launch(args)
-    from vram.run.engine import EngineLimit
-
-    try:
-        status = run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
-                            context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch,
-                            strict_values=args.strict_values, value_report=args.value_report, values=args.values,
-                            engine_fallback=not chosen)
-    except EngineLimit as e:  # the default engine could not: the whole run again on the meta engine
-        print(f"{e}\nvram run: running the script again on the meta engine", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "vram", *sys.argv[1:]],
-                  dict(os.environ, VRAM_RUN_BACKEND="meta"))
-    from vram.devices.gpus import resolve_gpu
-    from vram.run.distributed.rank import write_result
-
-    # for a launcher, when one started us
-    write_result(status, parse_size(args.context, "--context"), resolve_gpu(args.gpu, args.arch))
-    return status
-
-
-def _launch(args: argparse.Namespace) -> int:
-    """``vram run --nproc-per-node N``: one ``vram run`` process per rank (`vram.run.distributed.launcher`)."""
-    from vram.run.distributed.launcher import Launch, launch, parse_ranks
-
-    if args.nproc_per_node < 1 or args.nnodes < 1:
-        raise ValueError(f"--nproc-per-node and --nnodes must be >= 1, got {args.nproc_per_node} and {args.nnodes}")
-    if args.devices != 1:
-        raise ValueError("--devices is the GPUs of one process; with --nproc-per-node each node has that many")
-    if args.value_report is not None:
-        raise ValueError("--value-report is per process; it is not supported with --nproc-per-node yet")
-    spec = Launch(args.nproc_per_node, args.nnodes, jobs=args.jobs)
-    spec.ranks = parse_ranks(args.ranks, spec.world_size)
-    parse_size(args.context, "--context")  # bad input stops here, before any rank starts
-    child = ["--gpu", args.gpu, "--context", args.context, "--devices", str(args.nproc_per_node)]
-    if args.conf is not None:
-        child += ["--conf", args.conf]
-    if args.arch is not None:
-        child += ["--arch", args.arch]
-    child += ["--summary"] * args.summary + ["--strict-values"] * args.strict_values + ["--values", args.values]
-    return launch(spec, child, args.script, args.args)
-
-
 def cmd_gpus(args: argparse.Namespace) -> int:
     """``vram gpus``: the presets, with CUDA's total memory for each and where it was printed."""
     from vram.devices.gpus import GPU_PRESETS
 
+    if args.json:
+        print(json.dumps({"gpus": [{"gpu": p.key, "name": p.name, "total_memory": p.total_memory,
+                                    "major": p.major, "minor": p.minor,
+                                    "multi_processor_count": p.multi_processor_count}
+                                   for p in GPU_PRESETS.values()]}))
+        return 0
     rows = [(p.key, p.name, f"{p.total_memory:,}", f"{p.total_memory / 2**30:.2f} GiB",
              f"{p.major}.{p.minor}", str(p.multi_processor_count)) for p in GPU_PRESETS.values()]
     head = ("--gpu", "name (CUDA)", "total_memory (B)", "", "arch", "SMs")
@@ -343,7 +225,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     try:
         from .estimate import run_estimate
     except ImportError as e:  # pragma: no cover - torch missing
-        raise RuntimeError(f"vram estimate needs PyTorch ({e})") from None
+        raise RuntimeError(f"vram estimate needs PyTorch ({e}); {TORCH_HINT}") from None
+    args.conf = joined_conf(args.conf)
     return run_estimate(args)
 
 
@@ -357,7 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vram", description="PyTorch's CUDA caching allocator, byte-faithful, on a simulated GPU: "
                                  "replay memory snapshots, ask what-if questions, explain OOMs.",
-        epilog=overview(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=overview() + "\n" + EXIT_CODES + "\n", formatter_class=argparse.RawDescriptionHelpFormatter)
+    from vram import __version__
+
+    parser.add_argument("--version", action="version", version=f"vram {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def snapshot_cmd(name: str, help_: str, many: bool = False) -> argparse.ArgumentParser:
@@ -376,8 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = snapshot_cmd("replay", "replay recorded snapshots through the allocator (what-if, verification)",
                      many=True)
-    p.add_argument("--gpu", help=GPU_HELP + " (default: large enough for anything)")
-    p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
+    p.add_argument("--gpu", help=GPU_HELP + " (default: no limit, the recording's own run)")
+    p.add_argument("--context", default=None, help=REPLAY_CONTEXT_HELP)
     p.add_argument("--conf", action="append", metavar="CONF",
                    help="PYTORCH_CUDA_ALLOC_CONF to replay under (repeat to compare; default: the recorded one)")
     p.add_argument("--verify", action="store_true", help="compare event by event with the recording")
@@ -391,12 +277,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = snapshot_cmd("summary", "print torch.cuda.memory_summary() for the recorded state")
     p.add_argument("--at", type=int, metavar="EVENT", help="the state before this event index (default: the end)")
     p.add_argument("--abbreviated", action="store_true", help="only the 'all' rows")
+    p.add_argument("--json", action="store_true", help="print torch.cuda.memory_stats() there as one JSON object")
     p.set_defaults(func=cmd_summary)
 
     p = snapshot_cmd("plot", "plot memory over the trace and a segment map at the reserved peak")
-    p.add_argument("-o", "--output", required=True, help="output image, e.g. out.png")
-    p.add_argument("--gpu", help=GPU_HELP + " for the what-if runs")
-    p.add_argument("--context", default="0", help="CUDA context bytes")
+    p.add_argument("-o", "--output", help="output image, e.g. out.png (needs matplotlib)")
+    p.add_argument("--html", metavar="FILE", help="a self-contained HTML report instead (or as well): memory over "
+                   "time with the OOM marked, segments and top consumers at the OOM or reserved peak")
+    p.add_argument("--gpu", help=GPU_HELP + " for the what-if runs (default: no limit)")
+    p.add_argument("--context", default=None, help=REPLAY_CONTEXT_HELP)
     p.add_argument("--conf", action="append", metavar="CONF", help="what-if config to overlay (repeatable)")
     p.set_defaults(func=cmd_plot)
 
@@ -424,50 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help=help_, description=help_ + ": the classic experiments (a tensor, its "
                        "cached block after del, fragmentation empty_cache cannot return, PyTorch's OOM "
                        "message)", epilog=epilog("demo"), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpu", default="8GiB", help=GPU_HELP + " (default 8GiB)")
-    p.add_argument("--context", default="500MiB", help="CUDA context size (default 500MiB)")
-    p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF string")
-    p.set_defaults(func=lambda a: demo(a.gpu, a.context, a.conf))
+    p.add_argument("--gpu", default=DEFAULT_GPU, help=GPU_HELP + f" (default {DEFAULT_GPU})")
+    p.add_argument("--context", default=DEFAULT_CONTEXT, help=CONTEXT_HELP)
+    p.add_argument("--conf", action="append", metavar="CONF",
+                   help="PYTORCH_CUDA_ALLOC_CONF (repeatable: joined with commas)")
+    p.set_defaults(func=lambda a: demo(a.gpu, a.context, joined_conf(a.conf)))
 
-    help_ = "run an unmodified PyTorch script as if on a CUDA GPU (needs torch)"
-    p = sub.add_parser("run", help=help_, description=help_ + ": tensors live on the meta device, "
-                       "every allocation goes through the simulated caching allocator, and an OOM is "
-                       "PyTorch's torch.OutOfMemoryError.", epilog=epilog("run"),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpu", default="80GiB", help=GPU_HELP + " (default 80GiB)")
-    p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
-    p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF (default: the environment's)")
-    p.add_argument("--devices", type=int, default=1, help="number of simulated GPUs (default 1)")
-    p.add_argument("--arch", default=None, help=ARCH_HELP)
-    p.add_argument("--summary", action="store_true", help="print torch.cuda.memory_summary() at the end")
-    p.add_argument("--strict-values", action="store_true",
-                   help="stop at the first read of a tensor value the simulation does not know (default: "
-                        "answer it with zeros and list every such read on stderr at the end)")
-    p.add_argument("--values", choices=["known", "real"], default="known",
-                   help="known (default): values that need no model arithmetic (masks, ids, factories) are exact, "
-                        "others are placeholders; real: every value is computed on the CPU (losses, logits, "
-                        "weights after optimizer steps), so data-dependent control flow follows the data, at the "
-                        "cost of the model's arithmetic on the CPU and a host copy of every simulated storage "
-                        "(refused when host memory cannot hold it). Memory figures are the same in both")
-    p.add_argument("--value-report", metavar="FILE.json",
-                   help="write the reads answered with placeholder values as JSON")
-    p.add_argument("--backend", choices=["privateuse1", "meta"], default=None,
-                   help="the simulation engine (default: $VRAM_RUN_BACKEND, else privateuse1 for one GPU and meta "
-                        "for --devices > 1 or --nproc-per-node). privateuse1: tensors on a Python PrivateUse1 "
-                        "device, no dispatch mode while the model trains, so autograd takes the GPU's formulas; "
-                        "meta: meta tensors under a dispatch mode, whose backward formulas are "
-                        "PyTorch's out-of-place subclass ones (extra allocations; docs/design.md)")
-    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                   help="as torchrun: N processes (ranks) per node, one simulated GPU each")
-    p.add_argument("--nnodes", type=int, default=1, metavar="M", help="nodes, with --nproc-per-node (default 1)")
-    p.add_argument("--ranks", default="all", metavar="LIST",
-                   help="ranks to simulate, e.g. 0 or 0,3 or 0-3 (default all); ranks running identical "
-                        "programs need only one")
-    p.add_argument("--jobs", type=int, default=None, metavar="J",
-                   help="ranks simulated at once (default: the machine's cores)")
-    p.add_argument("script", help="the Python script to run")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
-    p.set_defaults(func=cmd_run)
+    add_run_parser(sub, GPU_HELP, ARCH_HELP)
 
     help_ = "predict a training step's GPU memory before running it (needs torch)"
     p = sub.add_parser("estimate", help=help_, description=help_ + ": the model trains for a few "
@@ -489,9 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation checkpointing of each block of the model's ModuleLists (else each child)")
     p.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-steps per optimizer step")
     p.add_argument("--iterations", type=int, default=3, metavar="N", help="training steps to run (default 3)")
-    p.add_argument("--gpu", default="80GiB", help=GPU_HELP + " (default 80GiB)")
-    p.add_argument("--context", default="0", help="CUDA context bytes nvidia-smi shows on top (e.g. 500MiB)")
-    p.add_argument("--conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF (default: the environment's)")
+    p.add_argument("--gpu", default=DEFAULT_GPU, help=GPU_HELP + f" (default {DEFAULT_GPU}, an H100's size)")
+    p.add_argument("--context", default=DEFAULT_CONTEXT, help=CONTEXT_HELP)
+    p.add_argument("--conf", action="append", metavar="CONF",
+                   help="PYTORCH_CUDA_ALLOC_CONF (repeatable: joined with commas; default: the environment's)")
     p.add_argument("--arch", default=None, help=ARCH_HELP)
     p.add_argument("--max-batch", action="store_true",
                    help="search the largest batch (first dimension of every --input) that fits")
@@ -514,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gpus", help=help_, description=help_ + " (total memory in bytes, compute "
                        "capability, SMs); sources in docs/gpus.md", epilog=epilog("gpus"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_gpus)
     return parser
 
@@ -528,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if script is not None:
         args.script = script
+    if getattr(args, "context", "") is None:  # a replayed recording: the context counts with --gpu
+        args.context = replay_context(args.gpu, None)
     if args.command is None:
         parser.print_help()
         return 0

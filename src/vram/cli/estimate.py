@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 import torch
@@ -89,7 +90,7 @@ def run_estimate(args: argparse.Namespace) -> int:
                               iterations=args.iterations, gpu=args.gpu, context=args.context, conf=args.conf,
                               arch=args.arch)
     try:
-        best = max_batch(build, inputs, **kw) if args.max_batch else None
+        best = max_batch(build, _said(inputs), **kw) if args.max_batch else None
         result = estimate(build, inputs(best if best else None), **kw)
     except (ValueError, TypeError, OSError) as e:
         raise type(e)(str(e)) from None
@@ -100,14 +101,23 @@ def run_estimate(args: argparse.Namespace) -> int:
         if args.max_batch:
             obj = {"max_batch": best, "estimate": obj}
         print(json.dumps(obj))
-        return 0
+        return 0 if result.fits else 1
     if args.max_batch:
         if best:
             print(f"largest batch that fits: {best} (the first dimension of every --input); at that batch:\n")
         else:
             print("batch 1 does not fit; what batch 1 needs:\n")
     print(result)
-    return 0
+    return 0 if result.fits else 1  # EXIT_CODES: 1 is "does not fit"
+
+
+def _said(make_inputs: Any) -> Any:
+    """`make_inputs` that says on stderr which batch each simulated run of the search tries (a
+    search runs for minutes: doubling, then bisection)."""
+    def probe(batch: int) -> Any:
+        print(f"vram estimate --max-batch: trying batch {batch:,}", file=sys.stderr, flush=True)
+        return make_inputs(batch)
+    return probe
 
 
 def _run_layout(args: argparse.Namespace, shapes: list[tuple[list[int], Any]], model_dtype: Any,
@@ -132,4 +142,4 @@ def _run_layout(args: argparse.Namespace, shapes: list[tuple[list[int], Any]], m
     dtype = str(model_dtype).replace("torch.", "") if model_dtype is not None else None
     result = estimate_layout(args.model, inputs, layout, dtype=dtype, max_batch=args.max_batch, **kw)
     print(json.dumps(result.to_json()) if args.json else result)
-    return 0
+    return 0 if all(r.fits for r in result.results.values()) else 1

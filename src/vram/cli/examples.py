@@ -34,8 +34,14 @@ EXAMPLES = {
   vram demo                                       a tour on an 8 GiB simulated GPU
   vram demo --gpu T4 --conf expandable_segments:True""",
     "run": """\
+  vram run --snapshot oom.pickle train.py        record the allocation history; after an OOM:
+                                                  vram explain oom.pickle
   vram run --gpu 24GiB --context 500MiB train.py --epochs 1
                                                   script arguments follow the script
+  vram run --nproc_per_node 8 --standalone train.py
+                                                  as torchrun: 8 ranks, one simulated GPU each
+  vram run --json -m mypackage.train             a module, as python -m; one JSON object on stdout
+  vram run --html report.html train.py            a self-contained HTML report of the run
   vram run --gpu A100-80GB --summary train.py     a card; torch.cuda.memory_summary() at the end
   vram run --strict-values train.py               stop at the first read of an unknown value
   vram run --values real train.py                 compute every value on the CPU (data-dependent scripts)
@@ -66,13 +72,19 @@ ESTIMATE = """\
 MODULE:FACTORY is imported from the current directory or sys.path; FACTORY() (no arguments) returns
 an nn.Module. It is called under torch.device("meta"), so building costs no memory. The step is
 forward, loss = sum of the outputs, backward, optimizer.step(), zero_grad(set_to_none=True), run 3
-times; figures are for the steady state (iterations 2-3). Exit status 0 whether or not it fits
-("fits" in --json), 2 on errors."""
+times; figures are for the steady state (iterations 2-3). Exit status 0 when it fits, 1 when it
+does not ("fits" in --json), 2 on errors."""
+EXIT = {
+    "diff": "exit status: 0 identical, 1 the snapshots differ, 2 error",
+    "tune": "exit status: 0 a config runs without OOM, 1 every config runs out of memory, 2 error",
+    "run": "exit status: the script's (1 for an uncaught exception, an OOM included), 2 vram's own errors",
+}
 
 
 def epilog(command: str) -> str:
     """The examples block of one subcommand's ``--help``."""
-    return "examples:\n" + (ESTIMATE if command == "estimate" else EXAMPLES[command]) + "\n"
+    text = "examples:\n" + (ESTIMATE if command == "estimate" else EXAMPLES[command]) + "\n"
+    return text + ("\n" + EXIT[command] + "\n" if command in EXIT else "")
 
 
 def _first(text: str) -> str:

@@ -8,8 +8,8 @@ import time
 class Progress:
     """A progress bar on stderr for replays that take more than a moment (only on a terminal)."""
 
-    def __init__(self, label: str) -> None:
-        self.label = label
+    def __init__(self, label: str, unit: str = "events") -> None:
+        self.label, self.unit = label, unit
         self.start = time.perf_counter()
         self.shown = False
         self.enabled = sys.stderr.isatty()
@@ -23,7 +23,7 @@ class Progress:
         width = 30
         filled = width * done // total
         sys.stderr.write(f"\r{self.label} [{'#' * filled}{' ' * (width - filled)}] "
-                         f"{100 * done // total:3d}% {done:,}/{total:,} events")
+                         f"{100 * done // total:3d}% {done:,}/{total:,} {self.unit}")
         if done >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()

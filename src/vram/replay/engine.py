@@ -28,7 +28,7 @@ from vram.allocator.errors import OutOfMemoryError
 from vram.devices.base import Event
 from vram.devices.gpus import gpu_memory
 from vram.devices.trace import TraceDevice
-from vram.units import parse_size
+from vram.units import format_size, parse_size
 
 from . import ccore, pool_search
 from .checks import Checks
@@ -91,6 +91,25 @@ class ReplayResult:
     @property
     def fragmentation_at_reserved_peak(self) -> int:
         return self.peak_reserved - self.allocated_at_reserved_peak
+
+    def _facts(self) -> list[tuple[str, str]]:
+        oom = "none" if self.oom is None else f"{self.ooms:,} (first at event {self.oom['event_index']:,})"
+        return [("config", self.conf or "default"), ("events", f"{self.events:,}"),
+                ("GPU", "no limit" if self.gpu >= UNLIMITED else format_size(self.gpu)),
+                ("peak allocated", format_size(self.peak_allocated)),
+                ("peak reserved", format_size(self.peak_reserved)),
+                ("peak nvidia-smi (reserved + context)", format_size(self.peak_device_used)), ("OOMs", oom)]
+
+    def __repr__(self) -> str:
+        """One line a notebook or a log can show: config, events, peaks and OOMs."""
+        return "<ReplayResult " + ", ".join(f"{k} {v}" for k, v in self._facts()) + ">"
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        rows = "".join(f"<tr><th style='text-align:left'>{escape(k)}</th><td>{escape(v)}</td></tr>"
+                       for k, v in self._facts())
+        return f"<table>{rows}</table>"
 
     def to_json(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items()

@@ -21,3 +21,15 @@ listed after it (``[tool.importlinter]`` in pyproject.toml checks it):
 - `cuda`: the ``torch.cuda`` surface answered by the simulator (device properties, memory API,
   streams, ``torch.cuda.comm``) and CUDA builds' libraries beside a CPU torch.
 """
+
+__all__ = ["run_script", "simulated_cuda"]
+
+
+def __getattr__(name: str) -> object:
+    """``from vram.run import simulated_cuda`` (and ``run_script``): the public entry points,
+    imported from `vram.run.runtime` when first asked for (importing torch then, not before)."""
+    if name in __all__:
+        from . import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'vram.run' has no attribute {name!r}")

@@ -301,7 +301,8 @@ def _missed_cuda(e: BaseException, sim_kwargs: dict[str, Any]) -> bool:
 
 def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                on_exit: Callable[[], None] | None = None, value_report: str | None = None,
-               engine_fallback: bool = False, **sim_kwargs: Any) -> int:
+               engine_fallback: bool = False, on_start: Callable[[], None] | None = None,
+               module: bool = False, **sim_kwargs: Any) -> int:
     """Run the script at `path` with `argv` under `simulated_cuda`; returns its exit status.
 
     As ``python path argv...`` would: ``sys.argv`` and ``sys.path[0]`` are the script's,
@@ -313,12 +314,14 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
     go to `simulated_cuda` (``strict_values=True``: stop at the first such read instead). What the
     PrivateUse1 engine cannot run (`vram.run.engine.EngineLimit`) is one line on stderr, or with
     `engine_fallback` raised from here once the run is cleaned up, for the caller to rerun the
-    script on the meta engine.
+    script on the meta engine. `on_start` is called once the simulated GPUs exist, before the
+    script's first line (e.g. to start recording the allocation history). With `module`, `path`
+    is a module name run as ``python -m path`` runs it (``sys.path[0]`` the current directory).
     """
     path = os.fspath(path)
     saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
     sys.argv = [path, *argv]
-    script_dir = os.path.dirname(os.path.abspath(path))
+    script_dir = os.getcwd() if module else os.path.dirname(os.path.abspath(path))
     if sys.path:
         sys.path[0] = script_dir
     else:
@@ -328,8 +331,11 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
     try:
         with simulated_cuda(**sim_kwargs):
             result: Any = None
+            if on_start is not None:
+                on_start()
             try:
-                result = runpy.run_path(path, run_name="__main__")
+                result = (runpy.run_module(path, run_name="__main__", alter_sys=True) if module
+                          else runpy.run_path(path, run_name="__main__"))
             except SystemExit as e:
                 code = e.code
                 status = code if isinstance(code, int) else (0 if code is None else 1)

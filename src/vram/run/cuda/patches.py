@@ -4,6 +4,7 @@ GPU build. Every patch is an attribute swap (`vram.run.cuda.stand_ins.attribute_
 by the restore function `patch_torch_extras` returns."""
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -185,7 +186,11 @@ def _patch_compile(put: Put) -> None:
     told: list[bool] = []
 
     def compile(model: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - torch.compile's name
-        if not told:
+        caller = sys._getframe(1).f_code.co_filename
+        library = any(f"{os.sep}{d}{os.sep}" in caller for d in ("site-packages", "dist-packages"))
+        # a library compiling its own helper functions (at import, as DeepSpeed's and litgpt's do) is not
+        # a compiled model: said only for a module, or for what the script itself compiles
+        if not told and (isinstance(model, torch.nn.Module) or not library):
             told.append(True)
             sys.stdout.flush()
             sys.stderr.write("vram run: torch.compile runs eagerly on the simulated GPU, so memory is "

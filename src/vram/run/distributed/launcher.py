@@ -115,6 +115,8 @@ def torchrun_env(spec: Launch, rank: int, base: dict[str, str] | None = None) ->
 def _forward(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "backslashreplace")
+        if line.startswith(prefix):  # PyTorch's own rank prefix on warnings (torch.distributed's): once is enough
+            line = line[len(prefix):]
         with lock:
             out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
             out.flush()
@@ -224,10 +226,9 @@ def outside_lines(results: dict[int, tuple[int, dict[str, Any] | None]]) -> list
     if not results:
         return []
     ctx = {c for c, _ in results.values()}
+    detail = bool(os.environ.get("NCCL_DEBUG"))  # NCCL's own switch for its details: every figure's derivation
     out = ["outside the caching allocator, per rank (nvidia-smi estimate = peak reserved + CUDA context + NCCL):",
-           f"  CUDA context: {', '.join(_size(c) for c in sorted(ctx))}, as given by --context (not derived: it "
-           "depends on the driver, the CUDA version and which kernels are loaded; measure it as nvidia-smi's "
-           "figure minus memory_reserved() on the real GPU)"]
+           f"  CUDA context: {', '.join(_size(c) for c in sorted(ctx))} (--context)"]
     groups: dict[str, list[int]] = {}
     for r, (_, nccl) in sorted(results.items()):
         n = nccl or {"bytes": None, "lines": ["not derived: the rank gave no NCCL figure"]}
@@ -235,8 +236,9 @@ def outside_lines(results: dict[int, tuple[int, dict[str, Any] | None]]) -> list
         groups.setdefault("\n".join([head, *n["lines"]]), []).append(r)
     for text, rs in groups.items():
         head, *rest = text.split("\n")
-        out.append(f"  {head} (rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}; vram.devices.nccl):")
-        out.extend(f"    {ln}" for ln in rest)
+        out.append(f"  {head} (rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}; vram.devices.nccl"
+                   + ("):" if detail else "; NCCL_DEBUG=INFO for how it is derived)"))
+        out.extend(f"    {ln}" for ln in rest if detail or ln.startswith(("not derived", "not counted")))
     return out
 
 

@@ -155,10 +155,8 @@ class ValueReport:
         for s in self.sites.values():
             kind = "computed from placeholders" if s.derived else "placeholder"
             lines.append(f"  {s.file}:{s.line}: {s.expression}  x{s.reads:,}  -> {s.assumed} ({kind})")
-        lines.append("  Branches and data-dependent shapes that follow these values may differ from a GPU run "
-                     "(e.g. greedy generate() picks token 0 from placeholder logits, so it runs to max_new_tokens, "
-                     "the worst case, unless 0 is the model's EOS id, as Mamba's, when it stops after one token); "
-                     "--strict-values stops at the first such read; --values real computes them on the CPU.")
+        lines.append("  Branches and shapes that follow these values may differ from a GPU run: --strict-values "
+                     "stops at the first such read, --values real computes them on the CPU.")
         lines += [f"  {note}" for note in self.notes()]
         return "\n".join(lines)
 
