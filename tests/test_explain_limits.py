@@ -122,9 +122,9 @@ def test_tune_when_nothing_fits_has_no_best_and_says_how_much_more_the_least_dem
     snap = load_snapshot(str(path))
     assert replay(snap, conf=least["conf"], gpu=least["gpu"]).ooms == 0
     assert replay(snap, conf=least["conf"], gpu=least["gpu"] - 2 * MiB).ooms > 0
-    assert main(["tune", str(path), "--json", "--jobs", "1"]) == 0
+    assert main(["tune", str(path), "--json", "--jobs", "1"]) == 1  # exit 1: every config runs out of memory
     assert json.loads(capsys.readouterr().out)["best"] is None
-    assert main(["tune", str(path), "--top", "1", "--jobs", "1"]) == 0
+    assert main(["tune", str(path), "--top", "1", "--jobs", "1"]) == 1
     text = capsys.readouterr().out
     assert "best:" not in text and "no config fits" in text and "(default)" in text
 

@@ -314,17 +314,18 @@ def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any]
 def _more_memory_fix(ex: Explanation, need: int, ctx: int) -> dict[str, Any]:
     """More memory for PyTorch: a larger cap under a per-process cap, else a larger GPU; "at
     least" where the recording stops at the failure (what follows it is not recorded)."""
-    f, lim = format_size, ex.limit
+    f, lim, gpu = format_size, ex.limit, ex.gpu
+    assert gpu is not None  # only asked where the GPU the recording ran on is known
     least = "at least " if ex.ends_at_oom else ""
     after = " to get past this request (what the program needs after it is not in the recording)" \
         if ex.ends_at_oom else ""
     if lim is not None and lim["cause"] == "per-process cap":
-        return {"kind": "cap", "verified": True, "cap": need, "more": need - ex.gpu, "lower_bound": ex.ends_at_oom,
+        return {"kind": "cap", "verified": True, "cap": need, "more": need - gpu, "lower_bound": ex.ends_at_oom,
                 "change": f"a per-process cap allowing {least}{need:,} B{after} (the recorded cap allowed between "
                           f"{lim['low']:,} and {lim['high'] - 1:,} B; the device had room)"}
-    return {"kind": "gpu", "verified": True, "gpu": need + ctx, "more": need - ex.gpu, "lower_bound": ex.ends_at_oom,
-            "change": f"a GPU with {least}{f(need - ex.gpu)} more memory ({need + ctx:,} B for PyTorch and the "
-                      f"context, not {ex.gpu + ctx:,} B){after}"}
+    return {"kind": "gpu", "verified": True, "gpu": need + ctx, "more": need - gpu, "lower_bound": ex.ends_at_oom,
+            "change": f"a GPU with {least}{f(need - gpu)} more memory ({need + ctx:,} B for PyTorch and the "
+                      f"context, not {gpu + ctx:,} B){after}"}
 
 
 def cache_peaks(allocated: Sequence[int], reserved: Sequence[int], end: int, limit: int) -> list[int]:
