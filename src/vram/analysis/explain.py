@@ -284,7 +284,7 @@ def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any]
     if oom:
         need = smallest_fit(path, ex.device, recorded_conf, ex.gpu, max(unlimited["peak_reserved"], ex.gpu))
         if need is not None and need > ex.gpu:  # (fitting on ex.gpu itself would contradict the OOM)
-            ex.fixes.append(_more_memory_fix(ex, need, ctx))
+            ex.fixes.append(_more_memory_fix(ex, ex.gpu, need, ctx))
         live = unlimited["peak_requested"]
         if live > ex.gpu:
             ex.fixes.insert(0, {"kind": "does_not_fit", "verified": True, "more": live - ex.gpu,
@@ -293,20 +293,20 @@ def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any]
                                           "have: it needs at least that much more, whatever the settings"})
 
 
-def _more_memory_fix(ex: Explanation, need: int, ctx: int) -> dict[str, Any]:
-    """More memory for PyTorch: a larger cap under a per-process cap, else a larger GPU; "at
-    least" where the recording stops at the failure (what follows it is not recorded)."""
+def _more_memory_fix(ex: Explanation, gpu: int, need: int, ctx: int) -> dict[str, Any]:
+    """More memory for PyTorch than `gpu`: a larger cap under a per-process cap, else a larger
+    GPU; "at least" where the recording stops at the failure (what follows it is not recorded)."""
     f, lim = format_size, ex.limit
     least = "at least " if ex.ends_at_oom else ""
     after = " to get past this request (what the program needs after it is not in the recording)" \
         if ex.ends_at_oom else ""
     if lim is not None and lim["cause"] == "per-process cap":
-        return {"kind": "cap", "verified": True, "cap": need, "more": need - ex.gpu, "lower_bound": ex.ends_at_oom,
+        return {"kind": "cap", "verified": True, "cap": need, "more": need - gpu, "lower_bound": ex.ends_at_oom,
                 "change": f"a per-process cap allowing {least}{need:,} B{after} (the recorded cap allowed between "
                           f"{lim['low']:,} and {lim['high'] - 1:,} B; the device had room)"}
-    return {"kind": "gpu", "verified": True, "gpu": need + ctx, "more": need - ex.gpu, "lower_bound": ex.ends_at_oom,
-            "change": f"a GPU with {least}{f(need - ex.gpu)} more memory ({need + ctx:,} B for PyTorch and the "
-                      f"context, not {ex.gpu + ctx:,} B){after}"}
+    return {"kind": "gpu", "verified": True, "gpu": need + ctx, "more": need - gpu, "lower_bound": ex.ends_at_oom,
+            "change": f"a GPU with {least}{f(need - gpu)} more memory ({need + ctx:,} B for PyTorch and the "
+                      f"context, not {gpu + ctx:,} B){after}"}
 
 
 def cache_peaks(allocated: Sequence[int], reserved: Sequence[int], end: int, limit: int) -> list[int]:
