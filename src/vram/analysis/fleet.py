@@ -40,6 +40,7 @@ class ReplayJob:
     context: int | str = 0
     verify: bool = False
     empty_cache_at: tuple[int, ...] = ()
+    cap: int | None = None  # a per-process cap in bytes (``replay(cap=)``)
 
 
 def load_cached(path: str) -> dict[str, Any]:
@@ -68,7 +69,7 @@ def run_job(job: ReplayJob) -> dict[str, Any]:
     try:
         snap = load_cached(job.path)
         result = replay(snap, gpu=job.gpu, context=job.context, conf=job.conf, verify=job.verify,
-                        device=job.device, empty_cache_at=job.empty_cache_at)
+                        device=job.device, empty_cache_at=job.empty_cache_at, cap=job.cap)
     except (OSError, ValueError, TypeError, SnapshotError, StateError, ConfigError) as exc:
         out["error"] = (str(exc).splitlines() or [type(exc).__name__])[0]
         return out

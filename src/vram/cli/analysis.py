@@ -170,7 +170,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     f = format_size
     base = next(r for r in result.results if r["conf"] == "")
     for p, b in zip(paths, result.budgets):
-        gpu = "unlimited" if b.gpu is None else f"{b.gpu:,} B" if isinstance(b.gpu, int) else b.gpu
+        gpu = (f"with room, under a per-process cap of {b.cap:,} B" if b.cap is not None else "unlimited"
+               if b.gpu is None else f"{b.gpu:,} B" if isinstance(b.gpu, int) else b.gpu)
         print(f"{_shown(p)}: GPU {gpu} ({_shown(b.why)})")
     print(f"\n{'rank':>4}  {'peak reserved':>14}  {'vs default':>11}  {'OOM':<4} {'cudaMalloc':>10}  config")
     shown = result.results[:args.top]
