@@ -114,3 +114,14 @@ def test_the_cap_a_real_oom_ran_into_lies_in_the_bracket_the_recording_gives(tmp
     cap = int(2 * 2**30 / fig["total"] * float(fig["total"]))  # allowed_memory_maximum
     assert low <= cap <= high
     assert replay(snap, cap=high, conf="expandable_segments:True").oom_events[0]["event_index"] == oom["event_index"]
+
+
+def test_vram_replay_cap_is_the_per_process_cap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from vram.cli.commands import main
+    path = truth_recording("expandable_pressure", tmp_path)
+    fig = truth_figures("expandable_pressure")
+    assert main(["replay", str(path), "--cap", "2GiB", "--conf", "expandable_segments:True", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["ooms"], out["peak_reserved"], out["final_reserved"]) == (16, fig["max_reserved"], fig["reserved_end"])

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from typing import Any
 
-from vram.units import format_size
+from vram.units import format_size, parse_size
 
 from .examples import epilog
 
@@ -44,7 +44,8 @@ def cmd_replay_fleet(args: argparse.Namespace) -> int:
         devices = [args.device] if args.device is not None else range(device_count(load_cached(path)))
         for device in devices:
             for conf in args.conf or [None]:
-                jobs.append(ReplayJob(path, device, conf, args.gpu, args.context, args.verify))
+                jobs.append(ReplayJob(path, device, conf, args.gpu, args.context, args.verify,
+                                      cap=None if args.cap is None else parse_size(args.cap, "--cap")))
     rows = run_jobs(jobs, workers=args.jobs, cluster=args.cluster, progress=_progress("replaying"))
     if args.json:
         print(json.dumps({"runs": rows}))
