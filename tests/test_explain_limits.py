@@ -128,6 +128,9 @@ def test_tune_when_nothing_fits_has_no_best_and_says_how_much_more_the_least_dem
     assert main(["tune", str(path), "--top", "1", "--jobs", "1"]) == 0
     text = capsys.readouterr().out
     assert "best:" not in text and "no config fits" in text and "(default)" in text
+    assert least["lower_bound"] is False  # the program went on after the failure: the bisection saw it
+    stops = tune([str(record(tmp_path / "stops.pickle"))], workers=1).least_demanding
+    assert stops is not None and stops["lower_bound"] is True
 
 
 def test_a_recording_whose_reserved_memory_is_flat_is_explained_at_its_allocated_peak() -> None:

@@ -32,7 +32,7 @@ from vram.replay.engine import device_count, replay
 from vram.units import format_size
 
 from .fleet import ReplayJob, load_cached, run_jobs
-from .tune import budgets_for, cap_bound, fit_bound, smallest_fit, tune
+from .tune import budgets_for, cap_bound, ends_at_oom, fit_bound, smallest_fit, tune
 
 #: consumers listed
 TOP = 10
@@ -221,9 +221,7 @@ def explain(path: str, *, device: int | None = None, gpu: int | str | None = Non
     ex = Explanation(path, device, at, b_gpu, why_gpu)
     _state(ex, snap, stop, gpu_bytes, ctx)
     ex.limit = _limit(ex, snap, oom, gpu_bytes, recorded_conf)
-    if oom is not None:
-        trace = snap["device_traces"][device]
-        ex.ends_at_oom = not any(e["action"] == "alloc" for e in trace[oom["event_index"] + 1:])
+    ex.ends_at_oom = ends_at_oom(path, device, oom)
     _why(ex)
     if oom is not None and recorded_conf and parse_alloc_conf(recorded_conf).expandable_segments:
         ex.why.append("expandable_segments was already on: the message's advice to set it is fixed text "

@@ -212,6 +212,8 @@ def tune(paths: Sequence[str], *, gpu: int | str | None = None, context: int | s
     result.results = rows
     if rows and rows[0]["oom"] and len(paths) == 1 and (isinstance(budgets[0].gpu, int) or budgets[0].cap):
         result.least_demanding = _least_demanding(rows, paths[0], devs[0], budgets[0])
+        if result.least_demanding is not None:
+            result.least_demanding["lower_bound"] = ends_at_oom(paths[0], devs[0], probes[0].get("oom"))
     return result
 
 
@@ -245,6 +247,17 @@ def smallest_fit(path: str, device: int, conf: str, low: int, high: int, context
         else:
             lo = mid
     return min(hi * _STEP, high)
+
+
+def ends_at_oom(path: str, device: int, oom: dict[str, Any] | None) -> bool:
+    """Whether the recording stops at its recorded OOM (no allocation after it): then a budget
+    that fits it is only enough for what was recorded, a lower bound for the program."""
+    if oom is None or not oom.get("recorded"):
+        return False
+    from .fleet import load_cached
+
+    trace = load_cached(path)["device_traces"][device]
+    return not any(e["action"] == "alloc" for e in trace[oom["event_index"] + 1:])
 
 
 def fit_bound(peak: int, budget: int, as_cap: bool) -> int:

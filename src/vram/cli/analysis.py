@@ -193,7 +193,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         least = result.least_demanding
         if least is not None:
             print(f"the least demanding found, {_shown(least['conf'] or '(default)', 200)}, needs "
-                  f"{f(least['more'])} more: it fits in {least['gpu']:,} B for PyTorch (checked by replay)")
+                  f"{'at least ' if least.get('lower_bound') else ''}{f(least['more'])} more: it fits in "
+                  f"{least['gpu']:,} B for PyTorch (checked by replay)" + (
+                      "; the recording stops at the failure, so what the program needs after it is not in it"
+                      if least.get("lower_bound") else ""))
         return 0
     print(f"\nbest: {paste_line(best['conf'])}")
     if "per_process_memory_fraction" in best["conf"]:
