@@ -62,7 +62,8 @@ def gc_grid(bases: Sequence[str], fractions: Sequence[float] = FRACTIONS) -> lis
     """Stage 2: each base with a GC threshold under a memory fraction (under a per-process cap
     already, `fractions` empty: the threshold alone)."""
     out = []
-    for base, gc, fraction in itertools.product(bases, GC_THRESHOLDS, fractions or [None]):
+    with_fraction: Sequence[float | None] = list(fractions) or [None]
+    for base, gc, fraction in itertools.product(bases, GC_THRESHOLDS, with_fraction):
         extra = conf_string(gc=gc, fraction=fraction)
         out.append(f"{base},{extra}" if base else extra)
     return out
