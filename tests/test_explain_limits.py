@@ -82,15 +82,15 @@ def test_an_oom_under_a_cap_is_bracketed_and_fixes_are_verified_against_its_uppe
     assert ex.ends_at_oom is not goes_on
     assert any(("recording stops at this failure" in w) for w in ex.why) is not goes_on
     snap = load_snapshot(str(path))
-    assert replay(snap, gpu=ex.gpu).ooms > 0  # the upper end reproduces the failure
+    assert replay(snap, cap=ex.gpu).ooms > 0  # the upper end reproduces the failure
     more = [f for f in ex.fixes if f["kind"] in ("cap", "gpu")]
     assert [f["kind"] for f in more] == ["cap"]
-    assert more[0]["cap"] > ex.gpu and replay(snap, gpu=more[0]["cap"]).ooms == 0
+    assert more[0]["cap"] > ex.gpu and replay(snap, cap=more[0]["cap"]).ooms == 0
     assert more[0]["lower_bound"] is not goes_on and ("at least" in more[0]["change"]) is not goes_on
     for fix in ex.fixes:
         if fix["kind"] == "config" and fix["verified"]:
             conf = fix["change"].split("=", 1)[1]
-            assert replay(snap, conf=conf, gpu=ex.gpu).ooms == 0
+            assert replay(snap, conf=conf, cap=ex.gpu).ooms == 0
 
 
 def test_explain_json_gives_the_limit(tmp_path: Path, capsys: Any) -> None:
@@ -117,16 +117,20 @@ def test_tune_when_nothing_fits_has_no_best_and_says_how_much_more_the_least_dem
     assert all(r["oom"] for r in result.results) and result.best is None
     least = result.least_demanding
     assert least is not None and least["more"] > 0
-    budget = result.budgets[0].gpu
+    budget = result.budgets[0].cap  # the recorded OOM had the device's room: a cap
+    assert result.budgets[0].gpu is None
     assert isinstance(budget, int) and least["gpu"] == budget + least["more"]
     snap = load_snapshot(str(path))
-    assert replay(snap, conf=least["conf"], gpu=least["gpu"]).ooms == 0
-    assert replay(snap, conf=least["conf"], gpu=least["gpu"] - 2 * MiB).ooms > 0
+    assert replay(snap, conf=least["conf"], cap=least["gpu"]).ooms == 0
+    assert replay(snap, conf=least["conf"], cap=least["gpu"] - 2 * MiB).ooms > 0
     assert main(["tune", str(path), "--json", "--jobs", "1"]) == 1  # exit 1: every config runs out of memory
     assert json.loads(capsys.readouterr().out)["best"] is None
     assert main(["tune", str(path), "--top", "1", "--jobs", "1"]) == 1
     text = capsys.readouterr().out
     assert "best:" not in text and "no config fits" in text and "(default)" in text
+    assert least["lower_bound"] is False  # the program went on after the failure: the bisection saw it
+    stops = tune([str(record(tmp_path / "stops.pickle"))], workers=1).least_demanding
+    assert stops is not None and stops["lower_bound"] is True
 
 
 def test_a_recording_whose_reserved_memory_is_flat_is_explained_at_its_allocated_peak() -> None:

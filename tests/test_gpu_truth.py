@@ -77,3 +77,51 @@ def test_cuda_graphs_and_mempool_recording_without_trace_pool_ids_verifies(tmp_p
     with pytest.raises(SnapshotError, match=r"what-if may differ between them: which pool the segment at 0x[0-9a-f]+ "
                                             r"\(allocated at event \d+, freed at event \d+\) belonged to"):
         replay(snap, gpu="H100")
+
+
+def test_a_what_if_under_a_per_process_cap_is_what_the_capped_gpu_did(tmp_path: Path) -> None:
+    """expandable_pressure.py capped itself at 2 GiB with ``set_per_process_memory_fraction(2 GiB
+    / total)`` on the H200 (``figures.jsonl``'s ``total``). Replayed as a what-if (recorded OOMs
+    not forced) under that fraction of that total, the cap alone fails the same 16 requests, and
+    peaks and end state are the GPU's. A cap is not a smaller card: ``alloc_block`` checks the
+    whole ``alloc_size`` against the cap, while a card refuses only the pages a map lacks."""
+    snap = load("expandable_pressure", tmp_path)
+    fig = truth_figures("expandable_pressure")
+    fraction = 2 * 2**30 / fig["total"]
+    r = replay(snap, gpu=fig["total"], conf=f"expandable_segments:True,per_process_memory_fraction:{fraction!r}")
+    recorded_ooms = [i for i, e in enumerate(snap["device_traces"][0]) if e["action"] == "oom"]
+    assert [o["event_index"] for o in r.oom_events] == recorded_ooms and r.ooms == fig["num_ooms"] == 16
+    assert (r.peak_allocated, r.peak_reserved) == (fig["max_allocated"], fig["max_reserved"])
+    assert (r.final_allocated, r.final_reserved) == (fig["allocated_end"], fig["reserved_end"])
+    maps = sum(e["action"] == "segment_map" for e in snap["device_traces"][0])
+    unmaps = sum(e["action"] == "segment_unmap" for e in snap["device_traces"][0])
+    assert (r.segment_allocs, r.segment_frees) == (maps, unmaps)
+    card = replay(snap, gpu=2 * 2**30, conf="expandable_segments:True")
+    assert (card.segment_allocs, card.segment_frees) != (maps, unmaps)
+
+
+def test_the_cap_a_real_oom_ran_into_lies_in_the_bracket_the_recording_gives(tmp_path: Path) -> None:
+    """expandable_pressure.py's first OOM came from its 2 GiB cap (134.95 GiB of the H200 free):
+    the cap lies between the most reserved before it and reserved + the segment it refused."""
+    from vram.analysis.tune import cap_bound
+    snap = load("expandable_pressure", tmp_path)
+    fig = truth_figures("expandable_pressure")
+    oom = replay(snap).oom
+    assert oom is not None and oom["recorded"] and oom["device_free"] > 100 * 2**30
+    high = cap_bound(oom)
+    assert high is not None
+    low = replay(snap, stop_at=oom["event_index"]).peak_reserved
+    cap = int(2 * 2**30 / fig["total"] * float(fig["total"]))  # allowed_memory_maximum
+    assert low <= cap <= high
+    assert replay(snap, cap=high, conf="expandable_segments:True").oom_events[0]["event_index"] == oom["event_index"]
+
+
+def test_vram_replay_cap_is_the_per_process_cap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from vram.cli.commands import main
+    path = truth_recording("expandable_pressure", tmp_path)
+    fig = truth_figures("expandable_pressure")
+    assert main(["replay", str(path), "--cap", "2GiB", "--conf", "expandable_segments:True", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["ooms"], out["peak_reserved"], out["final_reserved"]) == (16, fig["max_reserved"], fig["reserved_end"])

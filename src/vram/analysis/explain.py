@@ -32,7 +32,7 @@ from vram.replay.engine import device_count, replay
 from vram.units import format_size
 
 from .fleet import ReplayJob, load_cached, run_jobs
-from .tune import budgets_for, cap_bound, smallest_fit, tune
+from .tune import budgets_for, cap_bound, ends_at_oom, fit_bound, smallest_fit, tune
 
 #: consumers listed
 TOP = 10
@@ -65,6 +65,17 @@ class Explanation:
     limit: dict[str, Any] | None = None
     #: the recording has no allocation after the OOM: the program's later needs are not in it
     ends_at_oom: bool = False
+
+    @property
+    def capped(self) -> bool:
+        """`gpu` is a per-process cap (on a device with room), not a GPU's size."""
+        return self.limit is not None and self.limit["cause"] == "per-process cap"
+
+    def job(self, path: str, conf: str | None, context: int | str = 0, **kw: Any) -> ReplayJob:
+        """A replay on this explanation's budget: the GPU, or the cap."""
+        if self.capped:
+            return ReplayJob(path, self.device, conf, None, context, cap=self.gpu, **kw)
+        return ReplayJob(path, self.device, conf, self.gpu, context, **kw)
 
     @property
     def reserved_unallocated(self) -> int:
@@ -220,15 +231,14 @@ def explain(path: str, *, device: int | None = None, gpu: int | str | None = Non
         stop = oom["event_index"]
     else:
         at, stop = _moment(snap, device, probe)
-    b_gpu = budget.gpu if isinstance(budget.gpu, int) or budget.gpu is None else gpu_memory(budget.gpu)
+    b_gpu = budget.cap if budget.cap is not None else (
+        budget.gpu if isinstance(budget.gpu, int) or budget.gpu is None else gpu_memory(budget.gpu))
     why_gpu = "unlimited (a state dump: no OOM event in the file, no --gpu)" if at["kind"] == "state" and \
         b_gpu is None else budget.why
     ex = Explanation(path, device, at, b_gpu, why_gpu)
     _state(ex, snap, stop, gpu_bytes, ctx)
     ex.limit = _limit(ex, snap, oom, gpu_bytes, recorded_conf)
-    if oom is not None:
-        trace = snap["device_traces"][device]
-        ex.ends_at_oom = not any(e["action"] == "alloc" for e in trace[oom["event_index"] + 1:])
+    ex.ends_at_oom = ends_at_oom(path, device, oom)
     _why(ex)
     if oom is not None and recorded_conf and parse_alloc_conf(recorded_conf).expandable_segments:
         ex.why.append("expandable_segments was already on: the message's advice to set it is fixed text "
@@ -279,8 +289,8 @@ def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any]
     f = format_size
     oom = ex.at["kind"] == "oom"
     unlimited = run_jobs([ReplayJob(path, ex.device, recorded_conf)], workers=1)[0]
-    tuned = tune([path], gpu=ex.gpu, context=context, devices=[ex.device], workers=workers, cluster=cluster,
-                 progress=progress)
+    tuned = tune([path], gpu=None if ex.capped else ex.gpu, cap=ex.gpu if ex.capped else None, context=context,
+                 devices=[ex.device], workers=workers, cluster=cluster, progress=progress)
     if oom:
         good = [r for r in tuned.results if not r["oom"]][:3]
         for r in good:
@@ -300,9 +310,10 @@ def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any]
         return
     ctx = context if isinstance(context, int) else 0
     if oom:
-        need = smallest_fit(path, ex.device, recorded_conf, ex.gpu, max(unlimited["peak_reserved"], ex.gpu))
+        need = smallest_fit(path, ex.device, recorded_conf, ex.gpu, fit_bound(unlimited["peak_reserved"], ex.gpu,
+                                                                              ex.capped), as_cap=ex.capped)
         if need is not None and need > ex.gpu:  # (fitting on ex.gpu itself would contradict the OOM)
-            ex.fixes.append(_more_memory_fix(ex, need, ctx))
+            ex.fixes.append(_more_memory_fix(ex, ex.gpu, need, ctx))
         live = unlimited["peak_requested"]
         if live > ex.gpu:
             ex.fixes.insert(0, {"kind": "does_not_fit", "verified": True, "more": live - ex.gpu,
@@ -311,11 +322,10 @@ def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any]
                                           "have: it needs at least that much more, whatever the settings"})
 
 
-def _more_memory_fix(ex: Explanation, need: int, ctx: int) -> dict[str, Any]:
-    """More memory for PyTorch: a larger cap under a per-process cap, else a larger GPU; "at
-    least" where the recording stops at the failure (what follows it is not recorded)."""
-    f, lim, gpu = format_size, ex.limit, ex.gpu
-    assert gpu is not None  # only asked where the GPU the recording ran on is known
+def _more_memory_fix(ex: Explanation, gpu: int, need: int, ctx: int) -> dict[str, Any]:
+    """More memory for PyTorch than `gpu`: a larger cap under a per-process cap, else a larger
+    GPU; "at least" where the recording stops at the failure (what follows it is not recorded)."""
+    f, lim = format_size, ex.limit
     least = "at least " if ex.ends_at_oom else ""
     after = " to get past this request (what the program needs after it is not in the recording)" \
         if ex.ends_at_oom else ""
@@ -356,11 +366,11 @@ def _empty_cache_fixes(ex: Explanation, path: str, conf: str, probe: dict[str, A
     end = ex.at["event_index"]
     if end <= 1:
         return
-    timeline = replay(snap, device=ex.device, conf=conf, gpu=ex.gpu, context=context, timeline=True,
-                      stop_at=end).timeline
+    timeline = replay(snap, device=ex.device, conf=conf, gpu=None if ex.capped else ex.gpu,
+                      cap=ex.gpu if ex.capped else None, context=context, timeline=True, stop_at=end).timeline
     assert timeline is not None
     points = cache_peaks(timeline[0], timeline[1], end, EMPTY_CACHE_REPLAYS)
-    jobs = [ReplayJob(path, ex.device, conf, ex.gpu, context, empty_cache_at=(p,)) for p in points]
+    jobs = [ex.job(path, conf, context, empty_cache_at=(p,)) for p in points]
     trace = snap["device_traces"][ex.device]
     oom = ex.at["kind"] == "oom"
     found = []

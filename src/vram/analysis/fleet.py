@@ -40,6 +40,7 @@ class ReplayJob:
     context: int | str = 0
     verify: bool = False
     empty_cache_at: tuple[int, ...] = ()
+    cap: int | None = None  # a per-process cap in bytes (``replay(cap=)``)
 
 
 def load_cached(path: str) -> dict[str, Any]:
@@ -93,7 +94,7 @@ def run_job(job: ReplayJob) -> dict[str, Any]:
         return error_row(job, f"{name}: ran out of memory reading it")
     try:
         result = replay(snap, gpu=job.gpu, context=job.context, conf=job.conf, verify=job.verify,
-                        device=job.device, empty_cache_at=job.empty_cache_at)
+                        device=job.device, empty_cache_at=job.empty_cache_at, cap=job.cap)
     except (OSError, ValueError, TypeError, SnapshotError, StateError, ConfigError, DriverError) as exc:
         return error_row(job, f"{name}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
     except MemoryError:

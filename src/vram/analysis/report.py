@@ -102,7 +102,10 @@ def _no_fit(result: Any) -> list[str]:
     least = result.least_demanding
     if least is not None:
         lines.append(f"the least demanding found, {_shown(least['conf'] or '(default)', 200)}, needs "
-                     f"{f(least['more'])} more: it fits in {least['gpu']:,} B for PyTorch (checked by replay)")
+                     f"{'at least ' if least.get('lower_bound') else ''}{f(least['more'])} more: it fits in "
+                     f"{least['gpu']:,} B for PyTorch (checked by replay)" + (
+                         "; the recording stops at the failure, so what the program needs after it is not in it"
+                         if least.get("lower_bound") else ""))
     return lines
 
 
@@ -110,7 +113,8 @@ def tune_text(result: Any, top: int = 15) -> str:
     """``vram tune``'s report of a `vram.analysis.tune.TuneResult`."""
     lines = []
     for p, b in zip(result.snapshots, result.budgets):
-        gpu = "unlimited" if b.gpu is None else f"{b.gpu:,} B" if isinstance(b.gpu, int) else b.gpu
+        gpu = (f"with room, under a per-process cap of {b.cap:,} B" if b.cap is not None else "unlimited"
+               if b.gpu is None else f"{b.gpu:,} B" if isinstance(b.gpu, int) else b.gpu)
         lines.append(f"{_shown(p)}: GPU {gpu} ({_shown(b.why)})")
     lines.append(f"\n{'rank':>4}  {'peak reserved':>14}  {'vs default':>11}  {'OOM':<4} {'cudaMalloc':>10}  config")
     for k, peak, delta, oom, mallocs, conf in _rows(result, top):

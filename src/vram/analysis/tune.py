@@ -58,10 +58,12 @@ def base_grid() -> list[str]:
     return [conf_string(e, m, d) for e, m, d in itertools.product((False, True), MAX_SPLIT_MB, ROUNDUP_DIVISIONS)]
 
 
-def gc_grid(bases: Sequence[str]) -> list[str]:
-    """Stage 2: each base with a GC threshold under a memory fraction."""
+def gc_grid(bases: Sequence[str], fractions: Sequence[float] = FRACTIONS) -> list[str]:
+    """Stage 2: each base with a GC threshold under a memory fraction (under a per-process cap
+    already, `fractions` empty: the threshold alone)."""
     out = []
-    for base, gc, fraction in itertools.product(bases, GC_THRESHOLDS, FRACTIONS):
+    with_fraction: Sequence[float | None] = list(fractions) or [None]
+    for base, gc, fraction in itertools.product(bases, GC_THRESHOLDS, with_fraction):
         extra = conf_string(gc=gc, fraction=fraction)
         out.append(f"{base},{extra}" if base else extra)
     return out
@@ -74,6 +76,8 @@ class Budget:
     gpu: int | str | None
     context: int | str
     why: str
+    #: a per-process cap in bytes instead of a GPU size (on a device with room): `cap_bound`
+    cap: int | None = None
 
 
 @dataclass
@@ -133,19 +137,22 @@ def cap_bound(oom: dict[str, Any], large_segment_size: int = 20971520) -> int | 
     return oom["reserved"] + need - 1
 
 
-def budgets_for(probes: Sequence[dict[str, Any]], gpu: int | str | None, context: int | str) -> list[Budget]:
-    """The GPU for each snapshot, from the user or from its recorded OOM (see module doc): under
-    a per-process cap (`cap_bound`), the cap's upper end."""
+def budgets_for(probes: Sequence[dict[str, Any]], gpu: int | str | None, context: int | str,
+                cap: int | None = None) -> list[Budget]:
+    """The GPU for each snapshot, from the user (a GPU, or a per-process `cap`) or from its
+    recorded OOM (see module doc): under a per-process cap (`cap_bound`), the cap's upper end."""
     out = []
     for probe in probes:
         oom = probe.get("oom")
-        if gpu is not None:
+        if cap is not None:
+            out.append(Budget(None, 0, "a per-process cap, given", cap))
+        elif gpu is not None:
             out.append(Budget(gpu, context, "given"))
         elif oom is not None and oom.get("recorded") and (cap := cap_bound(
                 oom, parse_alloc_conf(probe["conf"]).large_segment_size)) is not None:
-            out.append(Budget(cap, 0, f"recorded OOM at event {oom['event_index']} with "
-                                      f"{oom['device_free']:,} B of the device free: a per-process cap, "
-                                      f"at most {cap:,} B (reserved + the segment requested, less 1)"))
+            out.append(Budget(None, 0, f"recorded OOM at event {oom['event_index']} with "
+                                       f"{oom['device_free']:,} B of the device free: a per-process cap, "
+                                       f"at most {cap:,} B (reserved + the segment requested, less 1)", cap))
         elif oom is not None and oom.get("recorded"):
             out.append(Budget(oom["reserved"] + oom["device_free"], 0,
                               f"recorded OOM at event {oom['event_index']}: reserved + free there"))
@@ -164,7 +171,8 @@ def _rows(confs: Sequence[str], paths: Sequence[str], devices: Sequence[int], bu
           failed: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One ranked row per config that replayed on every snapshot; the others go to `failed` (one
     candidate that cannot be replayed does not stop the search)."""
-    jobs = [ReplayJob(p, d, conf, b.gpu, b.context) for conf in confs for p, d, b in zip(paths, devices, budgets)]
+    jobs = [ReplayJob(p, d, conf, b.gpu, b.context, cap=b.cap)
+            for conf in confs for p, d, b in zip(paths, devices, budgets)]
     out = run_jobs(jobs, workers=workers, cluster=cluster, progress=progress)
     rows = []
     n = len(paths)
@@ -189,8 +197,9 @@ def _rows(confs: Sequence[str], paths: Sequence[str], devices: Sequence[int], bu
 
 def tune(paths: Sequence[str], *, gpu: int | str | None = None, context: int | str = 0,
          devices: Sequence[int] | None = None, workers: int | None = None, cluster: str | None = None,
-         progress: Callable[[int, int], None] | None = None) -> TuneResult:
-    """Tune one recording or a fleet of them (one config for all); see the module doc."""
+         progress: Callable[[int, int], None] | None = None, cap: int | None = None) -> TuneResult:
+    """Tune one recording or a fleet of them (one config for all); see the module doc. `cap`: a
+    per-process cap in bytes to tune under, instead of a GPU."""
     if not paths:
         raise ValueError("no snapshot to tune")
     devs = list(devices) if devices is not None else [0] * len(paths)
@@ -200,15 +209,17 @@ def tune(paths: Sequence[str], *, gpu: int | str | None = None, context: int | s
         raise ValueError(unread[0])
     kept = [k for k, probe in enumerate(probes) if "error" not in probe]
     paths, devs, probes = [paths[k] for k in kept], [devs[k] for k in kept], [probes[k] for k in kept]
-    budgets = budgets_for(probes, gpu, context)
+    budgets = budgets_for(probes, gpu, context, cap)
     result = TuneResult(list(paths), budgets)
     result.notes += [f"not tuned: {e}" for e in unread]
     grid = base_grid()
     recorded = sorted({probe["conf"] for probe in probes} - set(grid))
     rows = _rows(recorded + grid, paths, devs, budgets, workers, cluster, progress, result.failed)
-    if all(b.gpu is not None for b in budgets) and rows:
+    if all(b.gpu is not None or b.cap is not None for b in budgets) and rows:
         bases = [r["conf"] for r in sorted(rows, key=_rank_key)[:GC_STAGE_BASES]]
-        rows += _rows(gc_grid(bases), paths, devs, budgets, workers, cluster, progress, result.failed)
+        capped = any(b.cap is not None for b in budgets)  # the cap is the fraction: only the threshold
+        rows += _rows(gc_grid(bases, () if capped else FRACTIONS), paths, devs, budgets, workers, cluster, progress,
+                      result.failed)
     else:
         result.notes.append("garbage_collection_threshold and per_process_memory_fraction not searched: "
                             "they act against the GPU's size, and it is unlimited here (pass --gpu)")
@@ -224,13 +235,16 @@ def tune(paths: Sequence[str], *, gpu: int | str | None = None, context: int | s
         row = next((r for r in rows if r["conf"] == probe["conf"]), None)
         if oom is not None and oom.get("recorded") and gpu is None and row is not None:
             if row["per_snapshot"][k]["first_oom_event"] != oom["event_index"]:
-                result.notes.append(f"{p}: on {b.gpu:,} B the recorded config does not fail at the "
+                on = f"a cap of {b.cap:,} B" if b.cap is not None else f"{b.gpu:,} B"
+                result.notes.append(f"{p}: on {on} the recorded config does not fail at the "
                                     f"recorded OOM (event {oom['event_index']}): the GPU's other memory "
                                     "changed during the run, or the failure was not for lack of bytes")
     rows.sort(key=_rank_key)
     result.results = rows
-    if rows and rows[0]["oom"] and len(paths) == 1 and isinstance(budgets[0].gpu, int):
+    if rows and rows[0]["oom"] and len(paths) == 1 and (isinstance(budgets[0].gpu, int) or budgets[0].cap):
         result.least_demanding = _least_demanding(rows, paths[0], devs[0], budgets[0])
+        if result.least_demanding is not None:
+            result.least_demanding["lower_bound"] = ends_at_oom(paths[0], devs[0], probes[0].get("oom"))
     return result
 
 
@@ -241,11 +255,15 @@ BISECTIONS = 10
 _STEP = 2 << 20
 
 
-def smallest_fit(path: str, device: int, conf: str, low: int, high: int, context: int | str = 0) -> int | None:
+def smallest_fit(path: str, device: int, conf: str, low: int, high: int, context: int | str = 0,
+                 as_cap: bool = False) -> int | None:
     """The smallest budget (bytes for PyTorch, 2 MiB steps, at most ``BISECTIONS`` replays) in
-    (low, high] where `conf` replays `path` without an OOM; None if it does not fit in `high`."""
+    (low, high] where `conf` replays `path` without an OOM; None if it does not fit in `high`.
+    The budget is a GPU's size, or with `as_cap` a per-process cap on a GPU with room."""
     def fits(gpu: int) -> bool:
-        r = run_jobs([ReplayJob(path, device, conf, gpu, context)], workers=1)[0]
+        job = ReplayJob(path, device, conf, None, context, cap=gpu) if as_cap else ReplayJob(path, device, conf, gpu,
+                                                                                              context)
+        r = run_jobs([job], workers=1)[0]
         return "error" not in r and r["ooms"] == 0
 
     if not fits(high):
@@ -262,11 +280,29 @@ def smallest_fit(path: str, device: int, conf: str, low: int, high: int, context
     return min(hi * _STEP, high)
 
 
+def ends_at_oom(path: str, device: int, oom: dict[str, Any] | None) -> bool:
+    """Whether the recording stops at its recorded OOM (no allocation after it): then a budget
+    that fits it is only enough for what was recorded, a lower bound for the program."""
+    if oom is None or not oom.get("recorded"):
+        return False
+    from .fleet import load_cached
+
+    trace = load_cached(path)["device_traces"][device]
+    return not any(e["action"] == "alloc" for e in trace[oom["event_index"] + 1:])
+
+
+def fit_bound(peak: int, budget: int, as_cap: bool) -> int:
+    """A budget the run certainly fits in, given its peak reserved on a GPU without limit: that
+    peak on a GPU; under a cap, which ``alloc_block`` checks against reserved + the whole new
+    segment, the peak plus the largest segment (a segment is at most the peak + 20 MiB)."""
+    return max(2 * peak + 20 * 2**20 if as_cap else peak, budget + _STEP)
+
+
 def _least_demanding(rows: Sequence[dict[str, Any]], path: str, device: int, budget: Budget) -> dict[str, Any] | None:
     """Where every config runs out of memory on `budget`: of the configs that fail latest (the
     default among them), the one that fits in the least memory, and that memory (bisected, each
     step a replay). Its need on a GPU without limit bounds the search."""
-    gpu = budget.gpu
+    gpu = budget.cap if budget.cap is not None else budget.gpu
     assert isinstance(gpu, int)
     latest = sorted(rows, key=lambda r: (-(r["per_snapshot"][0]["first_oom_event"] or 0), r["peak_reserved"]))
     tries = [r["conf"] for r in latest[:LEAST_DEMANDING_TRIES]]
@@ -276,7 +312,8 @@ def _least_demanding(rows: Sequence[dict[str, Any]], path: str, device: int, bud
         free = run_jobs([ReplayJob(path, device, conf)], workers=1)[0]
         if "error" in free:
             continue
-        need = smallest_fit(path, device, conf, gpu, max(free["peak_reserved"], gpu + _STEP), budget.context)
+        need = smallest_fit(path, device, conf, gpu, fit_bound(free["peak_reserved"], gpu, budget.cap is not None),
+                            budget.context, as_cap=budget.cap is not None)
         if need is not None and need > gpu and (best is None or need < best["gpu"]):
             best = {"conf": conf, "gpu": need, "more": need - gpu}
     return best

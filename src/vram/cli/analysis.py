@@ -10,7 +10,7 @@ import sys
 import tempfile
 from typing import Any
 
-from vram.units import format_size
+from vram.units import format_size, parse_size
 
 from .defaults import DEFAULT_CONTEXT, DEFAULT_GPU, REPLAY_CONTEXT_HELP
 from .examples import epilog
@@ -45,7 +45,8 @@ def cmd_replay_fleet(args: argparse.Namespace) -> int:
         devices = [args.device] if args.device is not None else devices_of(path)
         for device in devices:
             for conf in args.conf or [None]:
-                jobs.append(ReplayJob(path, device, conf, args.gpu, args.context, args.verify))
+                jobs.append(ReplayJob(path, device, conf, args.gpu, args.context, args.verify,
+                                      cap=None if args.cap is None else parse_size(args.cap, "--cap")))
     rows = run_jobs(jobs, workers=args.jobs, cluster=args.cluster, progress=_progress("replaying"))
     if args.json:
         print(json.dumps({"runs": rows}))

@@ -74,13 +74,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     snap = _load(path)
     devices = [args.device] if args.device is not None else list(range(device_count(snap)))
     confs = args.conf if args.conf else [None]
+    cap = None if args.cap is None else parse_size(args.cap, "--cap")
     reports, objs = [], []
     for device in devices:
         results = []
         for conf in confs:
             label = _label(conf if conf is not None else "recorded config")
             results.append(_replay(path, snap, gpu=args.gpu, context=args.context, conf=conf,
-                                   verify=args.verify, device=device,
+                                   verify=args.verify, device=device, cap=cap,
                                    progress=_Progress(f"replaying ({_shown(label)})"),
                                    skip_cycles=not args.no_cycle_skip))
         trials = [try_alloc(r, parse_size(args.alloc, "--alloc")) for r in results] if args.alloc else None
@@ -266,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", default=None, help=REPLAY_CONTEXT_HELP)
     p.add_argument("--conf", action="append", metavar="CONF",
                    help="PYTORCH_CUDA_ALLOC_CONF to replay under (repeat to compare; default: the recorded one)")
+    p.add_argument("--cap", metavar="SIZE",
+                   help="a per-process cap (torch.cuda.set_per_process_memory_fraction) of SIZE bytes for PyTorch "
+                        "on a GPU with room: each new segment is checked whole against it (not the same as a "
+                        "smaller GPU with expandable segments)")
     p.add_argument("--verify", action="store_true", help="compare event by event with the recording")
     p.add_argument("--alloc", metavar="SIZE", help="after the replay, try allocating SIZE (e.g. 2GiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")

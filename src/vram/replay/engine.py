@@ -176,7 +176,7 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
            conf: str | None = None, verify: bool = False, device: int = 0,
            progress: Callable[[int, int], None] | None = None, stop_at: int | None = None,
            timeline: bool = False, skip_cycles: bool = True,
-           empty_cache_at: Collection[int] = ()) -> ReplayResult:
+           empty_cache_at: Collection[int] = (), cap: int | None = None) -> ReplayResult:
     """Replay one device's trace of `snapshot` (a loaded snapshot dict); see the module doc.
 
     `conf` None means the recording's own ``PYTORCH_CUDA_ALLOC_CONF``; `gpu` None means a GPU
@@ -187,7 +187,9 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     results are identical either way. Where the C core (`vram.replay.ccore`) models the replay it
     runs instead, every event (it is 3-6x faster than skipping, on periodic traces too: README,
     Speed), and ``skipped_events`` is 0. `empty_cache_at` calls ``empty_cache()`` before each of those event
-    indices (a what-if: the program calling it there).
+    indices (a what-if: the program calling it there). `cap` is a per-process cap in bytes
+    (``allowed_memory_maximum``, as ``set_per_process_memory_fraction`` sets it): a what-if where
+    every new segment is checked whole against it before the device is asked (``alloc_block``).
 
     The recording's ``oom`` events (requests that failed) are reproduced under the recorded config
     on the recorded GPU (`conf` and `gpu` None) and when verifying: the device fails as the real one
@@ -212,9 +214,11 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     scan = ccore.scan(trace)  # every event read once, in C, for the rewind and the C loop (None: not here)
     unknown = pool_search.to_infer(final, trace, device, scan.first_pool_id if scan else 0)
     if unknown is not None:  # an older recording whose pools are found by replay: vram.replay.pool_search
-        what_if = (conf is not None and conf != recorded_conf) or gpu is not None or bool(empty_cache_at)
+        what_if = ((conf is not None and conf != recorded_conf) or gpu is not None or bool(empty_cache_at)
+                   or cap is not None)
         asked = dict(gpu=gpu, context=context, conf=conf, verify=verify, device=device, progress=progress,
-                     stop_at=stop_at, timeline=timeline, skip_cycles=skip_cycles, empty_cache_at=empty_cache_at)
+                     stop_at=stop_at, timeline=timeline, skip_cycles=skip_cycles, empty_cache_at=empty_cache_at,
+                     cap=cap)
         return pool_search.decide(pool_search.labellings(snapshot, device, unknown, replay),
                                   lambda s, **over: replay(s, **{**asked, **over}), device, what_if)
     plan = plan_pools(final, trace, device, scan.first_pool_id if scan else 0)  # private pools: pool_replay
@@ -234,11 +238,13 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
 
     def start() -> tuple[_ReplayDevice, CachingAllocator, set[int]]:
         dev = _ReplayDevice(recorded, total, ctx, device, recorded_maps=recorded_maps)
-        dev.reproduce_ooms = verify or (conf is None and gpu is None)
+        dev.reproduce_ooms = verify or (conf is None and gpu is None and cap is None)
         dev.capacity_known = gpu is not None
         dev.unbounded_address_space = gpu is None  # (a stand-in size: vram.devices.trace)
         dev.empty_cache_at = frozenset(empty_cache_at)
         alloc = CachingAllocator(dev, conf_text)
+        if cap is not None:
+            alloc.allowed_memory_maximum = cap
         import_segments(alloc, initial)
         dev.pool_router = plan.router(alloc) if plan is not None else None
         return dev, alloc, {b["address"] for seg in initial for b in seg["blocks"] if b["state"] != "inactive"}
