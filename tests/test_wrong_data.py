@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from pickle import dumps as pickle_dumps
 from typing import Any
 
 import pytest
@@ -80,3 +81,23 @@ def test_a_segment_at_an_unaligned_address_is_refused(offset: int) -> None:
     seg = segment(BASE + offset, [(2 * MiB, "active_allocated", 2 * MiB)])
     reject(snap([seg]), "segments[0].address", "not a multiple of 256")
     load_snapshot(snap([segment(BASE + 256, [(2 * MiB, "active_allocated", 2 * MiB)])]))
+
+
+# --------------------------------------------------------------------------- amplification
+
+
+def test_devices_that_record_nothing_are_not_replayed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A small file of 65,536 empty device traces: only the devices that record events or
+    segments are replayed (the others' replays are all zeros), in one run and in a fleet."""
+    from vram.cli.commands import main
+
+    traces: list[list[dict[str, Any]]] = [[] for _ in range(65_536)]
+    traces[3] = [{"action": "alloc", "addr": BASE, "size": 512, "stream": 0, "time_us": 0, "frames": []}]
+    p = tmp_path / "many.pickle"
+    p.write_bytes(pickle_dumps({"segments": [], "device_traces": traces}))
+    assert main(["replay", str(p), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out) < 2000 and json.loads(out)["device"] == 3
+    assert "65,535 device(s) record no events and no segments" in err
+    assert main(["replay", str(p), str(p), "--json", "--jobs", "1"]) == 0
+    assert [r["job"]["device"] for r in json.loads(capsys.readouterr().out)["runs"]] == [3, 3]

@@ -63,16 +63,17 @@ def load_cached(path: str) -> dict[str, Any]:
     return snap
 
 
-def devices_of(path: str) -> range:
-    """The devices a snapshot records; a file that cannot be loaded gets device 0 alone, whose job
-    then reports why in its own row (one unreadable file does not stop the fleet)."""
-    from vram.replay.engine import device_count
+def devices_of(path: str) -> list[int]:
+    """The devices a snapshot records anything on (`vram.replay.engine.recorded_devices`); a file
+    that cannot be loaded gets device 0 alone, whose job then reports why in its own row (one
+    unreadable file does not stop the fleet)."""
+    from vram.replay.engine import recorded_devices
     from vram.replay.messages import SnapshotError
 
     try:
-        return range(device_count(load_cached(path)))
+        return recorded_devices(load_cached(path))
     except (SnapshotError, MemoryError):
-        return range(1)
+        return [0]
 
 
 def run_job(job: ReplayJob) -> dict[str, Any]:

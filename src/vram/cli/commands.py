@@ -63,7 +63,7 @@ def _replay(path: str, snap: dict[str, Any], **kw: Any) -> Any:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """One snapshot: every device (or --device) under every --conf. Several: `cli.analysis`."""
-    from vram.replay.engine import device_count
+    from vram.replay.engine import device_count, recorded_devices
 
     if len(args.snapshot) > 1:
         if args.alloc:
@@ -72,7 +72,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return cmd_replay_fleet(args)
     path = args.snapshot[0]
     snap = _load(path)
-    devices = [args.device] if args.device is not None else list(range(device_count(snap)))
+    devices = [args.device] if args.device is not None else recorded_devices(snap)
+    if args.device is None and len(devices) < device_count(snap):
+        print(f"vram: note: {_shown(path)}: {device_count(snap) - len(devices):,} device(s) record no events and "
+              "no segments: not replayed (--device replays one)", file=sys.stderr)
     confs = args.conf if args.conf else [None]
     cap = None if args.cap is None else parse_size(args.cap, "--cap")
     reports, objs = [], []

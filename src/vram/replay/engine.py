@@ -316,6 +316,15 @@ def device_count(snapshot: Mapping[str, Any]) -> int:
                1 + max((s.get("device", 0) for s in snapshot.get("segments", [])), default=0))
 
 
+def recorded_devices(snapshot: Mapping[str, Any]) -> list[int]:
+    """The devices a snapshot records anything on (events, or segments), in order; device 0 when
+    none does. A device with neither has nothing to replay: its replay is all zeros, so the work
+    of replaying "every device" stays bounded by what the file holds, not by its count of traces."""
+    traces = snapshot.get("device_traces") or []
+    used = {d for d, t in enumerate(traces) if t} | {s.get("device", 0) for s in snapshot.get("segments", [])}
+    return sorted(used) or [0]
+
+
 def _largest_free(alloc: CachingAllocator, budget: int | None = None) -> tuple[int, int]:
     """(the largest free block of either pool, streams visited). Pools are ordered by (stream,
     size, address) (spec §1), so each stream's largest is its last key: O(streams x log n), not
