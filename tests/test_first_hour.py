@@ -284,9 +284,25 @@ def test_a_rank_line_pytorch_already_prefixed_is_prefixed_once() -> None:
     from vram.run.distributed.launcher import _forward
 
     out = io.StringIO()
-    _forward(io.BytesIO(b"[rank0]:[W reducer.cpp] Time stats are only collected for CPU and CUDA\nplain\n"), out,
-             "[rank0]:", threading.Lock())
-    assert out.getvalue() == "[rank0]:[W reducer.cpp] Time stats are only collected for CPU and CUDA\n[rank0]:plain\n"
+    _forward(io.BytesIO(b"[rank0]:[W reducer.cpp] Warning: the script's own\nplain\n"), out, "[rank0]:",
+             threading.Lock())
+    assert out.getvalue() == "[rank0]:[W reducer.cpp] Warning: the script's own\n[rank0]:plain\n"
+
+
+def test_the_reducer_timer_warning_of_the_simulated_device_is_not_shown() -> None:
+    """reducer.cpp warns once that it has no timer for a device other than CPU and CUDA: on a GPU
+    it never says so, so a simulated rank does not either."""
+    import io
+    import threading
+
+    from vram.run.distributed.launcher import _forward
+
+    out = io.StringIO()
+    _forward(io.BytesIO(b"[rank0]:[W1127 reducer.cpp:1430] Warning: Time stats are currently only collected for "
+                        b"CPU and CUDA devices. Please refer to CpuTimer or CudaTimer for how to register timer "
+                        b"for other device type. (function operator())\nloss 0.0\n"), out, "[rank0]:",
+             threading.Lock())
+    assert out.getvalue() == "[rank0]:loss 0.0\n"
 
 
 def test_the_nccl_note_is_short_unless_nccl_debug_asks(monkeypatch: pytest.MonkeyPatch) -> None:
