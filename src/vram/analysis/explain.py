@@ -164,11 +164,12 @@ def _why(ex: Explanation) -> None:
                       "other streams' events (record_stream) and cannot be reused yet")
 
 
-def _bisect_gpu(path: str, device: int, conf: str, low: int, high: int, workers: int | None,
+def _bisect_gpu(path: str, device: int, conf: str, low: int, high: int, context: int, workers: int | None,
                 cluster: str | None) -> int | None:
-    """The smallest GPU (bytes for PyTorch, 2 MiB steps) in (low, high] where `conf` has no OOM."""
+    """The smallest GPU (its capacity, `context` included; 2 MiB steps) in (low, high] where `conf`
+    has no OOM."""
     def fits(gpu: int) -> bool:
-        r = run_jobs([ReplayJob(path, device, conf, gpu)], workers=1)[0]
+        r = run_jobs([ReplayJob(path, device, conf, gpu, context)], workers=1)[0]
         return "error" not in r and r["ooms"] == 0
 
     if not fits(high):
@@ -217,7 +218,8 @@ def explain(path: str, *, device: int | None = None, gpu: int | str | None = Non
         at = {"kind": "reserved_peak", "event_index": probe["reserved_peak_event"]}
         stop = probe["reserved_peak_event"] + 1
     b_gpu = budget.gpu if isinstance(budget.gpu, int) or budget.gpu is None else gpu_memory(budget.gpu)
-    ex = Explanation(path, device, at, b_gpu, budget.why)
+    why = f"given, the CUDA context's {format_size(ctx)} included" if gpu_bytes is not None and ctx else budget.why
+    ex = Explanation(path, device, at, b_gpu, why)
     _state(ex, snap, stop, gpu_bytes, ctx)
     _why(ex)
     if oom is not None and recorded_conf and parse_alloc_conf(recorded_conf).expandable_segments:
@@ -253,19 +255,22 @@ def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any]
     _empty_cache_fixes(ex, path, recorded_conf, probe, context, workers, cluster)
     if ex.gpu is None:
         return
+    # ex.gpu is the device's capacity: a given --gpu holds the context (`ctx`), the budget of a
+    # recorded OOM (reserved + free there) does not (its context is 0)
     ctx = context if isinstance(context, int) else 0
     if oom:
-        need = _bisect_gpu(path, ex.device, recorded_conf, ex.gpu, max(unlimited["peak_reserved"], ex.gpu),
-                           workers, cluster)
+        need = _bisect_gpu(path, ex.device, recorded_conf, ex.gpu, max(unlimited["peak_reserved"] + ctx, ex.gpu),
+                           ctx, workers, cluster)
         if need is not None:
-            ex.fixes.append({"kind": "gpu", "change": f"a GPU with {f(need - ex.gpu)} more memory ({need + ctx:,} B "
-                                                      f"for PyTorch and the context, not {ex.gpu + ctx:,} B)",
-                             "verified": True, "gpu": need + ctx, "more": need - ex.gpu})
-        live = unlimited["peak_requested"]
-        if live > ex.gpu:
-            ex.fixes.insert(0, {"kind": "does_not_fit", "verified": True, "more": live - ex.gpu,
+            with_ctx = f" with the {f(ctx)} CUDA context" if ctx else ""
+            ex.fixes.append({"kind": "gpu", "change": f"a GPU with {f(need - ex.gpu)} more memory ({need:,} B"
+                                                      f"{with_ctx}, not {ex.gpu:,} B)",
+                             "verified": True, "gpu": need, "more": need - ex.gpu})
+        live, usable = unlimited["peak_requested"], ex.gpu - ctx
+        if live > usable:
+            ex.fixes.insert(0, {"kind": "does_not_fit", "verified": True, "more": live - usable,
                                 "change": f"it does not fit: the tensors requested and alive at once reach "
-                                          f"{f(live)}, {f(live - ex.gpu)} more than the {f(ex.gpu)} PyTorch could "
+                                          f"{f(live)}, {f(live - usable)} more than the {f(usable)} PyTorch could "
                                           "have: it needs at least that much more, whatever the settings"})
 
 
