@@ -79,6 +79,22 @@ def test_explain_then_tune_answer_from_the_run_dump(oom_run: Any) -> None:
     assert "the least demanding found, (default), needs" in r.stdout
 
 
+def test_explain_on_the_card_of_the_run_counts_its_context(oom_run: Any) -> None:
+    """Given the run's card (16 GiB with a 1 GiB context), the OOM replays with the run's own message,
+    and the fixes count the context: three 6 GiB tensors need 18 GiB for PyTorch, so 19 GiB of card
+    (3 GiB more); PyTorch could have 15 GiB, so it does not fit by 3 GiB whatever the settings."""
+    work, r = oom_run
+    ex = _vram("explain", "oom.pickle", "--gpu", "16GiB", "--context", "1GiB", "--jobs", "1", "--json", cwd=work)
+    assert ex.returncode == 0, ex.stderr
+    out = json.loads(ex.stdout)
+    run_message = next(ln for ln in r.stderr.splitlines() if ln.startswith("torch.OutOfMemoryError: "))
+    assert out["at"]["message"] == run_message.removeprefix("torch.OutOfMemoryError: ")
+    gpu = [f for f in out["fixes"] if f["kind"] == "gpu"]
+    assert gpu and gpu[0]["gpu"] == 19 * GiB and gpu[0]["more"] == 3 * GiB and gpu[0]["verified"]
+    nofit = [f for f in out["fixes"] if f["kind"] == "does_not_fit"]
+    assert nofit and nofit[0]["more"] == 3 * GiB
+
+
 def test_an_oom_without_snapshot_says_how_to_record_one(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     (tmp_path / "oom.py").write_text(OOM_SCRIPT)
@@ -288,9 +304,25 @@ def test_a_rank_line_pytorch_already_prefixed_is_prefixed_once() -> None:
     from vram.run.distributed.launcher import _forward
 
     out = io.StringIO()
-    _forward(io.BytesIO(b"[rank0]:[W reducer.cpp] Time stats are only collected for CPU and CUDA\nplain\n"), out,
-             "[rank0]:", threading.Lock())
-    assert out.getvalue() == "[rank0]:[W reducer.cpp] Time stats are only collected for CPU and CUDA\n[rank0]:plain\n"
+    _forward(io.BytesIO(b"[rank0]:[W reducer.cpp] Warning: the script's own\nplain\n"), out, "[rank0]:",
+             threading.Lock())
+    assert out.getvalue() == "[rank0]:[W reducer.cpp] Warning: the script's own\n[rank0]:plain\n"
+
+
+def test_the_reducer_timer_warning_of_the_simulated_device_is_not_shown() -> None:
+    """reducer.cpp warns once that it has no timer for a device other than CPU and CUDA: on a GPU
+    it never says so, so a simulated rank does not either."""
+    import io
+    import threading
+
+    from vram.run.distributed.launcher import _forward
+
+    out = io.StringIO()
+    _forward(io.BytesIO(b"[rank0]:[W1127 reducer.cpp:1430] Warning: Time stats are currently only collected for "
+                        b"CPU and CUDA devices. Please refer to CpuTimer or CudaTimer for how to register timer "
+                        b"for other device type. (function operator())\nloss 0.0\n"), out, "[rank0]:",
+             threading.Lock())
+    assert out.getvalue() == "[rank0]:loss 0.0\n"
 
 
 def test_the_nccl_note_is_short_unless_nccl_debug_asks(monkeypatch: pytest.MonkeyPatch) -> None:

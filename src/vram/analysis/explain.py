@@ -235,6 +235,8 @@ def explain(path: str, *, device: int | None = None, gpu: int | str | None = Non
         budget.gpu if isinstance(budget.gpu, int) or budget.gpu is None else gpu_memory(budget.gpu))
     why_gpu = "unlimited (a state dump: no OOM event in the file, no --gpu)" if at["kind"] == "state" and \
         b_gpu is None else budget.why
+    if gpu_bytes is not None and ctx and budget.cap is None:
+        why_gpu = f"given, the CUDA context's {format_size(ctx)} included"
     ex = Explanation(path, device, at, b_gpu, why_gpu)
     _state(ex, snap, stop, gpu_bytes, ctx)
     ex.limit = _limit(ex, snap, oom, gpu_bytes, recorded_conf)
@@ -308,23 +310,27 @@ def _fixes(ex: Explanation, path: str, recorded_conf: str, probe: dict[str, Any]
     _empty_cache_fixes(ex, path, recorded_conf, probe, context, workers, cluster)
     if ex.gpu is None or "error" in unlimited:  # (the error: no GPU fix can be checked)
         return
+    # ex.gpu is the device's capacity: a given --gpu holds the context (`ctx`), the budget of a
+    # recorded OOM (reserved + free there) does not (its context is 0)
     ctx = context if isinstance(context, int) else 0
     if oom:
-        need = smallest_fit(path, ex.device, recorded_conf, ex.gpu, fit_bound(unlimited["peak_reserved"], ex.gpu,
-                                                                              ex.capped), as_cap=ex.capped)
+        ctx = 0 if ex.capped else ctx  # a cap bounds PyTorch's reserved memory alone
+        need = smallest_fit(path, ex.device, recorded_conf, ex.gpu,
+                            fit_bound(unlimited["peak_reserved"] + ctx, ex.gpu, ex.capped), ctx, as_cap=ex.capped)
         if need is not None and need > ex.gpu:  # (fitting on ex.gpu itself would contradict the OOM)
             ex.fixes.append(_more_memory_fix(ex, ex.gpu, need, ctx))
-        live = unlimited["peak_requested"]
-        if live > ex.gpu:
-            ex.fixes.insert(0, {"kind": "does_not_fit", "verified": True, "more": live - ex.gpu,
+        live, usable = unlimited["peak_requested"], ex.gpu - ctx
+        if live > usable:
+            ex.fixes.insert(0, {"kind": "does_not_fit", "verified": True, "more": live - usable,
                                 "change": f"it does not fit: the tensors requested and alive at once reach "
-                                          f"{f(live)}, {f(live - ex.gpu)} more than the {f(ex.gpu)} PyTorch could "
+                                          f"{f(live)}, {f(live - usable)} more than the {f(usable)} PyTorch could "
                                           "have: it needs at least that much more, whatever the settings"})
 
 
 def _more_memory_fix(ex: Explanation, gpu: int, need: int, ctx: int) -> dict[str, Any]:
-    """More memory for PyTorch than `gpu`: a larger cap under a per-process cap, else a larger
-    GPU; "at least" where the recording stops at the failure (what follows it is not recorded)."""
+    """More memory than `gpu`: a larger cap under a per-process cap (bytes for PyTorch), else a
+    larger GPU (its capacity, the CUDA context `ctx` included); "at least" where the recording
+    stops at the failure (what follows it is not recorded)."""
     f, lim = format_size, ex.limit
     least = "at least " if ex.ends_at_oom else ""
     after = " to get past this request (what the program needs after it is not in the recording)" \
@@ -333,9 +339,9 @@ def _more_memory_fix(ex: Explanation, gpu: int, need: int, ctx: int) -> dict[str
         return {"kind": "cap", "verified": True, "cap": need, "more": need - gpu, "lower_bound": ex.ends_at_oom,
                 "change": f"a per-process cap allowing {least}{need:,} B{after} (the recorded cap allowed between "
                           f"{lim['low']:,} and {lim['high'] - 1:,} B; the device had room)"}
-    return {"kind": "gpu", "verified": True, "gpu": need + ctx, "more": need - gpu, "lower_bound": ex.ends_at_oom,
-            "change": f"a GPU with {least}{f(need - gpu)} more memory ({need + ctx:,} B for PyTorch and the "
-                      f"context, not {gpu + ctx:,} B){after}"}
+    with_ctx = f" with the {f(ctx)} CUDA context" if ctx else ""
+    return {"kind": "gpu", "verified": True, "gpu": need, "more": need - gpu, "lower_bound": ex.ends_at_oom,
+            "change": f"a GPU with {least}{f(need - gpu)} more memory ({need:,} B{with_ctx}, not {gpu:,} B){after}"}
 
 
 def cache_peaks(allocated: Sequence[int], reserved: Sequence[int], end: int, limit: int) -> list[int]:

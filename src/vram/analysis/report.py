@@ -33,7 +33,7 @@ def explanation_text(ex: Any) -> str:
         lines.append("  " + _shown(at["message"], 2000))
         if at.get("frame"):
             lines.append(f"  requested at {_shown(at['frame'], 300)}")
-    gpu = _shown(ex.gpu_from) if ex.gpu is None else f"{ex.gpu:,} B for PyTorch ({_shown(ex.gpu_from)})"
+    gpu = _shown(ex.gpu_from) if ex.gpu is None else f"{ex.gpu:,} B ({_shown(ex.gpu_from)})"
     lines += ["", f"GPU: {gpu}",
               f"allocated {f(ex.allocated)}, reserved {f(ex.reserved)}, reserved but unallocated "
               f"{f(ex.reserved_unallocated)}, largest free block {f(ex.largest_free_block)}", "",

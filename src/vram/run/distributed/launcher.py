@@ -112,9 +112,17 @@ def torchrun_env(spec: Launch, rank: int, base: dict[str, str] | None = None) ->
     return env
 
 
+#: PyTorch's warnings about the simulation itself, not the script: DDP's Reducer warns once that it
+#: has no timer for the PrivateUse1 device (reducer.cpp, ``TORCH_WARN_ONCE`` where no Timer is
+#: registered for the device type); on a GPU it has CudaTimer and says nothing
+_SIMULATION_WARNINGS = ("Time stats are currently only collected for CPU and CUDA devices",)
+
+
 def _forward(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "backslashreplace")
+        if any(w in line for w in _SIMULATION_WARNINGS):
+            continue
         if line.startswith(prefix):  # PyTorch's own rank prefix on warnings (torch.distributed's): once is enough
             line = line[len(prefix):]
         with lock:
