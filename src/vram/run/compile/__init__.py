@@ -13,6 +13,8 @@ What lives here:
 - `inductor_cuda`: compiles one Dynamo graph there (devices retargeted to ``cuda``, SDPA routed to
   the CUDA kernel ``select_sdp_backend`` picks) and returns the generated wrappers' sources.
 - `wrapper_plan`: reads a generated wrapper's ``call``: the buffers it allocates, in order.
+- `wrapper_run`: runs a generated wrapper on the simulated GPU (inside ``simulated_cuda``):
+  Triton launches are no-ops, its buffers and extern kernels are charged as on a GPU.
 
 Who may import it: `vram.run.runtime` (the entry points) and tests. It imports `vram.run.kernels`
 (SDPA's backend choice) and `vram.run.cuda` (the card's properties), nothing above it.
