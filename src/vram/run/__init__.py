@@ -7,6 +7,9 @@ listed after it (``[tool.importlinter]`` in pyproject.toml checks it):
 
 - `runtime`: the entry points, `simulated_cuda` and `run_script`: sets up the engine, patches
   ``torch.cuda`` and runs the script.
+- `compile`: ``torch.compile`` for CUDA without a GPU: a process where Inductor generates its
+  CUDA wrapper on a CPU build, and what a generated wrapper allocates (not yet wired into
+  ``vram run``: ``torch.compile`` still runs eagerly there).
 - `distributed`: many GPUs: ``torch.distributed``'s NCCL and Gloo process groups, collectives,
   DDP's helpers, the ``--nproc-per-node`` launcher and one rank's process.
 - `engine`: how a simulated tensor exists and every aten op on it runs: the PrivateUse1 backend

@@ -1,0 +1,133 @@
+"""Compile one Dynamo graph with Inductor for ``cuda`` in a process `cuda_process.prepare`d, and
+return the Python wrappers Inductor generated (forward, and backward when the graph trains).
+
+The graph is the one Dynamo traced (``torch.compile``'s backend receives it with its example
+inputs); its device arguments are retargeted to ``cuda:0`` (`retarget`), and its
+``scaled_dot_product_attention`` calls are routed to the fused CUDA kernel ``select_sdp_backend``
+picks on the simulated card (`route_sdpa`), as the CUDA build's composite does
+(aten/src/ATen/native/transformers/attention.cpp ``scaled_dot_product_attention``). Inductor then
+runs as on a GPU: AOTAutograd's joint trace and ``min_cut_rematerialization_partition``, the
+joint-graph and post-grad passes, lowering, fusion, memory planning (buffer reuse) and the Python
+wrapper codegen. No Triton kernel is built (`cuda_process.UnbuiltKernel`).
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from vram.run.kernels.sdpa import sdpa_args, select_sdpa_backend
+
+_SDPA = torch._C._nn.scaled_dot_product_attention
+_CUDA = torch.device("cuda", 0)
+
+
+class NotModelled(RuntimeError):
+    """A compiled graph this model of Inductor's CUDA build does not reproduce (named reason)."""
+
+
+def retarget(gm: torch.fx.GraphModule, from_type: str) -> None:
+    """Every ``torch.device`` of type `from_type` among the graph's arguments becomes ``cuda:0``."""
+    def swap(value: Any) -> Any:
+        if isinstance(value, torch.device) and value.type == from_type:
+            return _CUDA
+        return value
+
+    for node in gm.graph.nodes:
+        node.args = torch.fx.node.map_aggregate(node.args, swap)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+    gm.recompile()
+
+
+def _example(value: Any, autocast_dtype: torch.dtype | None) -> Any:
+    """A node's example value as the CUDA kernel sees it: under autocast, SDPA's floating inputs
+    are cast to the autocast dtype (SDPA is on autocast's lower-precision list)."""
+    example = value.meta.get("example_value") if isinstance(value, torch.fx.Node) else value
+    if not isinstance(example, torch.Tensor):
+        return example
+    dtype = autocast_dtype if autocast_dtype is not None and example.is_floating_point() else example.dtype
+    return torch.empty_strided(example.shape, example.stride(), dtype=dtype, device="meta").requires_grad_(
+        example.requires_grad)
+
+
+def _fused_call(backend: str, node: torch.fx.Node, p: dict[str, Any]) -> tuple[Callable[..., Any], tuple[Any, ...],
+                                                                                dict[str, Any]]:
+    """The fused kernel's call for `backend` (attention.cpp's composite; head dims already aligned)."""
+    q, k, v = node.args[:3] if len(node.args) >= 3 else (p["query"], p["key"], p["value"])
+    aten = torch.ops.aten
+    if backend == "flash":
+        return aten._scaled_dot_product_flash_attention.default, (q, k, v, p["dropout_p"], p["is_causal"], False), {
+            "scale": p["scale"]}
+    logsumexp = torch.is_grad_enabled() and any(t.requires_grad for t in (p["query"], p["key"], p["value"]))
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    return aten._scaled_dot_product_efficient_attention.default, (q, k, v, mask, logsumexp, p["dropout_p"],
+                                                                  p["is_causal"]), {"scale": p["scale"]}
+
+
+def route_sdpa(gm: torch.fx.GraphModule, autocast_dtype: torch.dtype | None, major: int, minor: int) -> list[str]:
+    """Replace each SDPA call by the fused kernel the simulated card picks (math stays composite);
+    returns the backends, in graph order."""
+    chosen = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _SDPA:
+            continue
+        args = tuple(_example(a, autocast_dtype) for a in node.args)
+        kwargs = {key: _example(value, autocast_dtype) for key, value in node.kwargs.items()}
+        p = sdpa_args(args, kwargs)
+        backend = select_sdpa_backend(p, major, minor)
+        chosen.append(backend)
+        if backend == "math":
+            continue
+        if backend == "cudnn" or p.get("enable_gqa") or p["query"].size(-1) % 8 or p["value"].size(-1) % 8:
+            raise NotModelled(f"scaled_dot_product_attention on the {backend} kernel with these shapes "
+                              "(cuDNN, GQA or head dims padded to a multiple of 8)")
+        target, call_args, call_kwargs = _fused_call(backend, node, p)
+        with gm.graph.inserting_after(node):
+            fused = gm.graph.call_function(target, call_args, call_kwargs)
+        with gm.graph.inserting_after(fused):
+            out = gm.graph.call_function(operator.getitem, (fused, 0))
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return chosen
+
+
+def fake_inputs(example_inputs: Sequence[torch.Tensor], mode: Any) -> list[torch.Tensor]:
+    """Fake CUDA tensors with the example inputs' sizes, strides, dtypes and ``requires_grad``;
+    parameters stay parameters (AOTAutograd treats them as such)."""
+    fakes = []
+    with mode:
+        for t in example_inputs:
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_CUDA)
+            fakes.append(torch.nn.Parameter(fake) if isinstance(t, torch.nn.Parameter)
+                         else fake.requires_grad_(t.requires_grad))
+    return fakes
+
+
+def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor],
+                     autocast_dtype: torch.dtype | None = None) -> list[str]:
+    """Inductor's wrappers for `gm` on CUDA, in the order Inductor generated them (forward first).
+    `autocast_dtype`: the CUDA autocast the graph was traced under (Dynamo leaves an enclosing
+    ``torch.autocast`` out of the graph: it is ambient state, so it is entered here)."""
+    from torch._inductor import codecache
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sources: list[str] = []
+    load = codecache.PyCodeCache.load_by_key_path
+
+    def spy(key: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        with open(path, encoding="utf-8") as f:
+            sources.append(f.read())
+        return load(key, path, *args, **kwargs)
+
+    inputs = fake_inputs(example_inputs, FakeTensorMode())
+    codecache.PyCodeCache.load_by_key_path = spy  # type: ignore[method-assign]
+    try:
+        with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            compile_fx(gm, inputs)
+    finally:
+        codecache.PyCodeCache.load_by_key_path = load  # type: ignore[method-assign]
+    return [s for s in sources if "def call(" in s]
