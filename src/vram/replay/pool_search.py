@@ -107,7 +107,9 @@ def describe(unit: Unknown, trace: Sequence[Mapping[str, Any]]) -> str:
     freed = next((i for i in unit.entries if trace[i]["action"] in ("segment_free", "segment_unmap")), None)
     when = (f"allocated at event {alloc}" if alloc is not None else "allocated before the trace") + (
         f", freed at event {freed}" if freed is not None else "")
-    return f"which pool the segment at {first['addr']:#x} ({when}) belonged to: the default pool or a private one"
+    base = next((trace[i]["addr"] for i in (alloc, freed) if i is not None), None)
+    where = f"at {base:#x}" if base is not None else f"holding {first['addr']:#x}"
+    return f"which pool the segment {where} ({when}) belonged to: the default pool or a private one"
 
 
 def labellings(snapshot: Mapping[str, Any], device: int, found: tuple[list[Pool], list[Unknown]],
