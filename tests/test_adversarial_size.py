@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from vram.cli.commands import main
-from vram.replay import engine
+from vram.replay import loop
 from vram.replay.engine import replay
 from vram.replay.loader import load_snapshot
 from vram.replay.rewind import TraceError
@@ -56,13 +56,13 @@ def test_largest_free_block_with_very_many_streams_is_exact(monkeypatch: Any) ->
     expected = _largest_free_by_scan(full.allocator)
     assert replay(loaded).largest_free_block_at_reserved_peak == expected == 20 * MiB
     calls: list[int] = []
-    real = engine._largest_free
+    real = loop.largest_free
 
     def small_budget(alloc: Any, budget: int | None = None) -> tuple[int, int]:
         calls.append(1)
         return real(alloc, None if budget is None else min(budget, 10))
 
-    monkeypatch.setattr(engine, "_largest_free", small_budget)
+    monkeypatch.setattr(loop, "largest_free", small_budget)
     r = replay(loaded)
     assert r.largest_free_block_at_reserved_peak == expected and r.reserved_peak_event == len(trace) - 4
 

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-import vram.replay.engine as engine
-from vram.replay import ccore
+from vram.replay import ccore, loop
 from vram.replay.engine import replay
 
 MiB = 1 << 20
@@ -21,15 +20,15 @@ def _snap() -> dict[str, Any]:
 
 
 def test_replay_pauses_the_collector_and_restores_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ccore.ENV, "0")  # the Python engine's loop (`_run`), spied on below
+    monkeypatch.setenv(ccore.ENV, "0")  # the Python engine's loop (`EventLoop.run`), spied on below
     seen: list[bool] = []
-    real = engine._run
+    real = loop.EventLoop.run
 
     def spy(*args: Any, **kwargs: Any) -> None:
         seen.append(gc.isenabled())
         real(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "_run", spy)
+    monkeypatch.setattr(loop.EventLoop, "run", spy)
     was = gc.isenabled()
     try:
         for enabled in (True, False):
@@ -37,7 +36,7 @@ def test_replay_pauses_the_collector_and_restores_it(monkeypatch: pytest.MonkeyP
             r = replay(_snap())
             assert (r.events, r.peak_allocated, r.final_allocated) == (3, MiB, 0)
             assert gc.isenabled() is enabled
-        monkeypatch.setattr(engine, "_run", lambda *a, **k: 1 / 0)
+        monkeypatch.setattr(loop.EventLoop, "run", lambda *a, **k: 1 / 0)
         gc.enable()
         with pytest.raises(ZeroDivisionError):
             replay(_snap())

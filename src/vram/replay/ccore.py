@@ -1,6 +1,6 @@
 """The replay loop in C: `vram.replay._ccore`, optional, on by default when built.
 
-``_ccore.c`` repeats, event for event, what the pure-Python engine (`vram.replay.engine._run` over
+``_ccore.c`` repeats, event for event, what the pure-Python engine (`vram.replay.loop.EventLoop` over
 `vram.allocator.caching`) does for the replays it models: the caching allocator's malloc, free,
 split, merge, rounding, segment sizes, ``empty_cache`` and every statistic, with any
 ``roundup_power2_divisions``, ``max_split_size_mb``, ``max_non_split_rounding_mb``,
@@ -222,7 +222,7 @@ def run(alloc: CachingAllocator, dev: TraceDevice, events: Scan | None, n: int, 
         checks: Any, verify: bool, progress: Callable[[int, int], None] | None, live_at_start: set[int],
         track_peak: bool = True) -> tuple[str | None, bool]:
     """Replay the first `n` events of a trace (read by `scan`) on `alloc` in C, as
-    `vram.replay.engine._run` does; (None, True) when done, else (why not, whether the device was
+    `vram.replay.loop.EventLoop` does; (None, True) when done, else (why not, whether the device was
     touched: then replay again from a fresh start)."""
     module, why = _load()
     if module is None:
