@@ -64,7 +64,9 @@ def test_run_snapshot_records_from_the_start_and_names_the_next_command(oom_run:
     lines = r.stderr.strip().splitlines()  # sizes in PyTorch's format_size: up to 1 GiB in MiB
     assert lines[-2] == ("vram run: the GPU: peak allocated 12.00 GiB, peak reserved 12.00 GiB; nvidia-smi at "
                          "that peak: 13.00 GiB (reserved + 1024.00 MiB CUDA context, --context) of 16.00 GiB; 1 OOM")
-    assert "run `vram explain oom.pickle`" in lines[-1] and "`vram tune oom.pickle`" in lines[-1]
+    # the card goes with the file: a recording does not hold the GPU's size
+    assert "run `vram explain oom.pickle --gpu 16GiB --context 1GiB`" in lines[-1]
+    assert "`vram tune oom.pickle --gpu 16GiB --context 1GiB`" in lines[-1]
 
 
 def test_explain_then_tune_answer_from_the_run_dump(oom_run: Any) -> None:
@@ -100,8 +102,8 @@ def test_an_oom_without_snapshot_says_how_to_record_one(tmp_path: Path) -> None:
     (tmp_path / "oom.py").write_text(OOM_SCRIPT)
     r = _vram("run", "--gpu", "16GiB", "--context", "1GiB", "oom.py", "--bs", "8", cwd=tmp_path)
     assert r.returncode == 1
-    assert ("`vram run --snapshot oom.pickle oom.py --bs 8`, then run `vram explain oom.pickle`"
-            in r.stderr.splitlines()[-1])
+    assert ("`vram run --snapshot oom.pickle --gpu 16GiB --context 1GiB oom.py --bs 8`, then run `vram explain "
+            "oom.pickle --gpu 16GiB --context 1GiB`" in r.stderr.splitlines()[-1])
 
 
 def test_run_json_is_the_only_thing_on_stdout_and_counts_the_measured_context(tmp_path: Path) -> None:

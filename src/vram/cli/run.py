@@ -68,8 +68,10 @@ def device_figures(context: int) -> list[dict[str, Any]]:
 
 
 def end_of_run_lines(figures: list[dict[str, Any]], context: int, snapshot: str | None,
-                     argv: list[str]) -> list[str]:
-    """The lines `vram run` ends with on stderr: peaks per GPU, then, after an OOM, what to run next."""
+                     argv: list[str], card: list[str], flags: list[str]) -> list[str]:
+    """The lines `vram run` ends with on stderr: peaks per GPU, then, after an OOM, what to run next
+    (`card`: the ``--gpu``/``--context`` that make explain's replay the run's card, whose size a
+    recording does not hold; `flags`: the run's other options, for the command that records it)."""
     f = format_size
     lines = []
     for d in figures:
@@ -80,13 +82,13 @@ def end_of_run_lines(figures: list[dict[str, Any]], context: int, snapshot: str 
                      + (f"; {d['num_ooms']} OOM{'s' if d['num_ooms'] > 1 else ''}" if d["num_ooms"] else ""))
     if any(d["num_ooms"] for d in figures):
         if snapshot is not None:
-            q = shlex.quote(snapshot)
+            q = " ".join(shlex.quote(a) for a in [snapshot, *card])
             lines.append(f"vram run: out of memory; the allocation history is in {snapshot}: run `vram explain {q}` "
                          f"(why, and fixes checked by replay), then `vram tune {q}` (allocator settings)")
         else:
-            again = " ".join(shlex.quote(a) for a in ["vram", "run", "--snapshot", "oom.pickle", *argv])
+            again = " ".join(shlex.quote(a) for a in ["vram", "run", "--snapshot", "oom.pickle", *card, *flags, *argv])
             lines.append(f"vram run: out of memory; to see why, record it: `{again}`, "
-                         "then run `vram explain oom.pickle`")
+                         f"then run `vram explain {' '.join(shlex.quote(a) for a in ['oom.pickle', *card])}`")
     return lines
 
 
@@ -151,14 +153,30 @@ def _report(args: argparse.Namespace, status: int, context: int, snapshot: str |
     figures = device_figures(context)
     if not os.environ.get(RESULT_ENV) and not args.no_next_step:
         argv = [*(["-m"] if args.module else []), args.script, *args.args]
+        card = ["--gpu", args.gpu] + (["--context", args.context] if args.context != DEFAULT_CONTEXT else [])
         sys.stdout.flush()
-        print("\n".join(end_of_run_lines(figures, context, snapshot, argv)), file=sys.stderr, flush=True)
+        lines = end_of_run_lines(figures, context, snapshot, argv, card, _rerun_flags(args))
+        print("\n".join(lines), file=sys.stderr, flush=True)
     if args.html is not None:
         _html(args, snapshot, context)
     if args.json:
         print(json.dumps({"status": status, "script": args.script, "context": context, "snapshot": snapshot,
                           "devices": figures}))
     return status
+
+
+def _rerun_flags(args: argparse.Namespace) -> list[str]:
+    """The options besides --gpu/--context that running the script again needs to do the same."""
+    flags = []
+    for conf in args.conf or []:
+        flags += ["--conf", conf]
+    if args.devices != 1:
+        flags += ["--devices", str(args.devices)]
+    if args.arch:
+        flags += ["--arch", args.arch]
+    if args.values == "real":
+        flags += ["--values", "real"]
+    return flags
 
 
 def _html(args: argparse.Namespace, snapshot: str | None, context: int) -> None:
