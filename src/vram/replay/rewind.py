@@ -157,97 +157,122 @@ def _walk(segs: dict[int, _Segment], starts: SortedKeys, groups: _Groups, trace:
           divisions: list[int], device: int) -> None:
     """Walk `trace` backwards from the final state in `segs` (with `starts` and `groups`), leaving
     there the state at its first event: the readable reference for `_walk_in_c`."""
-    def at(i: int) -> str:
-        return f"device_traces[{device}][{i}] ({trace[i]['action']} at {trace[i]['addr']:#x})"
+    _BackwardWalk(segs, starts, groups, trace, divisions, device).run()
 
-    # address -> the segment holding it: the same addresses come back all through a trace, and a
-    # dict lookup is much cheaper than a search of `starts`. Cleared whenever segments change.
-    holder: dict[int, _Segment] = {}
 
-    def find(addr: int, i: int) -> _Segment:
-        seg = holder.get(addr)
+class _BackwardWalk:
+    """`_walk`'s state: the segments by address, their starts and groups, and `holder`, address ->
+    the segment holding it (the same addresses come back all through a trace, and a dict lookup is
+    much cheaper than a search of `starts`; cleared whenever segments change)."""
+
+    def __init__(self, segs: dict[int, _Segment], starts: SortedKeys, groups: _Groups,
+                 trace: Sequence[Mapping[str, Any]], divisions: list[int], device: int) -> None:
+        self.segs, self.starts, self.groups, self.trace = segs, starts, groups, trace
+        self.divisions, self.device = divisions, device
+        self.holder: dict[int, _Segment] = {}
+        self.nowhere = _Segment(-1, 0, 0, None, [])  # holds no block: for an address in no segment
+
+    def run(self) -> None:
+        steps = {"alloc": self._alloc, "free_completed": self._free_completed,
+                 "free_requested": self._free_requested, "segment_alloc": self._segment_alloc,
+                 "segment_free": self._segment_free, "segment_map": self._segment_map,
+                 "segment_unmap": self._segment_unmap}
+        trace = self.trace
+        for i in range(len(trace) - 1, -1, -1):
+            e = trace[i]
+            step = steps.get(e["action"])
+            if step is not None:
+                step(i, e)
+
+    def at(self, i: int) -> str:
+        trace = self.trace
+        return f"device_traces[{self.device}][{i}] ({trace[i]['action']} at {trace[i]['addr']:#x})"
+
+    def find(self, addr: int, i: int) -> _Segment:
+        seg = self.holder.get(addr)
         if seg is not None:
             return seg
-        k = starts.floor_below(addr + 1)
+        k = self.starts.floor_below(addr + 1)
         if k is not None:
-            seg = segs[k]
+            seg = self.segs[k]
             if addr < seg.end:
-                holder[addr] = seg
+                self.holder[addr] = seg
                 return seg
-        raise TraceError(f"{at(i)}: the address is in no segment at that point of the trace")
+        raise TraceError(f"{self.at(i)}: the address is in no segment at that point of the trace")
 
-    def add(seg: _Segment) -> None:
-        holder.clear()
-        segs[seg.address] = seg
-        starts.add(seg.address)
-        groups.add(seg)
+    def add(self, seg: _Segment) -> None:
+        self.holder.clear()
+        self.segs[seg.address] = seg
+        self.starts.add(seg.address)
+        self.groups.add(seg)
 
-    def drop(seg: _Segment) -> None:
-        holder.clear()
-        del segs[seg.address]
-        starts.remove(seg.address)
-        groups.drop(seg)
+    def drop(self, seg: _Segment) -> None:
+        self.holder.clear()
+        del self.segs[seg.address]
+        self.starts.remove(seg.address)
+        self.groups.drop(seg)
 
-    nowhere = _Segment(-1, 0, 0, None, [])  # holds no block: for an address in no segment
+    def _alloc(self, i: int, e: Mapping[str, Any]) -> None:
+        addr = e["addr"]
+        seg = self.holder.get(addr) or self.find(addr, i)
+        got = seg.live.pop(addr, None)
+        if got is None:
+            raise TraceError(f"{self.at(i)}: no block is live at that address later")
+        if got[0] < 0:  # allocated in the trace: what bounded it says nothing of an older block
+            del seg.unknown[bisect_left(seg.unknown, addr)]
+            seg.bound.pop(addr, None)
+        if seg.segment_type is None:  # an expandable run of unknown pool: the request tells
+            self.groups.drop(seg)
+            seg.segment_type = "small" if round_size(e["size"], self.divisions) <= K_SMALL_SIZE else "large"
+            self.groups.add(seg)
+        _bound_below(seg, addr)
 
-    for i in range(len(trace) - 1, -1, -1):
-        e = trace[i]
-        action = e["action"]
-        if action == "alloc":
-            addr = e["addr"]
-            seg = holder.get(addr) or find(addr, i)
-            got = seg.live.pop(addr, None)
-            if got is None:
-                raise TraceError(f"{at(i)}: no block is live at that address later")
-            if got[0] < 0:  # allocated in the trace: what bounded it says nothing of an older block
-                del seg.unknown[bisect_left(seg.unknown, addr)]
-                seg.bound.pop(addr, None)
-            if seg.segment_type is None:  # an expandable run of unknown pool: the request tells
-                groups.drop(seg)
-                seg.segment_type = "small" if round_size(e["size"], divisions) <= K_SMALL_SIZE else "large"
-                groups.add(seg)
-            _bound_below(seg, addr)
-        elif action == "free_completed":
-            addr = e["addr"]
-            seg = holder.get(addr) or find(addr, i)
-            if addr in seg.live:
-                raise TraceError(f"{at(i)}: a block is live at that address later")
-            # Size unknown (-1) until the end: only blocks still live at the start need it. Pending
-            # until its free_requested shows up earlier in the trace.
-            seg.live[addr] = (-1, e["size"], e.get("frames") or [], PENDING)
-            insort(seg.unknown, addr)
-        elif action == "free_requested":
-            addr = e["addr"]
-            owner = holder.get(addr)
-            if owner is None:
-                k = starts.floor_below(addr + 1)
-                owner = segs[k] if k is not None and addr < segs[k].end else nowhere
-                if owner is not nowhere:
-                    holder[addr] = owner
-            got = owner.live.get(addr)
-            if got is not None and got[3] == PENDING:
-                owner.live[addr] = (*got[:3], ALLOCATED)
-        elif action == "segment_alloc":
-            created = segs.get(e["addr"])
-            if created is None or created.expandable:
-                raise TraceError(f"{at(i)}: no segment starts at that address later")
-            if created.live:
-                raise TraceError(f"{at(i)}: the segment still has live blocks before its segment_alloc")
-            drop(created)
-        elif action == "segment_free":
-            addr, size = e["addr"], e["size"]
-            _check_unused(segs, starts, addr, size, at(i), "freed segment")
-            if size <= 0 or size % K_MIN_BLOCK_SIZE:
-                raise TraceError(f"{at(i)}: a segment of {size} bytes cannot exist (spec §6)")
-            freed = _Segment(addr, size, e.get("stream", 0), "small" if size == 2 * 1024 * 1024 else "large", [])
-            freed.pool = e.get("pool_id")  # (its pool: vram.replay.pool_replay)
-            add(freed)
-        elif action == "segment_map":
-            holder.clear()  # (runs are cut and joined in place)
-            _unmap_back(e, find(e["addr"], i), at(i), add, drop, groups)
-        elif action == "segment_unmap":
-            holder.clear()
-            _map_back(e, at(i), add, drop, segs, starts)
+    def _free_completed(self, i: int, e: Mapping[str, Any]) -> None:
+        addr = e["addr"]
+        seg = self.holder.get(addr) or self.find(addr, i)
+        if addr in seg.live:
+            raise TraceError(f"{self.at(i)}: a block is live at that address later")
+        # Size unknown (-1) until the end: only blocks still live at the start need it. Pending
+        # until its free_requested shows up earlier in the trace.
+        seg.live[addr] = (-1, e["size"], e.get("frames") or [], PENDING)
+        insort(seg.unknown, addr)
+
+    def _free_requested(self, i: int, e: Mapping[str, Any]) -> None:
+        addr = e["addr"]
+        owner = self.holder.get(addr)
+        if owner is None:
+            k = self.starts.floor_below(addr + 1)
+            owner = self.segs[k] if k is not None and addr < self.segs[k].end else self.nowhere
+            if owner is not self.nowhere:
+                self.holder[addr] = owner
+        got = owner.live.get(addr)
+        if got is not None and got[3] == PENDING:
+            owner.live[addr] = (*got[:3], ALLOCATED)
+
+    def _segment_alloc(self, i: int, e: Mapping[str, Any]) -> None:
+        created = self.segs.get(e["addr"])
+        if created is None or created.expandable:
+            raise TraceError(f"{self.at(i)}: no segment starts at that address later")
+        if created.live:
+            raise TraceError(f"{self.at(i)}: the segment still has live blocks before its segment_alloc")
+        self.drop(created)
+
+    def _segment_free(self, i: int, e: Mapping[str, Any]) -> None:
+        addr, size = e["addr"], e["size"]
+        _check_unused(self.segs, self.starts, addr, size, self.at(i), "freed segment")
+        if size <= 0 or size % K_MIN_BLOCK_SIZE:
+            raise TraceError(f"{self.at(i)}: a segment of {size} bytes cannot exist (spec §6)")
+        freed = _Segment(addr, size, e.get("stream", 0), "small" if size == 2 * 1024 * 1024 else "large", [])
+        freed.pool = e.get("pool_id")  # (its pool: vram.replay.pool_replay)
+        self.add(freed)
+
+    def _segment_map(self, i: int, e: Mapping[str, Any]) -> None:
+        self.holder.clear()  # (runs are cut and joined in place)
+        _unmap_back(e, self.find(e["addr"], i), self.at(i), self.add, self.drop, self.groups)
+
+    def _segment_unmap(self, i: int, e: Mapping[str, Any]) -> None:
+        self.holder.clear()
+        _map_back(e, self.at(i), self.add, self.drop, self.segs, self.starts)
 
 
 def _group(seg: _Segment) -> tuple[int, str | None, Any]:
