@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -276,17 +277,35 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None:
         return _launch(args)
     from vram.run.engine import EngineLimit
+    from vram.run.values import rerun
 
+    printed = os.environ.pop(rerun.PRINTED_ENV, None)   # the second attempt, with real values
+    if printed is not None:
+        args.values = "real"
+        rerun.skip_printed(printed)
+    fallback = args.values == "known" and not args.strict_values
+    if fallback:
+        fd, printed = tempfile.mkstemp(prefix="vram-printed-", suffix=".txt")
+        os.close(fd)
+        rerun.record(printed)
     try:
         status = run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
                             context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch,
                             strict_values=args.strict_values, value_report=args.value_report, values=args.values,
-                            engine_fallback=not chosen)
+                            engine_fallback=not chosen, values_fallback=fallback)
+    except rerun.ValuesNeeded as e:  # a data-dependent shape: the whole run again with real values
+        print(f"{e}\nvram run: running the script again with --values real (every value computed on the "
+              "CPU); its output so far is not printed again", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "vram", *sys.argv[1:]],
+                  dict(os.environ, **{rerun.PRINTED_ENV: printed or ""}))
     except EngineLimit as e:  # the default engine could not: the whole run again on the meta engine
+        rerun.forget(printed)
         print(f"{e}\nvram run: running the script again on the meta engine", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", "vram", *sys.argv[1:]],
                   dict(os.environ, VRAM_RUN_BACKEND="meta"))
+    rerun.forget(printed)
     from vram.devices.gpus import resolve_gpu
     from vram.run.distributed.rank import write_result
 
