@@ -276,6 +276,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         os.environ["VRAM_RUN_BACKEND"] = args.backend
     if args.nproc_per_node is not None:
         return _launch(args)
+    from vram.run.distributed.p2p import MAILBOX_ENV
     from vram.run.engine import EngineLimit
     from vram.run.values import rerun
 
@@ -283,7 +284,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if printed is not None:
         args.values = "real"
         rerun.skip_printed(printed)
-    fallback = args.values == "known" and not args.strict_values
+    # a launched rank does not run again alone: its messages to the other ranks are already sent
+    fallback = args.values == "known" and not args.strict_values and not os.environ.get(MAILBOX_ENV)
     if fallback:
         fd, printed = tempfile.mkstemp(prefix="vram-printed-", suffix=".txt")
         os.close(fd)

@@ -7,7 +7,8 @@ a placeholder: the shapes that follow would be invented. Such a run is not stopp
 runs the script again from the start with ``--values real`` (every value computed on the CPU),
 says so once on stderr, and does not print the script's output twice: what the first attempt
 printed is recorded (`record`), and the second attempt's output is held back while it repeats
-it (`skip_printed`); from the first difference on, everything is printed.
+it (`skip_printed`); from the first difference on, everything is printed. A rank of a launched
+run is not run again alone (the other ranks already took its messages): it stops as before.
 """
 from __future__ import annotations
 
