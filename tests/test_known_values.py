@@ -121,3 +121,22 @@ def test_overwriting_in_place_ops_define_values_partial_writes_do_not() -> None:
         g[:2].fill_(1)  # half of an uninitialized storage: the other half is still unknown
         with pytest.raises(DataDependentError):
             g.tolist()
+        g[2:].copy_(torch.tensor([5.0, 6.0], device="cuda"))   # the other half: now every byte is written
+        assert g.tolist() == [1.0, 1.0, 5.0, 6.0]
+        h = torch.empty(4, device="cuda")
+        h[:2].fill_(1)
+        h.mul_(torch.randn(4, device="cuda").exp())   # an unknown write in between forgets the piece
+        h[2:].fill_(3)
+        with pytest.raises(DataDependentError):
+            h.tolist()
+
+
+def test_a_grown_storage_keeps_its_bytes_and_a_kept_size_its_values() -> None:
+    """``resize_`` copies the old bytes into the grown storage (``resize_bytes_cuda``), as
+    ``all_gather_object`` relies on when it pads its pickled bytes to the largest rank's size."""
+    with simulated_cuda():
+        t = torch.tensor([7, 8, 9], dtype=torch.uint8, device="cuda")
+        t.resize_(3)
+        assert t.tolist() == [7, 8, 9]
+        t.resize_(5)
+        assert t[:3].tolist() == [7, 8, 9] and t.shape == (5,)

@@ -111,7 +111,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _launch(args, conf)
     from vram.frontend import memory as _memory
     from vram.run.engine import EngineLimit
+    from vram.run.values import rerun
 
+    printed = _values_rerun(args)
     snapshot = None if args.snapshot is None else _snapshot_path(args.snapshot)
     record = snapshot is not None or args.html is not None
 
@@ -130,20 +132,51 @@ def cmd_run(args: argparse.Namespace) -> int:
         status = run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
                             context=context, conf=conf, device_count=args.devices, arch=args.arch,
                             strict_values=args.strict_values, value_report=args.value_report, values=args.values,
-                            engine_fallback=not chosen, on_start=start, on_exit=dump, module=args.module)
+                            engine_fallback=not chosen, values_fallback=printed is not None, on_start=start,
+                            on_exit=dump, module=args.module)
+    except rerun.ValuesNeeded as e:  # a data-dependent shape: the whole run again with real values
+        print(f"{e}\nvram run: running the script again with --values real (every value computed on the "
+              "CPU); its output so far is not printed again", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "vram", *sys.argv[1:]],
+                  dict(os.environ, **{rerun.PRINTED_ENV: printed or ""}))
     except EngineLimit as e:  # the default engine could not: the whole run again on the meta engine
+        rerun.forget(printed)
         print(f"{e}\nvram run: running the script again on the meta engine", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", "vram", *sys.argv[1:]],
                   dict(os.environ, VRAM_RUN_BACKEND="meta"))
     finally:
         sys.stdout = real_stdout
+    rerun.forget(printed)
     from vram.devices.gpus import resolve_gpu
     from vram.run.distributed.rank import write_result
 
     # for a launcher, when one started us
     write_result(status, context, resolve_gpu(args.gpu, args.arch))
     return _report(args, status, context, snapshot)
+
+
+def _values_rerun(args: argparse.Namespace) -> str | None:
+    """Where this run records what it prints, in case a data-dependent shape makes it run again
+    with real values (`vram.run.values.rerun`); None when it would not (real values already,
+    strict values, a launched rank: its messages to the other ranks are already sent). In that
+    second run, what the first printed is held back."""
+    import tempfile
+
+    from vram.run.distributed.p2p import MAILBOX_ENV
+    from vram.run.values import rerun
+
+    printed = os.environ.pop(rerun.PRINTED_ENV, None)  # the second attempt, with real values
+    if printed is not None:
+        args.values = "real"
+        rerun.skip_printed(printed)
+    if args.values != "known" or args.strict_values or os.environ.get(MAILBOX_ENV):
+        return None
+    fd, path = tempfile.mkstemp(prefix="vram-printed-", suffix=".txt")
+    os.close(fd)
+    rerun.record(path)
+    return path
 
 
 def _report(args: argparse.Namespace, status: int, context: int, snapshot: str | None) -> int:

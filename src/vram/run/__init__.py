@@ -20,7 +20,8 @@ listed after it (``[tool.importlinter]`` in pyproject.toml checks it):
 - `memory`: the charged storages (`SimState`, `ChargedStorage`), storage-level moves, host
   tensors that cost nothing until read, the host generator's stream.
 - `values`: what a simulated GPU knows of tensor contents: known values, placeholders and the
-  report of where they were used, real values computed on the CPU.
+  report of where they were used, real values computed on the CPU, and the rerun with real
+  values of a default run that meets a data-dependent shape.
 - `cuda`: the ``torch.cuda`` surface answered by the simulator (device properties, memory API,
   streams, ``torch.cuda.comm``) and CUDA builds' libraries beside a CPU torch.
 """

@@ -94,6 +94,7 @@ from .memory.storages import SimState
 from .values import known
 from .values.limits import HostMemoryError
 from .values.placeholders import DataDependentError, ValueReport
+from .values.rerun import ValuesNeeded
 
 __all__ = ["BACKENDS", "VALUES", "DataDependentError", "HostMemoryError", "default_backend", "simulated_cuda",
            "run_script", "active_sim"]
@@ -301,8 +302,8 @@ def _missed_cuda(e: BaseException, sim_kwargs: dict[str, Any]) -> bool:
 
 def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                on_exit: Callable[[], None] | None = None, value_report: str | None = None,
-               engine_fallback: bool = False, on_start: Callable[[], None] | None = None,
-               module: bool = False, **sim_kwargs: Any) -> int:
+               engine_fallback: bool = False, values_fallback: bool = False,
+               on_start: Callable[[], None] | None = None, module: bool = False, **sim_kwargs: Any) -> int:
     """Run the script at `path` with `argv` under `simulated_cuda`; returns its exit status.
 
     As ``python path argv...`` would: ``sys.argv`` and ``sys.path[0]`` are the script's,
@@ -314,9 +315,11 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
     go to `simulated_cuda` (``strict_values=True``: stop at the first such read instead). What the
     PrivateUse1 engine cannot run (`vram.run.engine.EngineLimit`) is one line on stderr, or with
     `engine_fallback` raised from here once the run is cleaned up, for the caller to rerun the
-    script on the meta engine. `on_start` is called once the simulated GPUs exist, before the
-    script's first line (e.g. to start recording the allocation history). With `module`, `path`
-    is a module name run as ``python -m path`` runs it (``sys.path[0]`` the current directory).
+    script on the meta engine; likewise a `DataDependentError` with `values_fallback`, as
+    `vram.run.values.rerun.ValuesNeeded`, for a rerun with real values. `on_start` is called once
+    the simulated GPUs exist, before the script's first line (e.g. to start recording the
+    allocation history). With `module`, `path` is a module name run as ``python -m path`` runs it
+    (``sys.path[0]`` the current directory).
     """
     path = os.fspath(path)
     saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
@@ -327,7 +330,7 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
     else:
         sys.path.insert(0, script_dir)
     status = 0
-    limit: EngineLimit | None = None
+    limit: EngineLimit | ValuesNeeded | None = None
     try:
         with simulated_cuda(**sim_kwargs):
             result: Any = None
@@ -341,7 +344,14 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                 status = code if isinstance(code, int) else (0 if code is None else 1)
                 if code is not None and not isinstance(code, int):
                     print(code, file=sys.stderr)
-            except (DataDependentError, HostMemoryError) as e:
+            except DataDependentError as e:
+                if values_fallback:
+                    limit = ValuesNeeded(f"vram run: {e}")
+                else:
+                    sys.stdout.flush()
+                    print(f"vram run: {e}", file=sys.stderr, flush=True)
+                status = 1
+            except HostMemoryError as e:
                 sys.stdout.flush()
                 print(f"vram run: {e}", file=sys.stderr, flush=True)
                 status = 1
@@ -368,7 +378,7 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                 _ACTIVE[-1].host.ledger.drop()  # the script is over: nothing will draw again
                 report = _ACTIVE[-1].report
                 notes = [n for n in (report.render(), uncharged_note(_ACTIVE[-1].uncharged)) if n]
-                if notes:
+                if notes and not isinstance(limit, ValuesNeeded):   # the rerun gives its own
                     sys.stdout.flush()
                     print("\n".join(notes), file=sys.stderr, flush=True)
                 if value_report is not None:

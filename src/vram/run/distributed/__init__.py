@@ -7,8 +7,10 @@
   vram's. Rendezvous (``env://``, ``tcp://``) keeps PyTorch's parsing, checks and messages
   (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` must be set) but its store is an
   in-process ``HashStore``: no rank waits for another, since each is simulated on its own.
-* ``ProcessGroupGloo`` (``"gloo"``, the ``cpu`` half of ``"cpu:gloo,cuda:nccl"``) is
-  `gloo.SimProcessGroupGloo`: host tensors, values as if every rank held this rank's.
+* ``ProcessGroupGloo`` (``"gloo"``, and the group of ``"cpu:gloo,cuda:nccl"``) is
+  `gloo.SimProcessGroupGloo`: host tensors (and CUDA ones as NCCL's, for the mixed group).
+* A collective's values are every launched rank's (`exchange`, `combine`), else as if every
+  rank held this rank's.
 * `vram.run.distributed.launcher` is ``torchrun`` for simulated GPUs (``vram run
   --nproc-per-node N``): one process per rank, the torchrun environment, a per-rank summary.
 """
@@ -51,7 +53,7 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
     from .ddp import refuse_local_used_map, verify_params_across_processes
     from .dtensor import device_state_on, rebuild_on_meta
     from .functional import overrides
-    from .gloo import SimProcessGroupGloo
+    from .gloo import BUILDING, SimProcessGroupGloo
     from .process_group import SimProcessGroup
     from .rank import stage_snapshots
     from .wrappers import make_wrapper_subclass
@@ -86,6 +88,18 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
     # ``_get_default_timeout("nccl")`` warned "NCCL support is not compiled" in every run
     put(c10d, "default_pg_nccl_timeout", timedelta(minutes=10))
     put(rdzv, "_create_c10d_store", create_store)
+    helper = c10d._new_process_group_helper
+
+    def new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_group: list[int],
+                                 backend: Any, *args: Any, **kwargs: Any) -> Any:
+        """The helper, telling the Gloo group it builds its backend string and global ranks
+        (NCCL's options carry them; Gloo's constructor is not given them)."""
+        BUILDING.append((str(backend), list(global_ranks_in_group)))
+        try:
+            return helper(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs)
+        finally:
+            BUILDING.pop()
+    put(c10d, "_new_process_group_helper", new_process_group_helper)
     put(dist, "_verify_params_across_processes", verify_params_across_processes)
     if device_for(0).type != "meta":  # the PrivateUse1 engine
         refuse_local_used_map(torch.nn.parallel.DistributedDataParallel, put)

@@ -4,10 +4,9 @@ plain ``init_process_group("gloo")`` (``torch/csrc/distributed/c10d/ProcessGroup
 A real Gloo group connects to every other rank through the store when it is built, and each
 rank is its own process here that no other rank answers: it would wait forever. Gloo's
 collectives run on host tensors, which hold real values in a simulated run and take no GPU
-memory; so this group moves no data and computes each output as if every rank held this
-rank's values, as `vram.run.distributed.process_group` assumes for NCCL (all-reduce SUM:
-``world`` times the value; all-gather: ``world`` copies; broadcast: unchanged). A host tensor
-cannot be marked unknown, so these values are written even where they are only assumed.
+memory; their values are computed as for NCCL's (`vram.run.distributed.process_group`): every
+rank's inputs under the launcher (`.exchange`), else as if every rank held this rank's. A host
+tensor cannot be marked unknown: outputs that cannot be known keep the bytes they held.
 Point-to-point messages carry the sender's real values under the launcher (`.p2p`).
 """
 from __future__ import annotations
@@ -17,13 +16,20 @@ from typing import Any
 
 import torch
 
+from . import combine
 from .p2p import post, take
-from .process_group import Options, SimProcessGroup, SimWork, _reduction
+from .process_group import Options, SimProcessGroup, SimWork, _sim
 
 __all__ = ["SimProcessGroupGloo"]
 
 
-def _host(tensors: list[torch.Tensor], what: str) -> None:
+#: the groups ``_new_process_group_helper`` is building: (backend, global ranks in the group)
+BUILDING: list[tuple[str, list[int]]] = []
+
+
+def _host(pg: SimProcessGroupGloo, tensors: list[torch.Tensor], what: str) -> None:
+    if pg.mixed:
+        return
     for t in tensors:
         if t.device.type != "cpu":
             raise NotImplementedError(f"vram run: gloo's {what} on a CUDA tensor is not simulated "
@@ -38,6 +44,15 @@ class SimProcessGroupGloo(SimProcessGroup):
     def __init__(self, store: Any, rank: int, size: int, timeout: Any = timedelta(minutes=30)) -> None:
         super().__init__(store, rank, size, Options())
         self.options.backend = "gloo"
+        spec, ranks = BUILDING[-1] if BUILDING else ("gloo", [])
+        self.options.global_ranks_in_group = ranks
+        # "cpu:gloo,cuda:nccl": torch keeps this first backend as the whole group
+        # (``_new_process_group_helper`` stops at a ProcessGroup subclass), so it serves CUDA too
+        self.mixed = "nccl" in spec
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu"), torch.device("cuda")] if self.mixed else [torch.device("cpu")]
 
     @staticmethod
     def create_default_device(*args: Any, **kwargs: Any) -> Any:
@@ -53,61 +68,55 @@ class SimProcessGroupGloo(SimProcessGroup):
         return f"<vram ProcessGroupGloo rank={self._rank} size={self._size} name={self._group_name!r}>"
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
-        _host(tensors, "all_reduce")
-        op = _reduction(opts, self._size)
-        with torch._C.DisableTorchFunction():
-            for t in tensors:
-                if op is not None:
-                    t.copy_(op(t.clone()))
-        return SimWork(tensors, [])
-
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
-        return self.allreduce(tensors, opts)
+        _host(self, tensors, "all_reduce")
+        return super().allreduce(tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
-        _host(tensors, "broadcast")
-        return SimWork(tensors, [])
+        _host(self, tensors, "broadcast")
+        return super().broadcast(tensors, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
-        root = getattr(opts, "rootRank", 0) if opts is not None else 0
-        return self.allreduce(tensors, opts) if root == self._rank else SimWork(tensors, [])
+        _host(self, tensors, "reduce")
+        return super().reduce(tensors, opts)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> SimWork:
-        _host([*inputs, *output_lists[-1]], "all_gather")
-        with torch._C.DisableTorchFunction():
-            for outs, inp in zip(output_lists, inputs):
-                for o in outs:
-                    o.copy_(inp)
-        return SimWork(output_lists[-1], [])
+        _host(self, [*inputs, *output_lists[-1]], "all_gather")
+        return super().allgather(output_lists, inputs, opts)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:  # noqa: A002
-        _host([output, input], "all_gather_into_tensor")
-        with torch._C.DisableTorchFunction():
-            output.copy_(torch.cat([input.reshape(-1)] * self._size).reshape(output.shape))
-        return SimWork([output], [])
-
-    _allgather_base = all_gather_single
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> SimWork:
+        _host(self, [*outputs, *inputs], "all_gather_into_tensor")
+        return super().all_gather_single_coalesced(outputs, inputs, opts)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts: Any = None) -> SimWork:
-        _host([*outputs, *input_lists[-1]], "reduce_scatter")
-        op = _reduction(opts, self._size)
-        with torch._C.DisableTorchFunction():
-            for out, ins in zip(outputs, input_lists):
-                if op is not None:
-                    out.copy_(op(ins[self._rank].clone()))
-        return SimWork(outputs, [])
+        _host(self, [*outputs, *input_lists[-1]], "reduce_scatter")
+        return super().reduce_scatter(outputs, input_lists, opts)
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> SimWork:
+        _host(self, [*inputs, *(output_lists[-1] if output_lists else [])], "gather")
+        return super().gather(output_lists, inputs, opts)
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> SimWork:
+        _host(self, [*outputs, *(input_lists[-1] if input_lists else [])], "scatter")
+        return super().scatter(outputs, input_lists, opts)
 
     def barrier(self, opts: Any = None) -> SimWork:
-        return SimWork(None, [])
+        """Gloo's barrier: every rank reaches it (under the launcher this rank waits for them)."""
+        t = torch.zeros(1)
+        return self._collective([t], [t], False, kind="barrier", value=combine.all_reduce(combine.SUM, 1))
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> SimWork:
-        _host(tensors, "send")
+        if self.mixed and _sim().block_of(tensors[0]) is not None:
+            return super().send(tensors, dst, tag)
+        _host(self, tensors, "send")
         post(self, tensors, dst)
         return SimWork(None, [])
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> SimWork:
-        _host(tensors, "recv")
+        if self.mixed and _sim().block_of(tensors[0]) is not None:
+            return super().recv(tensors, src, tag)
+        _host(self, tensors, "recv")
         take(self, tensors, src)
         return SimWork(tensors, [])

@@ -8,10 +8,11 @@ local_elastic_agent.py``, static rendezvous): ``RANK``, ``LOCAL_RANK``, ``WORLD_
 ``TORCHELASTIC_*``, and ``OMP_NUM_THREADS=1`` when unset and N > 1 (``torch/distributed/run.py``).
 A rank sees every GPU of its node (``device_count() == N``); ``cuda:LOCAL_RANK`` is its own.
 
-No collective waits for another rank (see `vram.run.distributed.process_group`), so ranks run
-side by side, ``jobs`` at a time; only a point-to-point receive waits for its sender
-(`vram.run.distributed.p2p`: pipeline stages exchange metadata), and when every running rank
-waits, the next pending rank starts beyond ``jobs``. ``ranks`` picks which ranks to simulate: the
+Ranks run side by side, ``jobs`` at a time; a point-to-point receive waits for its sender
+(`vram.run.distributed.p2p`: pipeline stages exchange metadata) and a collective for the other
+ranks' known values its outputs need (`vram.run.distributed.exchange`: object collectives,
+counts, barriers), and when every running rank waits, the next pending rank starts beyond
+``jobs``. ``ranks`` picks which ranks to simulate: the
 others are not run and the summary says so — for ranks whose programs are identical (plain data
 parallel), one simulated rank stands for all; ranks that differ (pipeline stages, uneven shards)
 must each be simulated.

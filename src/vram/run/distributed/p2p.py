@@ -21,15 +21,17 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 __all__ = ["MAILBOX_ENV", "SIMULATED_ENV", "Mailbox", "P2PError", "mailbox", "exited_marker",
-           "waiting_marker", "deadlock_marker"]
+           "waiting_marker", "deadlock_marker", "wait_for"]
 
 MAILBOX_ENV = "VRAM_RANK_MAILBOX"      # the folder the launched ranks share (set by the launcher)
 SIMULATED_ENV = "VRAM_SIMULATED_RANKS"  # "0,2,3": the ranks the launcher simulates
+T = TypeVar("T")
 
 
 class P2PError(RuntimeError):
@@ -78,26 +80,37 @@ class Mailbox:
         seq = self._received[key]
         self._received[key] += 1
         path = self._path(group, src, self.rank, seq)
-        delay, waiting = 0.001, False
-        try:
-            while not os.path.exists(path):
-                if not waiting:
-                    open(waiting_marker(self.folder, self.rank), "w").close()
-                    waiting = True
-                if os.path.exists(exited_marker(self.folder, src)) and not os.path.exists(path):
-                    raise P2PError(f"rank {self.rank} receives message {seq} from rank {src} (group "
-                                   f"{group!r}), but rank {src} ended without sending it")
-                if os.path.exists(deadlock_marker(self.folder)):
-                    raise P2PError(f"rank {self.rank} waits for message {seq} from rank {src} "
-                                   f"(group {group!r}) while every simulated rank waits: a deadlock")
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-        finally:
-            if waiting:
-                os.remove(waiting_marker(self.folder, self.rank))
+        wait_for(self.folder, self.rank, src, lambda: os.path.exists(path) or None,
+                 f"receives message {seq} from rank {src} (group {group!r})", "sending it")
         values: list[Any] = torch.load(path, weights_only=True)
         os.remove(path)
         return values
+
+
+def wait_for(folder: str, rank: int, peer: int, ready: Callable[[], T | None], doing: str, missing: str) -> T:
+    """`ready()`'s first answer that is not None, polled while rank `peer` may still give it; this
+    rank says it waits (a ``waiting-R`` file) meanwhile. `doing` and `missing` word the error
+    when `peer` ended first ("rank 1 `doing`, but rank 0 ended without `missing`") or every
+    simulated rank waits (a deadlock)."""
+    got = ready()
+    delay, waiting = 0.001, False
+    try:
+        while got is None:
+            if not waiting:
+                open(waiting_marker(folder, rank), "w").close()
+                waiting = True
+            if os.path.exists(exited_marker(folder, peer)) and (got := ready()) is None:
+                raise P2PError(f"rank {rank} {doing}, but rank {peer} ended without {missing}")
+            if got is None and os.path.exists(deadlock_marker(folder)):
+                raise P2PError(f"rank {rank} {doing} while every simulated rank waits: a deadlock")
+            if got is None:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+                got = ready()
+    finally:
+        if waiting:
+            os.remove(waiting_marker(folder, rank))
+    return got
 
 
 _MAILBOX: list[Mailbox] = []

@@ -4,8 +4,9 @@ and free what ProcessGroupNCCL does (``torch/csrc/distributed/c10d/ProcessGroupN
 `SimProcessGroup` is a Python ``torch.distributed.ProcessGroup`` (the trampoline PyTorch's own
 ``multi_threaded_pg`` uses), so collectives called from Python (``dist.all_reduce``, FSDP2,
 DTensor) and from C++ (DDP's ``Reducer``, the functional collectives) reach it. Every rank runs
-in its own process, so no rank waits for another: a collective completes at once, as on an
-infinitely fast GPU, like PyTorch's ``FakeProcessGroup``. What a collective does to memory, from
+in its own process and a collective completes at once, as on an infinitely fast GPU, like
+PyTorch's ``FakeProcessGroup``; a launched rank waits only for other ranks' known values its
+outputs depend on (`.exchange`). What a collective does to memory, from
 ``ProcessGroupNCCL::collective`` and the collectives built on it:
 
 * **Where it runs.** ``asyncOp=False`` (``dist.all_reduce(t)``; FSDP2's collectives inside its own
@@ -23,12 +24,9 @@ infinitely fast GPU, like PyTorch's ``FakeProcessGroup``. What a collective does
   all-reduces a new 1-element float32 ``zeros`` tensor on the group's device. Uneven lists become
   coalesced broadcasts/reduces, which allocate nothing. Nothing else goes through the caching
   allocator: NCCL's own buffers are ``cuMemCreate``'d outside it (see `vram.run.distributed.nccl`).
-* **Values.** Other ranks' data is not simulated. When a collective's inputs are known (`vram.run.
-  known`: counts, flags, ids, DDP's bucket indices), its outputs are computed as if every rank
-  held this rank's values (all-reduce SUM: ``world`` times the value; all-gather: ``world``
-  copies; broadcast: unchanged) and marked *assumed*, so reads of them are listed in the run's
-  value report; they are exact where no other rank contributes (the broadcast root, a group of
-  one). Otherwise, and always in a run strict about values, the outputs are unknown.
+* **Values.** A collective's outputs hold what NCCL would put there (`.combine`), from every
+  rank's inputs where `.exchange` brings them (launched ranks), else as if every rank held this
+  rank's values, marked *assumed*. Unknown inputs give unknown outputs.
 """
 from __future__ import annotations
 
@@ -44,15 +42,15 @@ from vram.frontend import memory as _memory
 from vram.run.memory.storages import SimState
 from vram.run.values import known
 
+from . import combine
+from .combine import Combine
+from .exchange import outputs_values
 from .nccl import note_collective, note_connect, note_destroy, note_p2p
 from .p2p import post, take
 
 __all__ = ["Options", "SimProcessGroup", "SimWork"]
 
 BACKEND_NAME = "nccl"
-#: computes a collective's output values from its inputs' (CPU tensors), all ranks alike
-Values = Callable[[list[torch.Tensor]], list[torch.Tensor]]
-
 
 class Options:
     """``ProcessGroupNCCL.Options``: the fields ``torch.distributed`` sets and reads."""
@@ -108,6 +106,8 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     Options = Options
     #: its collectives run on an NCCL communicator (`.nccl`); Gloo's run on the host
     nccl = True
+    #: a Gloo group whose CUDA tensors' collectives are NCCL's (``"cpu:gloo,cuda:nccl"``)
+    mixed = False
 
     def __init__(self, store: Any, rank: int, size: int, options: Options | None = None) -> None:
         super().__init__(rank, size)
@@ -135,6 +135,12 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def rank(self) -> int:
         return self._rank
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The devices of its backends (``_get_object_coll_device``: object collectives use CUDA
+        tensors on an NCCL group, host tensors where Gloo serves the CPU)."""
+        return [torch.device("cuda")]
 
     def getGroupName(self) -> str:  # noqa: N802
         return self._group_name
@@ -203,15 +209,18 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     # -- the collective skeleton ------------------------------------------------------------
     def _collective(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], async_op: bool,
                     post: Callable[[], None] | None = None, keep: Sequence[torch.Tensor] = (),
-                    value: Values | None = None, exact: bool = False, ring: bool = True) -> SimWork:
+                    value: Combine | None = None, kind: str = "", needs: Sequence[int] | None = None,
+                    sends: bool = True, ring: bool = True) -> SimWork:
         """``ProcessGroupNCCL::collective``: stash when async, run, then ``workEnqueue``.
 
-        `value` computes the outputs' values from the inputs' (CPU tensors) as if every rank held
-        this rank's; `exact` when no other rank's data enters them; `ring`: a collective, which
+        `value` computes the outputs' values from the group ranks' inputs (`.combine`; the ranks
+        in `needs`, all by default, whose inputs `.exchange` brings: this rank's `inputs` when it
+        `sends`); `post` runs after the collective (copies out); `ring`: a collective, which
         connects the NCCL communicator's ring (`.nccl`; a send or receive connects its peer)."""
         sim = _sim()
-        device = _device_of(sim, inputs[0] if inputs else outputs[0])
-        if ring and self.nccl:
+        device = _device_of(sim, inputs[0] if inputs else outputs[0]) if inputs or outputs else None
+        nccl = self.nccl or (self.mixed and device is not None)
+        if ring and nccl:
             note_collective(self, device)
         if device is not None and device not in self._used:
             self._used.append(device)
@@ -222,20 +231,13 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             shelf.extend(inputs)
             shelf.extend(outputs)
             shelf.extend(keep)
+        if ring:
+            outputs_values(self, "nccl" if nccl else "gloo", sim, inputs, outputs, value, kind, needs, sends)
+        else:   # a send or receive: `.p2p` carries the values
+            for t in outputs:
+                known.forget(sim, t)
         if post is not None:
             post()
-        exact = exact or self._size == 1
-        ins = [known.cpu_value(sim, t) for t in inputs]
-        results = None
-        if value is not None and all(v is not None for v in ins) and (exact or not sim.strict_values):
-            assumed = not exact or any(known.assumed(sim, t) for t in inputs)
-            with torch._C.DisableTorchFunction():
-                results = value([v.clone() for v in ins if v is not None])
-        for i, t in enumerate(outputs):
-            if results is None:
-                _forget_value(sim, t)
-            else:
-                known.define(sim, t, results[i], assumed)
         if self._batch is not None:   # coalesced: end_coalescing stashes and enqueues the batch
             self._batch.extend(shelf)
             return SimWork(list(outputs) if async_op else None, [])
@@ -250,22 +252,25 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     # -- collectives --------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
-        op = _reduction(opts, self._size)
-        return self._collective(tensors, tensors, _async(opts), value=op and (lambda vs: [op(v) for v in vs]))
+        fold = combine.reduce_op(opts)
+        return self._collective(tensors, tensors, _async(opts), kind="allreduce",
+                                value=fold and combine.all_reduce(fold, len(tensors)))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
-        root = getattr(opts, "rootRank", 0) if opts is not None else 0
-        return self._collective(tensors, tensors, _async(opts), value=lambda vs: vs, exact=root == self._rank)
+        root = _root(opts)
+        return self._collective(tensors, tensors, _async(opts), kind="broadcast", value=combine.broadcast(root),
+                                needs=[root], sends=root == self._rank)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
-        root = getattr(opts, "rootRank", 0) if opts is not None else 0
+        root, fold = _root(opts), combine.reduce_op(opts)
         if root != self._rank:  # NCCL leaves a non-root's buffer as it was
-            return self._collective(tensors, tensors, _async(opts), value=lambda vs: vs, exact=True)
-        op = _reduction(opts, self._size)
-        return self._collective(tensors, tensors, _async(opts), value=op and (lambda vs: [op(v) for v in vs]))
+            return self._collective(tensors, tensors, _async(opts), kind="reduce", value=combine.broadcast(self._rank),
+                                    needs=[self._rank])
+        return self._collective(tensors, tensors, _async(opts), kind="reduce",
+                                value=fold and combine.all_reduce(fold, len(tensors)))
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> SimWork:
@@ -278,15 +283,10 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             def copy_out() -> None:
                 for j, o in enumerate(outs):
                     o.copy_(flat[j])
-            work = self._collective([inp], [flat], _async(opts), copy_out, keep=outs,
-                                    value=lambda vs: [torch.stack([vs[0]] * len(outs))])
-            with torch._C.DisableTorchFunction():
-                values = known.cpu_value(_sim(), flat)
-            for j, o in enumerate(outs):  # the copies out, as on the NCCL stream
-                if values is not None:
-                    known.define(_sim(), o, values[j], known.assumed(_sim(), flat))
-            return work
-        return self._collective([inp, *outs], list(outs), _async(opts))  # coalesced broadcasts
+            return self._collective([inp], [flat], _async(opts), copy_out, keep=outs, kind="allgather",
+                                    value=combine.all_gather_stacked)
+        # uneven sizes: coalesced broadcasts, one from each rank
+        return self._collective([inp], list(outs), _async(opts), kind="allgather", value=combine.all_gather_each)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:  # noqa: A002
         return self.all_gather_single_coalesced([output], [input], opts)
@@ -295,10 +295,9 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> SimWork:
-        """Each output: `world` copies of its input, one after the other."""
-        n = self._size
-        return self._collective(inputs, outputs, _async(opts), value=lambda vs: [
-            torch.cat([v.reshape(-1)] * n).reshape(o.shape) for v, o in zip(vs, outputs)])
+        """Each output: every rank's input, one after the other."""
+        return self._collective(inputs, outputs, _async(opts), kind="allgather_base",
+                                value=combine.all_gather_flat([o.shape for o in outputs]))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -309,6 +308,7 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                        opts: Any = None) -> SimWork:
         """Equal sizes: the inputs are copied into ``newLikeFlat(inputs)`` on the NCCL stream."""
         out, ins = outputs[-1], input_lists[-1]
+        fold = combine.reduce_op(opts)
         if ins and all(i.shape == ins[0].shape for i in ins):
             out = out.contiguous()
             flat = _new_like_flat(ins)
@@ -317,10 +317,10 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 for j, i in enumerate(ins):
                     flat[j].copy_(i)
             copy_in()
-            op, rank = _reduction(opts, self._size), self._rank
-            return self._collective([flat], [out], _async(opts), keep=ins,
-                                    value=op and (lambda vs: [op(vs[0][rank])]))
-        return self._collective(list(ins), [out], _async(opts))  # coalesced reduces
+            return self._collective([flat], [out], _async(opts), keep=ins, kind="reduce_scatter",
+                                    value=fold and combine.reduce_scatter_rows(fold, self._rank))
+        return self._collective(list(ins), [out], _async(opts), kind="reduce_scatter",   # coalesced reduces
+                                value=fold and combine.reduce_scatter_each(fold, self._rank))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:  # noqa: A002
         return self.reduce_scatter_single_coalesced([output], [input], opts)
@@ -329,29 +329,42 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> SimWork:
-        """Each output: this rank's chunk of its input, reduced over `world` equal contributions."""
-        op, rank, n = _reduction(opts, self._size), self._rank, self._size
-        return self._collective(inputs, outputs, _async(opts), value=op and (lambda vs: [
-            op(v.reshape(-1).chunk(n)[rank].reshape(o.shape)) for v, o in zip(vs, outputs)]))
+        """Each output: the fold of every rank's chunk (this rank's) of its input."""
+        fold = combine.reduce_op(opts)
+        return self._collective(inputs, outputs, _async(opts), kind="reduce_scatter_base", value=fold and
+                                combine.reduce_scatter_flat(fold, self._rank, self._size, [o.shape for o in outputs]))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: Any = None,  # noqa: A002
                           input_splits: Any = None, opts: Any = None) -> SimWork:
-        return self._collective([input], [output], _async(opts))
+        """Every rank's input split by its `input_splits` (empty: equal chunks); this rank gets
+        each rank's split of its own number."""
+        splits = torch.tensor([int(s) for s in input_splits or []], dtype=torch.long)
+        sim = _sim()
+        if known.known(sim, input):   # the split sizes travel with the values
+            inputs: list[torch.Tensor] = [input, splits]
+        else:
+            inputs = [input]
+        return self._collective(inputs, [output], _async(opts), kind="alltoall_base",
+                                value=combine.all_to_all_flat(self._rank, output.shape))
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> SimWork:
-        return self._collective(inputs, outputs, _async(opts))
+        return self._collective(inputs, outputs, _async(opts), kind="alltoall",
+                                value=combine.all_to_all_each(self._rank))
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> SimWork:
-        outs = output_lists[-1] if output_lists else []
-        return self._collective(inputs, list(outs), _async(opts))
+        outs, root = (output_lists[-1] if output_lists else []), _root(opts)
+        if root != self._rank:
+            return self._collective(inputs, [], _async(opts), kind="gather")
+        return self._collective(inputs, list(outs), _async(opts), kind="gather", value=combine.gather_each)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> SimWork:
-        ins = input_lists[-1] if input_lists else []
-        return self._collective(list(ins) or outputs, outputs, _async(opts))
+        ins, root = (input_lists[-1] if input_lists else []), _root(opts)
+        return self._collective(list(ins), outputs, _async(opts), kind="scatter", needs=[root],
+                                value=combine.scatter_each(root, self._rank), sends=root == self._rank)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> SimWork:
         """``pointToPoint``; under the launcher the known values go to `dst` (`.p2p`)."""
@@ -381,7 +394,7 @@ class SimProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         else:
             device = dist.get_rank() % max(1, _memory.device_count()) if dist.is_initialized() else 0
         t = torch.zeros(1, dtype=torch.float32, device=torch.device("cuda", device))
-        work = self._collective([t], [t], _async(opts))
+        work = self._collective([t], [t], _async(opts), kind="allreduce", value=combine.all_reduce(combine.SUM, 1))
         work.wait()  # barrier: a CPU wait (sync mode) or the same at the user's wait()
         return work
 
@@ -412,19 +425,8 @@ def _async(opts: Any) -> bool:
     return bool(getattr(opts, "asyncOp", True)) if opts is not None else True
 
 
-def _reduction(opts: Any, world: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``world`` equal contributions reduced by ``opts.reduceOp`` (None: an op we do not model,
-    such as PREMUL_SUM, whose factor lives in C++). NCCL sums booleans as a max (``getNcclReduceOp``)."""
-    op = getattr(opts, "reduceOp", None) if opts is not None else None
-    op = getattr(op, "op", dist.ReduceOp.SUM)  # ReduceOp -> its RedOpType (``in`` needs the enum)
-    R = dist.ReduceOp
-    if op in (R.AVG, R.MIN, R.MAX, R.BAND, R.BOR):
-        return lambda v: v
-    if op == R.SUM:
-        return lambda v: v if v.dtype == torch.bool else v * world
-    if op == R.PRODUCT:
-        return lambda v: v if v.dtype == torch.bool else v ** world
-    return None
+def _root(opts: Any) -> int:
+    return getattr(opts, "rootRank", 0) if opts is not None else 0
 
 
 def _device_of(sim: SimState, t: torch.Tensor) -> int | None:
@@ -435,10 +437,3 @@ def _new_like_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``newLikeFlat``: ``at::empty({n, *t.sizes()}, t.options())`` under a guard of t's device."""
     t = tensors[0]
     return torch.empty((len(tensors), *t.shape), dtype=t.dtype, device=t.device)
-
-
-def _forget_value(sim: SimState, t: torch.Tensor) -> None:
-    """Other ranks' data is not simulated: a collective's output values are unknown."""
-    b = sim.block_of(t)
-    if b is not None:
-        b.value = None

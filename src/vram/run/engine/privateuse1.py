@@ -330,7 +330,7 @@ def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> Non
         if value is None or known.assumed(sim, src):
             b = sim.block_of(dst)
             if b is not None:
-                b.value = None
+                b.forget()
             if value is None:
                 return
         known.define(sim, dst, value.to(dst.dtype).expand(dst.shape), known.assumed(sim, src))

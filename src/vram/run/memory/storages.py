@@ -34,7 +34,7 @@ class ChargedStorage:
     """One charged storage: its block, device, the weak reference that frees it, and a CPU copy
     of its contents when they are known (`vram.run.values.known`)."""
 
-    __slots__ = ("ptr", "nbytes", "device", "ref", "value", "assumed", "aux", "why")
+    __slots__ = ("ptr", "nbytes", "device", "ref", "value", "assumed", "aux", "why", "filling")
 
     def __init__(self, ptr: int, nbytes: int, device: int, ref: weakref.ref[Any]) -> None:
         self.ptr, self.nbytes, self.device, self.ref = ptr, nbytes, device, ref
@@ -42,6 +42,11 @@ class ChargedStorage:
         self.assumed = False  # the value was computed from placeholders
         self.aux: Any = None  # CPU state a CUDA-only kernel's backward needs (`vram.run.values.real_values`)
         self.why = ""  # real-values mode: why the value is unknown (the op that failed on the CPU)
+        self.filling: Any = None  # an unknown storage written piece by piece (`vram.run.values.known.define`)
+
+    def forget(self, why: str = "") -> None:
+        """Its contents are unknown now (and so is any piece written so far)."""
+        self.value, self.why, self.filling = None, why, None
 
 
 class SimState:
@@ -187,7 +192,7 @@ class SimState:
         old, kept = b.ptr, b.value
         b.ptr = self.malloc(b.device, nbytes) if nbytes else 0
         b.nbytes = nbytes
-        b.value = None
+        b.forget()
         self.carry(kept, b)  # a real-values run keeps the old bytes
         if old:
             _memory.get_allocator(b.device).free(old)
@@ -217,10 +222,10 @@ class SimState:
         return torch.UntypedStorage(nbytes).fill_(0)
 
     def carry(self, old: torch.UntypedStorage | None, new: ChargedStorage) -> None:
-        """A storage grew (``resize_``: CUDA allocates anew and copies the old bytes): in
-        real-values mode the new block's copy starts with the `old` copy's bytes (when known),
-        then zeros."""
-        if not self.real_values:
+        """A storage grew (``resize_``: CUDA allocates anew and copies the old bytes): the new
+        block's copy starts with the `old` copy's bytes, then zeros (uninitialized memory, as a
+        real-values run takes it to hold), when `old` is known or the run is real-values."""
+        if not self.real_values and (old is None or new.nbytes > self.value_limit):
             return
         new.value, new.why = self.zeros(new.nbytes), ""
         if old is not None:

@@ -20,6 +20,10 @@ with `DataDependentError` when the run is strict about values; otherwise it is a
 `placeholder` (zeros) and recorded in the run's `vram.run.values.placeholders.ValueReport`, and small unknown
 inputs of an op are replaced by placeholders too, their results marked as assumed.
 
+A storage grown by ``resize_`` keeps its known bytes (CUDA copies them) and its new bytes read
+as zeros, what a real-values run takes uninitialized memory to hold. A known write into a piece of
+an unknown storage is kept aside until such pieces cover it (`define`).
+
 In a real-values run (``--values real``, `vram.run.values.real_values`) the keep limit is lifted
 (`SimState.value_limit`), uninitialized memory holds zeros, and an op that fails on the CPU
 records why its outputs are unknown (`why`), which the report gives when they are read. The ops
@@ -44,6 +48,9 @@ _OVERWRITE = frozenset({"fill_", "zero_", "copy_", "normal_", "uniform_", "rando
                         "geometric_", "log_normal_", "cauchy_", "bernoulli_"})
 _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                             "empty_permuted", "resize_", "set_"})
+#: ops that leave the storage's bytes as they were: ``resize_`` (CUDA copies them into a grown
+#: one), ``set_`` (the tensor now views a storage that holds what it holds)
+_KEEPS = frozenset({"resize_", "set_"})
 
 
 #: device types that stand for a simulated GPU (meta; `vram.run.engine` adds its own)
@@ -253,6 +260,8 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
             if b.value is None:
                 b.value, b.why = sim.zeros(b.nbytes), ""
         return
+    if computed is None and name in _KEEPS:
+        return   # the storage holds what it held (a grown one: its old bytes, `SimState.carry`)
     if computed is None and (name in _UNINITIALIZED or big):
         _forget(targets, written)
         return
@@ -275,8 +284,7 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
     for t, b in targets:
         value = by_out[id(t)]
         if value.shape != t.shape:  # the CPU kernel's output differs (eval batch_norm's save_mean: [0])
-            b.value = None
-            b.why = f"{func}'s CPU kernel gives this output shape {list(value.shape)}, not {list(t.shape)}"
+            b.forget(f"{func}'s CPU kernel gives this output shape {list(value.shape)}, not {list(t.shape)}")
         elif not big:
             define(sim, t, value, bool(used) or (b.assumed and func._schema.is_mutable))
             if sim.real_values and used:  # computed from a placeholder: the report says why
@@ -290,15 +298,45 @@ def define(sim: SimState, t: torch.Tensor, value: torch.Tensor, assumed: bool) -
     if b is None:
         return
     if b.value is None:
-        if b.nbytes > sim.value_limit * t.element_size() or not _covers(t, b):
+        if b.nbytes > sim.value_limit * t.element_size():
+            return
+        if not _covers(t, b):
+            _fill(sim, t, b, value, assumed)
             return
         sim.reserve(b.nbytes)
-        b.value, b.why = torch.UntypedStorage(b.nbytes), ""
+        b.value, b.why, b.filling = torch.UntypedStorage(b.nbytes), "", None
     b.assumed = assumed
     view = cpu_value(sim, t)
     if view is not None and view.data_ptr() != value.data_ptr():
         with torch._C.DisableTorchFunction():
             view.copy_(value)
+
+
+def _fill(sim: SimState, t: torch.Tensor, b: ChargedStorage, value: torch.Tensor, assumed: bool) -> None:
+    """A known write into a contiguous piece of an unknown storage: kept aside (``filling``: the
+    bytes so far, the byte ranges written, whether any rests on guesses) until the pieces cover
+    the storage, which is then known (an ``empty`` buffer filled slice by slice, as the all-gather
+    of ``all_gather_object`` fills its output)."""
+    with torch._C.DisableTorchFunction():
+        if not t.is_contiguous():
+            return
+        start = t.storage_offset() * t.element_size()
+        end = start + t.numel() * t.element_size()
+        if b.filling is None:
+            sim.reserve(b.nbytes)
+            b.filling = (torch.UntypedStorage(b.nbytes), [], False)
+        data, spans, guessed = b.filling
+        torch.empty(0, dtype=t.dtype).set_(data, t.storage_offset(), t.size(), t.stride()).copy_(value)
+    spans = sorted([*spans, (start, end)])
+    merged: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    b.filling = (data, merged, guessed or assumed)
+    if merged == [(0, b.nbytes)]:
+        b.value, b.why, b.assumed, b.filling = data, "", guessed or assumed, None
 
 
 def _covers(t: torch.Tensor, b: ChargedStorage) -> bool:
@@ -318,9 +356,16 @@ def _forget(targets: list[tuple[Any, ChargedStorage]], written: list[ChargedStor
     """The values of the op's outputs and of what it wrote are unknown now (`why`: the reason a
     real-values run gives when they are read)."""
     for _, b in targets:
-        b.value, b.why = None, why
+        b.forget(why)
     for b in written:
-        b.value, b.why = None, why
+        b.forget(why)
+
+
+def forget(sim: SimState, t: torch.Tensor) -> None:
+    """`t`'s storage holds values this run does not know (another rank's data, say)."""
+    b = sim.block_of(t)
+    if b is not None:
+        b.forget()
 
 
 def meta_outputs(result: Any) -> Any:
