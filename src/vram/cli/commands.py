@@ -15,7 +15,7 @@ from typing import Any
 
 from vram.units import format_size, parse_size
 
-from .analysis import CLUSTER_HELP, JOBS_HELP
+from .analysis import CLUSTER_HELP, JOBS_HELP, index, positive
 from .analysis import add_parsers as add_analysis_parsers
 from .examples import epilog, overview
 from .progress import Progress as _Progress
@@ -365,12 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
         what = "a torch.cuda.memory._dump_snapshot pickle, a JSON snapshot or an RMM allocation-log CSV"
         if many:
             p.add_argument("snapshot", nargs="+", help=what + " (several: replayed in parallel)")
-            p.add_argument("--device", type=int, default=None, help="device index (default: every device)")
-            p.add_argument("--jobs", type=int, default=None, help=JOBS_HELP)
+            p.add_argument("--device", type=index, default=None, help="device index (default: every device)")
+            p.add_argument("--jobs", type=positive, default=None, help=JOBS_HELP)
             p.add_argument("--cluster", default=None, help=CLUSTER_HELP)
         else:
             p.add_argument("snapshot", help=what)
-            p.add_argument("--device", type=int, default=0, help="device index in the snapshot (default 0)")
+            p.add_argument("--device", type=index, default=0, help="device index in the snapshot (default 0)")
         return p
 
     p = snapshot_cmd("replay", "replay recorded snapshots through the allocator (what-if, verification)",
@@ -405,8 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", metavar="A", help="a snapshot (PyTorch pickle, legacy pickle, JSON, RMM CSV)")
     p.add_argument("b", metavar="B", help="the snapshot to compare it with")
-    p.add_argument("--device", type=int, default=0, help="device index (default 0)")
-    p.add_argument("--top", type=int, default=10, help="frames listed per side (default 10)")
+    p.add_argument("--device", type=index, default=0, help="device index (default 0)")
+    p.add_argument("--top", type=positive, default=10, help="frames listed per side (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_diff)
 
@@ -462,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", default="all", metavar="LIST",
                    help="ranks to simulate, e.g. 0 or 0,3 or 0-3 (default all); ranks running identical "
                         "programs need only one")
-    p.add_argument("--jobs", type=int, default=None, metavar="J",
+    p.add_argument("--jobs", type=positive, default=None, metavar="J",
                    help="ranks simulated at once (default: the machine's cores)")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")

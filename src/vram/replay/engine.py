@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vram.allocator.block import SIZE_MASK, SIZE_SHIFT, STREAM_SHIFT
-from vram.allocator.caching import CachingAllocator
+from vram.allocator.caching import ONE_EB, CachingAllocator
 from vram.allocator.config import ConfigError, parse_alloc_conf
 from vram.allocator.errors import OutOfMemoryError
 from vram.devices.base import Event
@@ -265,7 +265,7 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
     result.segment_allocs = stats.num_device_alloc
     result.segment_frees = stats.num_device_free
     result.alloc_retries = stats.num_alloc_retries
-    result.ooms = stats.num_ooms
+    result.ooms += stats.num_ooms  # (+ the requests refused before the allocator: `_note_oom`)
     result.final_allocated = stats.allocated_bytes[0].current
     result.final_reserved = stats.reserved_bytes[0].current
     if checks is not None:
@@ -526,7 +526,12 @@ MAX_LISTED_OOMS = 100
 
 def _note_oom(result: ReplayResult, alloc: CachingAllocator, trace: Sequence[Mapping[str, Any]], i: int,
               ex: Exception, size: int) -> None:
-    """Keep an OOM: where, PyTorch's message and its figures, and the recording's stack there."""
+    """Keep an OOM: where, PyTorch's message and its figures, and the recording's stack there. A
+    request of 1 EiB or more is refused before the device allocator (``allocate``'s
+    ``TORCH_CHECK_WITH(OutOfMemoryError, size < one_exa_bytes, ...)`` in CUDACachingAllocator.cpp),
+    so ``num_ooms`` does not count it: it is counted here, and still an OOM of the replay."""
+    if size >= ONE_EB:
+        result.ooms += 1
     free, total = alloc.device.mem_get_info()
     record = {"event_index": i, "message": str(ex), "size": size, "recorded": trace[i]["action"] == "oom",
               "device_free": free, "device_total": total,
