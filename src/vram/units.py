@@ -67,9 +67,9 @@ def parse_size(value: int | str, what: str = "size") -> int:
 
 def shown_value(value: int | str, limit: int = 40) -> str:
     """A user's value in an error message, in bounded space: a long one is cut, with its length."""
-    text = repr(value) if isinstance(value, str) else None
-    if text is None:  # an int: its digits only when few (int() refuses to print > 4,300 of them)
+    if not isinstance(value, str):  # an int: its digits only when few (str() refuses > 4,300 of them)
         return str(value) if -(10**30) < value < 10**30 else f"an int of {abs(value).bit_length():,} bits"
+    text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(value):,} characters)"
 
 
