@@ -101,3 +101,69 @@ def test_devices_that_record_nothing_are_not_replayed(tmp_path: Path, capsys: py
     assert "65,535 device(s) record no events and no segments" in err
     assert main(["replay", str(p), str(p), "--json", "--jobs", "1"]) == 0
     assert [r["job"]["device"] for r in json.loads(capsys.readouterr().out)["runs"]] == [3, 3]
+
+
+PIPE = """
+import os, threading, tracemalloc
+from vram.replay.loader import SnapshotError, load_snapshot
+r, w = os.pipe()
+def feed():
+    block = b"\\x80" + bytes(1 << 20)
+    with os.fdopen(w, "wb") as f:
+        for _ in range(256):
+            f.write(block)
+threading.Thread(target=feed, daemon=True).start()
+tracemalloc.start()
+try:
+    load_snapshot(f"/dev/fd/{r}", max_bytes=200 << 20)
+except SnapshotError as e:
+    print("refused", e)
+print("peak", tracemalloc.get_traced_memory()[1] >> 20)
+"""
+
+
+def test_a_pipe_over_the_limit_is_refused_without_holding_it_in_memory() -> None:
+    """A pipe's length is unknown until its end: its bytes beyond a small buffer wait in a
+    temporary file, so a 256 MiB pipe against a 200 MiB limit is refused holding far less."""
+    from hostile_files import run_python
+
+    r = run_python(PIPE)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("refused ") and "larger than the 209,715,200-byte limit" in lines[0], lines
+    assert int(lines[1].split()[1]) < 120, lines  # MiB
+
+
+# --------------------------------------------------------------------------- small ones
+
+
+def test_a_request_of_an_exabyte_counts_as_an_oom(tmp_path: Path) -> None:
+    """CUDACachingAllocator.cpp ``allocate``: ``TORCH_CHECK_WITH(OutOfMemoryError, size <
+    one_exa_bytes, "CUDA out of memory. Tried to allocate more than 1EB memory.")`` refuses it
+    before the device allocator (so ``num_ooms`` does not count it); the replay's count of
+    failed requests does, beside the OOM it reports."""
+    p = tmp_path / "eb.pickle"
+    p.write_bytes(snap(trace=[{"action": "alloc", "addr": BASE, "size": 1 << 60, "stream": 0, "frames": []}]))
+    r = replay(load_snapshot(str(p)))
+    assert r.oom is not None and r.oom["message"] == "CUDA out of memory. Tried to allocate more than 1EB memory."
+    assert r.ooms == 1
+    assert r.allocator is not None and r.allocator.stats.num_ooms == 0
+
+
+def test_sizes_and_counts_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """One short line for a 5,000-digit --gpu (beyond a size_t, and beyond what int() prints);
+    counts below 1 refused by the parser."""
+    from vram.cli.commands import main
+
+    for option in ("--gpu", "--context", "--alloc"):
+        assert main(["replay", RECORDING, option, "9" * 5000]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and len(err) < 400 and "5,000 characters" in err, err
+    assert main(["replay", RECORDING, "--gpu", "9" * 25]) == 2
+    assert "more than a size_t holds" in capsys.readouterr().err
+    for argv in (["tune", RECORDING, "--top", "-5"], ["tune", RECORDING, "--jobs", "0"],
+                 ["replay", RECORDING, "--device", "-1"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert "expected a whole number" in capsys.readouterr().err

@@ -15,6 +15,24 @@ from vram.units import format_size, parse_size
 from .defaults import DEFAULT_CONTEXT, DEFAULT_GPU, REPLAY_CONTEXT_HELP
 from .examples import epilog
 
+
+def positive(text: str) -> int:
+    """An argparse type: a count of at least 1 (rows shown, parallel jobs)."""
+    return _whole(text, 1, "a whole number >= 1")
+
+
+def index(text: str) -> int:
+    """An argparse type: an index, 0 or more (a device)."""
+    return _whole(text, 0, "a whole number >= 0")
+
+
+def _whole(text: str, low: int, what: str) -> int:
+    t = text.strip()
+    if not (t.isascii() and t.lstrip("+-").isdigit() and len(t) <= 20) or int(t) < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, not {_shown(text, 40)!r}")
+    return int(t)
+
+
 JOBS_HELP = "parallel replays (default: one per core; 1: serially)"
 CLUSTER_HELP = ("run the replays on a Dask cluster: 'local' starts a LocalCluster, or a scheduler address "
                 "such as tcp://host:8786 (pip install 'vram[cluster]'; workers must see the files)")
@@ -145,11 +163,11 @@ def add_parsers(sub: Any, gpu_help: str) -> None:
     p = sub.add_parser("explain", help=help_, description=desc, epilog=epilog("explain"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("snapshot", help="a torch.cuda.memory._dump_snapshot pickle (or a vram run dump), JSON, RMM CSV")
-    p.add_argument("--device", type=int, default=None,
+    p.add_argument("--device", type=index, default=None,
                    help="device index (default: the first with a recorded OOM, else 0)")
     p.add_argument("--gpu", help=gpu_help + " (default: at a recorded OOM, what PyTorch could have had there)")
     p.add_argument("--context", default=None, help=REPLAY_CONTEXT_HELP)
-    p.add_argument("--jobs", type=int, default=None, help=JOBS_HELP)
+    p.add_argument("--jobs", type=positive, default=None, help=JOBS_HELP)
     p.add_argument("--cluster", default=None, help=CLUSTER_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report: memory over time with "
@@ -161,11 +179,11 @@ def add_parsers(sub: Any, gpu_help: str) -> None:
                        "script recorded once under vram run)", epilog=epilog("tune"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("snapshot", nargs="*", help="snapshots to tune one config for (or '-- script.py args')")
-    p.add_argument("--device", type=int, default=None, help="device index in every snapshot (default 0)")
+    p.add_argument("--device", type=index, default=None, help="device index in every snapshot (default 0)")
     p.add_argument("--gpu", help=gpu_help + " (default: from a recorded OOM, else unlimited)")
     p.add_argument("--context", default=None, help=REPLAY_CONTEXT_HELP)
-    p.add_argument("--top", type=int, default=15, help="rows shown (default 15)")
-    p.add_argument("--jobs", type=int, default=None, help=JOBS_HELP)
+    p.add_argument("--top", type=positive, default=15, help="rows shown (default 15)")
+    p.add_argument("--jobs", type=positive, default=None, help=JOBS_HELP)
     p.add_argument("--cluster", default=None, help=CLUSTER_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_tune, script=None)

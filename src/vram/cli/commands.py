@@ -15,7 +15,7 @@ from typing import Any
 
 from vram.units import parse_size
 
-from .analysis import CLUSTER_HELP, JOBS_HELP
+from .analysis import CLUSTER_HELP, JOBS_HELP, index, positive
 from .analysis import add_parsers as add_analysis_parsers
 from .defaults import (
     CONTEXT_HELP,
@@ -256,12 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
         what = "a torch.cuda.memory._dump_snapshot pickle, a JSON snapshot or an RMM allocation-log CSV"
         if many:
             p.add_argument("snapshot", nargs="+", help=what + " (several: replayed in parallel)")
-            p.add_argument("--device", type=int, default=None, help="device index (default: every device)")
-            p.add_argument("--jobs", type=int, default=None, help=JOBS_HELP)
+            p.add_argument("--device", type=index, default=None, help="device index (default: every device)")
+            p.add_argument("--jobs", type=positive, default=None, help=JOBS_HELP)
             p.add_argument("--cluster", default=None, help=CLUSTER_HELP)
         else:
             p.add_argument("snapshot", help=what)
-            p.add_argument("--device", type=int, default=0, help="device index in the snapshot (default 0)")
+            p.add_argument("--device", type=index, default=0, help="device index in the snapshot (default 0)")
         return p
 
     p = snapshot_cmd("replay", "replay recorded snapshots through the allocator (what-if, verification)",
@@ -303,8 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", metavar="A", help="a snapshot (PyTorch pickle, legacy pickle, JSON, RMM CSV)")
     p.add_argument("b", metavar="B", help="the snapshot to compare it with")
-    p.add_argument("--device", type=int, default=0, help="device index (default 0)")
-    p.add_argument("--top", type=int, default=10, help="frames listed per side (default 10)")
+    p.add_argument("--device", type=index, default=0, help="device index (default 0)")
+    p.add_argument("--top", type=positive, default=10, help="frames listed per side (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_diff)
 

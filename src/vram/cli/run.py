@@ -17,6 +17,7 @@ from typing import Any
 
 from vram.units import format_size, parse_size
 
+from .analysis import positive
 from .defaults import CONTEXT_HELP, DEFAULT_CONTEXT, DEFAULT_GPU, TORCH_HINT, check_context, joined_conf
 from .examples import epilog
 
@@ -309,7 +310,7 @@ def add_parser(sub: Any, gpu_help: str, arch_help: str) -> None:
     g.add_argument("--ranks", default="all", metavar="LIST",
                    help="ranks to simulate, e.g. 0 or 0,3 or 0-3 (default all); ranks running identical "
                         "programs need only one")
-    g.add_argument("--jobs", type=int, default=None, metavar="J",
+    g.add_argument("--jobs", type=positive, default=None, metavar="J",
                    help="ranks simulated at once (default: the machine's cores)")
     p.add_argument("script", help="the Python script to run (with -m: a module name)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")

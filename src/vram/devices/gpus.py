@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from vram.units import parse_size
+from vram.units import SizeOverflow, parse_size, shown_value
 
 __all__ = ["GpuPreset", "GPU_PRESETS", "gpu_preset", "gpu_memory", "parse_arch", "resolve_gpu"]
 
@@ -97,11 +97,13 @@ def gpu_memory(value: int | str, what: str = "gpu") -> int:
     hint = f"expected a byte count such as 24GiB or 80000000000, or a GPU name: {', '.join(GPU_PRESETS)}"
     try:
         total = parse_size(value, what)
+    except SizeOverflow:
+        raise
     except ValueError:
-        raise ValueError(f"invalid {what} {value!r}: {hint}") from None
+        raise ValueError(f"invalid {what} {shown_value(value)}: {hint}") from None
     if isinstance(value, str) and value.strip().isdigit() and total < 1 << 20:
         # "--gpu 24" is a 24-byte GPU to parse_size; nobody means that: say so instead
-        raise ValueError(f"invalid {what} {value!r}: a bare number is bytes; {hint}")
+        raise ValueError(f"invalid {what} {shown_value(value)}: a bare number is bytes; {hint}")
     return total
 
 

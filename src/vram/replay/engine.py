@@ -291,7 +291,7 @@ def _finish(result: ReplayResult, alloc: CachingAllocator, dev: ReplayDevice, ch
     result.segment_allocs = stats.num_device_alloc
     result.segment_frees = stats.num_device_free
     result.alloc_retries = stats.num_alloc_retries
-    result.ooms = stats.num_ooms
+    result.ooms += stats.num_ooms  # (+ the requests refused before the allocator: `vram.replay.loop.note_oom`)
     result.final_allocated = stats.allocated_bytes[0].current
     result.final_reserved = stats.reserved_bytes[0].current
     if checks is not None:

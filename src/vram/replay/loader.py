@@ -26,6 +26,7 @@ import os
 import re
 import stat
 import sys
+import tempfile
 from typing import Any
 
 from . import ccore
@@ -40,6 +41,9 @@ _LIMIT = 2**64  # sizes, addresses and stream handles are 64-bit (spec §18.2)
 _SMALL_SEGMENT = 2 * 1024 * 1024  # small-pool segments are exactly 2 MiB (spec §6, §23)
 _MAX_PLAIN_NODES, _MAX_PLAIN_DEPTH = 1_000_000, 32
 _CHUNK = 16 << 20
+#: a pipe's bytes beyond this wait in a temporary file until its end: one longer than the limit
+#: is refused having held no more than this in memory
+_SPILL = 64 << 20
 # Block states (spec §18.3); the memory.py docstring's "active_awaiting_free" means pending.
 _STATES = {"active_allocated": "active_allocated", "active_pending_free": "active_pending_free",
            "active_awaiting_free": "active_pending_free", "inactive": "inactive"}
@@ -481,8 +485,10 @@ def _too_large(name: str, size: int | str, max_bytes: int) -> SnapshotError:
 
 def _read(source: str | os.PathLike[str] | bytes, max_bytes: int, sniff: bool) -> tuple[str, bytes]:
     """The file's bytes. A regular file's size is checked before anything is read; other files
-    (pipes, devices) are read in `_CHUNK`-byte pieces, stopping at `max_bytes` + 1, and refused
-    after the first piece when it cannot start any supported format (`sniff`; e.g. /dev/zero)."""
+    (pipes, devices) are read in `_CHUNK`-byte pieces, stopping at `max_bytes` + 1 (beyond
+    `_SPILL` bytes they wait in a temporary file, so a pipe over the limit is refused without
+    holding it in memory), and refused after the first piece when it cannot start any supported
+    format (`sniff`; e.g. /dev/zero)."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         if len(data) > max_bytes:
@@ -500,16 +506,24 @@ def _read(source: str | os.PathLike[str] | bytes, max_bytes: int, sniff: bool) -
             if sniff and total and chunks[0][0] not in _STARTS:
                 raise SnapshotError(f"{name}: unrecognised format (byte 0 is {chunks[0][0]:#04x}: "
                                     "not a pickle, JSON, or an RMM CSV log)")
-            while total <= max_bytes and (total > st.st_size or not regular):  # else: at its end
-                more = f.read(min(_CHUNK, max_bytes + 1 - total))
-                if not more:
-                    break
-                chunks.append(more)
-                total += len(more)
+            with tempfile.TemporaryFile() as spill:
+                spilled = 0
+                while total <= max_bytes and (total > st.st_size or not regular):  # else: at its end
+                    more = f.read(min(_CHUNK, max_bytes + 1 - total))
+                    if not more:
+                        break
+                    chunks.append(more)
+                    total += len(more)
+                    if total - spilled > _SPILL:  # a pipe of unknown length: its bytes wait on disk
+                        spill.writelines(chunks)
+                        spilled, chunks = total, []
+                if total > max_bytes:
+                    raise _too_large(name, f"more than {max_bytes:,}", max_bytes)
+                if spilled:
+                    spill.seek(0)
+                    chunks.insert(0, spill.read(spilled))
     except OSError as exc:
         raise SnapshotError(f"{name}: cannot read: {printable(exc.strerror or str(exc), 200)}") from None
-    if total > max_bytes:
-        raise _too_large(name, f"more than {max_bytes:,}", max_bytes)
     return name, chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vram.allocator.block import SIZE_MASK, SIZE_SHIFT, STREAM_SHIFT
-from vram.allocator.caching import CachingAllocator
+from vram.allocator.caching import ONE_EB, CachingAllocator
 from vram.allocator.errors import OutOfMemoryError
 from vram.devices.base import Event
 from vram.devices.trace import TraceDevice
@@ -344,7 +344,12 @@ def _release(busy: dict[int, int], stream: int) -> bool:
 
 def note_oom(result: ReplayResult, alloc: CachingAllocator, trace: Sequence[Mapping[str, Any]], i: int,
              ex: Exception, size: int) -> None:
-    """Keep an OOM: where, PyTorch's message and its figures, and the recording's stack there."""
+    """Keep an OOM: where, PyTorch's message and its figures, and the recording's stack there. A
+    request of 1 EiB or more is refused before the device allocator (``allocate``'s
+    ``TORCH_CHECK_WITH(OutOfMemoryError, size < one_exa_bytes, ...)`` in CUDACachingAllocator.cpp),
+    so ``num_ooms`` does not count it: it is counted here, and still an OOM of the replay."""
+    if size >= ONE_EB:
+        result.ooms += 1
     free, total = alloc.device.mem_get_info()
     record = {"event_index": i, "message": str(ex), "size": size, "recorded": trace[i]["action"] == "oom",
               "device_free": free, "device_total": total,
