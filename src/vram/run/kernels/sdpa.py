@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .sdpa_cudnn import cudnn_backward_plan, cudnn_forward_plan
 from .sdpa_choice import HALF, deterministic_algorithms, qkv, requires_grad
+from .sdpa_cudnn import cudnn_backward_plan, cudnn_forward_plan
 
 #: capability of the device an efficient-attention forward ran on, by its logsumexp storage
 _EFFICIENT_CC: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
