@@ -30,7 +30,7 @@ from vram.run.memory.storages import ChargedStorage, SimState
 from vram.run.values import known
 from vram.run.values.placeholders import describe, needs_data, value_error
 
-from . import formulas, lazy
+from . import formulas, lazy, views
 from .dlpack import new_storage
 from .meta import DispatchMode, FunctionMode
 
@@ -41,8 +41,6 @@ _CPU = torch._C.DispatchKey.CPU
 _AS_STRIDED = torch.ops.aten.as_strided.default
 _SET = torch.ops.aten.set_.source_Tensor
 _COPY_FROM = torch.ops.aten._copy_from.default
-_VIEW_DTYPE = torch.ops.aten.view.dtype  # a CompositeExplicitAutograd kernel only (none for CPU)
-_EXPLICIT_KEY = torch._C.DispatchKey.CompositeExplicitAutograd
 _SET_SOURCE = frozenset(getattr(torch.ops.aten.set_, o) for o in ("source_Tensor", "source_Storage",
                                                                    "source_Storage_storage_offset",
                                                                    "source_Tensor_storage_offset"))
@@ -82,34 +80,7 @@ def register() -> None:
     lib.fallback(_fallback, "PrivateUse1")
     _LIB.append(lib)
     _LIB.append(_structured_kernels())
-    bits = torch.library.Library("aten", "IMPL")  # noqa: TOR901
-    bits.impl("_copy_from", _copy_from_conjugate, "Conjugate")
-    bits.impl("_copy_from", _copy_from_negative, "Negative")
-    _LIB.append(bits)
-
-
-def _copy_from_math_bit(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool, bit: str) -> torch.Tensor:
-    """``_copy_from`` of a tensor with a conjugate or negative bit. ``copy_impl`` sends a copy
-    involving a backend other than CPU/CUDA to ``_copy_from``, whose ``MathOpFallback`` resolves the
-    bit with ``clone``, whose ``copy_`` comes back to ``_copy_from`` with the bit still set: an
-    endless recursion (a segfault). Here the copy runs on bit-free aliases, then the bit's
-    operation is applied to `dst` in place when the two bits differ, as the CUDA copy kernel does."""
-    flip = getattr(src, f"is_{bit}")() != getattr(dst, f"is_{bit}")()
-    clear = (lambda t: t.conj() if t.is_conj() else t) if bit == "conj" else (
-        lambda t: t._neg_view() if t.is_neg() else t)
-    plain = clear(dst)
-    torch.ops.aten._copy_from.default(clear(src), plain, non_blocking)
-    if flip:  # on meta (conj_physical_'s own kernel would look for a DispatchStub of this backend)
-        _fallback(torch.ops.aten.conj_physical_.default if bit == "conj" else torch.ops.aten.neg_.default, plain)
-    return dst
-
-
-def _copy_from_conjugate(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-    return _copy_from_math_bit(src, dst, non_blocking, "conj")
-
-
-def _copy_from_negative(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-    return _copy_from_math_bit(src, dst, non_blocking, "neg")
+    _LIB.append(views.math_bit_copies(_fallback))
 
 
 def _structured_kernels() -> Any:
@@ -336,9 +307,9 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
         if alias.is_write:
             results[i] = src
         elif isinstance(o, list):
-            results[i] = [_view_of(src, m) for m in o]
+            results[i] = [views.view_of(src, m) for m in o]
         else:
-            results[i] = _view_of(src, o)
+            results[i] = views.view_of(src, o)
     idx = _device(args, kwargs)
     _charge(sim, op, name, idx, margs, mkwargs, outs, results)
     for i, o in enumerate(outs):  # outputs the kernel's plan leaves out live on the host (SDPA's
@@ -348,19 +319,6 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     known.propagate(sim, op, args, kwargs, final, inputs, computed, computed_assumed)
     return final
-
-
-def _view_of(src: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-    """A view of `src`'s storage with `meta`'s geometry and dtype. A view that changes the element
-    type (``view_as_real``, ``view_as_complex``, ``view(dtype)``) goes through the whole storage
-    seen as bytes, then the new dtype: ``as_strided`` alone keeps `src`'s element size."""
-    if meta.dtype != src.dtype:
-        nbytes = src.untyped_storage().nbytes()
-        flat = _AS_STRIDED._op_dk(_CPU, src, (nbytes // src.element_size(),), (1,), 0)
-        whole = nbytes // meta.element_size() * meta.element_size()
-        as_bytes = _AS_STRIDED._op_dk(_CPU, _VIEW_DTYPE._op_dk(_EXPLICIT_KEY, flat, torch.uint8), (whole,), (1,), 0)
-        src = _VIEW_DTYPE._op_dk(_EXPLICIT_KEY, as_bytes, meta.dtype)
-    return _AS_STRIDED._op_dk(_CPU, src, meta.shape, meta.stride(), meta.storage_offset())
 
 
 def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> None:
