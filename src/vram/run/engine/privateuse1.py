@@ -25,6 +25,7 @@ from vram.run.kernels import blas as _cublas
 from vram.run.kernels import cudnn as _cudnn
 from vram.run.kernels import grouped_mm as _grouped_mm
 from vram.run.kernels import plan as _plan
+from vram.run.kernels import sparse as _sparse
 from vram.run.memory.storage_api import raw_device
 from vram.run.memory.storages import ChargedStorage, SimState
 from vram.run.values import known
@@ -179,7 +180,7 @@ class BackendState(SimState):
             return None
         with torch._C.DisableTorchFunction():
             d = t.device
-            if d.type != NAME:
+            if d.type != NAME or not torch._C._has_storage(t):  # a vmap BatchedTensor wraps one
                 return None
             base = t.data_ptr() - t.storage_offset() * t.element_size()
         idx = known.engine_index(d.index or 0)
@@ -295,6 +296,8 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     out = _cudnn.cudnn_batch_norm_outputs(name, margs, out)
     single = not isinstance(out, tuple)
     outs = [out] if single else list(out)
+    if _sparse.sparse_layout(outs):
+        raise NotImplementedError(_sparse.sparse_message(describe(sim.call) if sim.call is not None else f"{op}"))
     schema = op._schema
     values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
     results: list[Any] = list(outs)
