@@ -352,6 +352,9 @@ class FunctionMode(TorchFunctionMode):
             fused = _functions.half_to_float_softmax(func, name, args, kwargs)
             if fused is not None:
                 return self._call(func, fused, None, False, args, kwargs)
+        if func is _SDPA and args and getattr(args[0], "is_nested", False) \
+                and sim.block_of(getattr(args[0], "_values", None)) is not None:
+            raise NotImplementedError(_sdpa.NESTED_REFUSAL)
         if func is _SDPA and args and (q_idx := sim.seen_idx(args[0])) is not None:
             # a DTensor too: its wrapper's device is cuda on a GPU, so attention.cpp's CUDA
             # _fused_sdp_choice_stub picks the kernel and DTensor runs it on the local shards

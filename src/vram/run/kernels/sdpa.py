@@ -27,6 +27,12 @@ import torch.nn.functional as F
 from .sdpa_choice import HALF, deterministic_algorithms, qkv, requires_grad
 from .sdpa_cudnn import cudnn_backward_plan, cudnn_forward_plan
 
+#: jagged nested tensors into SDPA: a CUDA build runs torch/nested/_internal/sdpa.py's choice
+#: (flash/efficient/cuDNN over cumulative sequence lengths, ``_flash_attention_forward`` varlen),
+#: whose kernels' allocations are not modelled here; the CPU build would run the math path
+NESTED_REFUSAL = ("vram run: scaled_dot_product_attention on nested (jagged) tensors on the simulated GPU is not "
+                  "modelled (CUDA runs the variable-length flash/efficient/cuDNN kernels); pad the batch to a "
+                  "dense tensor to measure it")
 #: capability of the device an efficient-attention forward ran on, by its logsumexp storage
 _EFFICIENT_CC: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
 
