@@ -86,8 +86,9 @@ TABLE = [
 
 @pytest.mark.parametrize("cc, inputs, backend, refused", TABLE)
 def test_backend_choice_follows_sdp_utils(cc, inputs, backend, refused) -> None:
+    # the default priority order, as without check_prefer_cudnn_attention (TORCH_CUDNN_SDPA_DEPRIORITIZED=1)
     p = _params(**inputs)
-    assert select_sdpa_backend(p, *cc) == backend
+    assert select_sdpa_backend(p, *cc, prefer_cudnn=False) == backend
     reasons = sdpa_rejections(p, *cc)
     for name, check in refused.items():
         assert reasons[name] == check
@@ -110,11 +111,32 @@ def test_cudnn_first_when_preferred(cc, version, inputs, backend) -> None:
     assert select_sdpa_backend(_params(**inputs), *cc, cudnn_version=version, prefer_cudnn=True) == backend
 
 
+@pytest.mark.parametrize("cc, deprioritized, backend", [
+    ((9, 0), None, "cudnn"), ((10, 0), None, "cudnn"), ((10, 3), None, "cudnn"),
+    ((10, 1), None, "flash"), ((8, 0), None, "flash"), ((12, 0), None, "flash"),   # major 9/10, minor 0/3
+    ((9, 0), "1", "flash"), ((9, 0), "0", "cudnn"),   # c10::utils::check_env: only "1" is true
+])
+def test_cudnn_preferred_by_default_on_hopper_and_blackwell(monkeypatch, cc, deprioritized, backend) -> None:
+    # check_prefer_cudnn_attention of a build with cuDNN 9.20 (> 9.15.0), as the 2.13 wheel pins and
+    # as a real H200 shows (shared/gpu-truth/h200-2026-11-27: compiled_gpt --mode eager runs cuDNN's)
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    if deprioritized is not None:
+        monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", deprioritized)
+    assert select_sdpa_backend(_params(), *cc) == backend
+
+
 def test_no_kernel_when_only_an_unusable_one_is_enabled() -> None:
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), pytest.raises(RuntimeError, match="No available kernel"):
         select_sdpa_backend(_params(dtype=F32), 9, 0)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):              # forced, even when not preferred
         assert select_sdpa_backend(_params(), 9, 0) == "cudnn"
+
+
+@pytest.fixture
+def flash_first(monkeypatch):  # type: ignore[no-untyped-def]
+    """The priority order without cuDNN first (``TORCH_CUDNN_SDPA_DEPRIORITIZED=1``), for tests of
+    the flash and memory-efficient kernels on the default sm90 device."""
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
 
 
 def _warm_cublas() -> None:
@@ -148,8 +170,9 @@ def test_issue_gqa_float32_runs_and_allocates_like_the_math_path() -> None:
         a1 = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         o.backward(g)
-        # each bmm backward makes two S gradients while its saved inputs are still alive
-        assert torch.cuda.max_memory_allocated() - a1 == 2 * S
+        # softmax backward holds the incoming gradient S, its grad_input S and the product
+        # grad * output S (SoftMax.cu softmax_backward_cuda_out) at once
+        assert torch.cuda.max_memory_allocated() - a1 == 3 * S
         # the four saved S buffers go; q.grad S, k.grad and v.grad 65,536 each (summed over groups)
         assert torch.cuda.memory_allocated() - a1 == -4 * S + S + 2 * 65536
         assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
@@ -173,7 +196,7 @@ def test_issue_reproduction_under_vram_run(tmp_path, capsys) -> None:
     assert "(2, 8, 64, 64) (2, 2, 64, 64) (2, 2, 64, 64)" in capsys.readouterr().out
 
 
-def test_gqa_bf16_flash_expands_dk_dv_in_backward() -> None:
+def test_gqa_bf16_flash_expands_dk_dv_in_backward(flash_first) -> None:
     # mha_fwd: out 131,072 (bf16 [2,8,64,64]), softmax_lse fp32 [2,8,64] 4,096, rng_state uint64[2]
     # and _unused uint64 (512 each); num_splits_heuristic(16 blocks, 264, 1 key block) = 1 split
     fwd = 131072 + 4096 + 512 + 512
@@ -200,7 +223,7 @@ def test_gqa_bf16_flash_expands_dk_dv_in_backward() -> None:
         assert k.grad.shape == (2, 2, 64, 64) and q.grad.dtype == BF16
 
 
-def test_gqa_decode_swaps_groups_into_the_split_heuristic() -> None:
+def test_gqa_decode_swaps_groups_into_the_split_heuristic(flash_first) -> None:
     # q [1,32,1,128], k/v [1,8,4096,128] bf16: mha_fwd's seqlenq_ngroups_swapped (seqlen_q == 1,
     # 32 > 8 heads, no dropout) runs 8 heads x 4 queries; num_splits_heuristic(8 blocks, 264 SM slots,
     # 32 key blocks of 128): efficiency 8s/264 peaks at s = 32 and the first split count reaching 85%
@@ -241,7 +264,7 @@ def test_efficient_float32_backward_workspace() -> None:
         assert q.grad.is_contiguous()
 
 
-def test_efficient_head_dim_over_128_accumulates_in_float32() -> None:
+def test_efficient_head_dim_over_128_accumulates_in_float32(flash_first) -> None:
     # bf16 head dim 160 with a mask: flash refuses the mask, efficient runs cutlassF's
     # 32x128 kMaxK=65536 kernel (not kSingleValueIteration): kNeedsOutputAccumulatorBuffer, an fp32
     # [1,128,4,160] 327,680 B buffer beside res bf16 163,840; no logsumexp without grad (0 B)
@@ -268,7 +291,7 @@ def test_cudnn_charges_its_outputs_not_its_workspace() -> None:
         assert o.shape == q.shape
 
 
-def test_efficient_bf16_backward_workspace_is_the_peak() -> None:
+def test_efficient_bf16_backward_workspace_is_the_peak(flash_first) -> None:
     # bf16 [2,8,64,64] with a (non-trainable) mask: efficient. Backward kernel: the first of
     # dispatch_cutlassB_bf16_sm80 with kMaxK >= 64 is 64x64 k64 with preload: kOutputInRF (64 <= 64),
     # so no dK/dV staging, and it computes delta itself (fp32 [2,8,64] 4,096). Split keys are on

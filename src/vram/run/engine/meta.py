@@ -25,6 +25,7 @@ from vram.run.kernels import grouped_mm as _grouped_mm
 from vram.run.kernels import plan as _plan
 from vram.run.kernels import sdpa as _sdpa
 from vram.run.kernels import sdpa_choice as _sdpa_choice
+from vram.run.kernels import sparse as _sparse
 from vram.run.memory.lazy_host import LAZY_FACTORIES, factory_numel, seeded
 from vram.run.memory.storages import ChargedStorage, SimState
 from vram.run.values import known
@@ -309,6 +310,8 @@ class FunctionMode(TorchFunctionMode):
                 return b0.device
             if name in _cudnn.RNN_OPS:
                 raise NotImplementedError(_cudnn.rnn_refusal(name))
+            if name.startswith("to_sparse"):
+                raise NotImplementedError(_sparse.sparse_message(describe(func)))
             if name == "record_stream" and len(args) > 1:  # an empty storage has no block: nothing
                 if b0.ptr:  # to do (CUDACachingAllocator.cpp, recordStream); never C++'s, which
                     _memory.get_allocator(b0.device).record_stream(b0.ptr, args[1].cuda_stream)
@@ -349,6 +352,9 @@ class FunctionMode(TorchFunctionMode):
             fused = _functions.half_to_float_softmax(func, name, args, kwargs)
             if fused is not None:
                 return self._call(func, fused, None, False, args, kwargs)
+        if func is _SDPA and args and getattr(args[0], "is_nested", False) \
+                and sim.block_of(getattr(args[0], "_values", None)) is not None:
+            raise NotImplementedError(_sdpa.NESTED_REFUSAL)
         if func is _SDPA and args and (q_idx := sim.seen_idx(args[0])) is not None:
             # a DTensor too: its wrapper's device is cuda on a GPU, so attention.cpp's CUDA
             # _fused_sdp_choice_stub picks the kernel and DTensor runs it on the local shards
@@ -409,6 +415,8 @@ class FunctionMode(TorchFunctionMode):
                             b.value = host.untyped_storage()
             return out
         except (RuntimeError, NotImplementedError) as e:
+            if (refusal := _sparse.sparse_refusal(e, describe(func))) is not None:
+                raise NotImplementedError(refusal) from None
             if (isinstance(e, torch.OutOfMemoryError) or not needs_data(e)
                     or not any(sim.block_of(t) for t in tree_leaves((args, kwargs or {})))):
                 raise

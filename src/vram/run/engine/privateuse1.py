@@ -25,12 +25,13 @@ from vram.run.kernels import blas as _cublas
 from vram.run.kernels import cudnn as _cudnn
 from vram.run.kernels import grouped_mm as _grouped_mm
 from vram.run.kernels import plan as _plan
+from vram.run.kernels import sparse as _sparse
 from vram.run.memory.storage_api import raw_device
 from vram.run.memory.storages import ChargedStorage, SimState
 from vram.run.values import known
 from vram.run.values.placeholders import describe, needs_data, value_error
 
-from . import formulas, lazy
+from . import formulas, lazy, views
 from .dlpack import new_storage
 from .meta import DispatchMode, FunctionMode
 
@@ -80,6 +81,7 @@ def register() -> None:
     lib.fallback(_fallback, "PrivateUse1")
     _LIB.append(lib)
     _LIB.append(_structured_kernels())
+    _LIB.append(views.math_bit_copies(_fallback))
 
 
 def _structured_kernels() -> Any:
@@ -178,7 +180,7 @@ class BackendState(SimState):
             return None
         with torch._C.DisableTorchFunction():
             d = t.device
-            if d.type != NAME:
+            if d.type != NAME or not torch._C._has_storage(t):  # a vmap BatchedTensor wraps one
                 return None
             base = t.data_ptr() - t.storage_offset() * t.element_size()
         idx = known.engine_index(d.index or 0)
@@ -294,6 +296,8 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     out = _cudnn.cudnn_batch_norm_outputs(name, margs, out)
     single = not isinstance(out, tuple)
     outs = [out] if single else list(out)
+    if _sparse.sparse_layout(outs):
+        raise NotImplementedError(_sparse.sparse_message(describe(sim.call) if sim.call is not None else f"{op}"))
     schema = op._schema
     values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
     results: list[Any] = list(outs)
@@ -306,9 +310,9 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
         if alias.is_write:
             results[i] = src
         elif isinstance(o, list):
-            results[i] = [_AS_STRIDED._op_dk(_CPU, src, m.shape, m.stride(), m.storage_offset()) for m in o]
+            results[i] = [views.view_of(src, m) for m in o]
         else:
-            results[i] = _AS_STRIDED._op_dk(_CPU, src, o.shape, o.stride(), o.storage_offset())
+            results[i] = views.view_of(src, o)
     idx = _device(args, kwargs)
     _charge(sim, op, name, idx, margs, mkwargs, outs, results)
     for i, o in enumerate(outs):  # outputs the kernel's plan leaves out live on the host (SDPA's

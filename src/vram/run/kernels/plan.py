@@ -70,7 +70,7 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     device of `sms` SMs of `max_threads_sm` threads), ``_grouped_mm`` `vram.run.kernels.grouped_mm` (by
     the capability `cc`); ops without special knowledge allocate their outputs in output order.
     """
-    plan = _sdpa.op_plan(name, args, outs, sms)
+    plan = _sdpa.op_plan(name, args, outs, sms, cc)
     if plan is None:
         plan = grouped_mm_plan(name, args, outs, cc)
     if plan is None:

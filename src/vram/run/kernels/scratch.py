@@ -11,6 +11,8 @@ fused atomic embedding path, the two-pass layer-norm gamma/beta reduction for la
 * ``native_layer_norm_backward`` / ``_fused_rms_norm_backward`` (``layer_norm_kernel.cu``
   ``layer_norm_backward_cuda``, ``LayerNormBackwardKernelImplInternal``,
   ``LaunchGammaBetaBackwardCUDAKernel``): `norm_backward_plan`.
+* ``_softmax_backward_data`` (``SoftMax.cu`` ``softmax_backward_cuda_out``): the product
+  ``grad * output`` before the kernel: `softmax_backward_plan`.
 
 cub's own temporary storage (``ATen/cuda/cub.cuh`` ``CUB_WRAPPER``: ``func(nullptr, bytes, ...)``
 then ``caching_allocator.allocate(bytes)``, freed when the call returns) is sized by cub's
@@ -217,6 +219,25 @@ def norm_backward_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: i
     return p.steps
 
 
+def softmax_backward_plan(args: tuple[Any, ...]) -> list[tuple[str, Any]] | None:
+    """``softmax_backward_cuda_out`` (SoftMax.cu): after the structured output ``grad_input``,
+    ``Tensor tmp = grad * output`` (a TensorIterator product, its layout following the inputs'),
+    then ``host_softmax_backward(tmp, output, ...)`` takes ``tmp.contiguous()`` and
+    ``output.contiguous()``; all freed on return. (``_log_softmax_backward_data`` has no product.)"""
+    grad, output = args[0], args[1]
+    if not isinstance(grad, torch.Tensor) or not isinstance(output, torch.Tensor):
+        return None
+    tmp = torch.mul(grad.to("meta"), output.to("meta"))
+    p = _Plan()
+    p.steps.append(("out", 0))
+    p.tmp("tmp", _nbytes(tmp))
+    if tmp.numel() and tmp.dim():  # host_softmax_backward returns at once on an empty grad
+        p.tmp("grad", 0 if tmp.is_contiguous() else _nbytes(tmp))
+        p.tmp("output", 0 if output.is_contiguous() else _nbytes(output))
+    p.free("output", "grad", "tmp")
+    return p.steps
+
+
 def scratch_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
                  max_threads_sm: int) -> list[tuple[str, Any]] | None:
     """The allocation order of an op this module knows (see the module doc), None for others."""
@@ -224,4 +245,6 @@ def scratch_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         return embedding_backward_plan(args, outs, sms)
     if name in ("native_layer_norm_backward", "_fused_rms_norm_backward"):
         return norm_backward_plan(name, args, outs, sms, max_threads_sm)
+    if name == "_softmax_backward_data":
+        return softmax_backward_plan(args)
     return None

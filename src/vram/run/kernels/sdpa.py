@@ -7,13 +7,13 @@
   ``_efficient_attention_forward`` and ``attention_backward.cu`` ``_efficient_attention_backward``
   with the kernel lists of ``mem_eff_attention/kernels/cutlass{F,B}.h``; the math path is
   ``attention.cpp`` ``_scaled_dot_product_attention_math`` replayed op by op (`_math`).
-* **cuDNN attention**, when chosen (preferred, or forced with ``sdpa_kernel``): its seed/offset,
-  output and logsumexp are charged, not its workspace.
+* **cuDNN attention** (preferred on sm90/sm100, or forced with ``sdpa_kernel``): its seed/offset,
+  output, logsumexp and workspace, in `vram.run.kernels.sdpa_cudnn`.
 
 Not modelled: nested tensors (left to PyTorch's composite), FA3, batches > 65535 (chunked), the
 shared-memory fit of mem-efficient kernels (``sizeof(SharedStorage) > sharedMemPerBlockOptin``
 skips a kernel: sm80/sm90 fit the first kernel by ``kMaxK``; sm75/sm86/sm89 may fall back to one
-with other tiles), cuDNN's workspace and internal copies.
+with other tiles).
 """
 from __future__ import annotations
 
@@ -25,7 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from .sdpa_choice import HALF, deterministic_algorithms, qkv, requires_grad
+from .sdpa_cudnn import cudnn_backward_plan, cudnn_forward_plan
 
+#: jagged nested tensors into SDPA: a CUDA build runs torch/nested/_internal/sdpa.py's choice
+#: (flash/efficient/cuDNN over cumulative sequence lengths, ``_flash_attention_forward`` varlen),
+#: whose kernels' allocations are not modelled here; the CPU build would run the math path
+NESTED_REFUSAL = ("vram run: scaled_dot_product_attention on nested (jagged) tensors on the simulated GPU is not "
+                  "modelled (CUDA runs the variable-length flash/efficient/cuDNN kernels); pad the batch to a "
+                  "dense tensor to measure it")
 #: capability of the device an efficient-attention forward ran on, by its logsumexp storage
 _EFFICIENT_CC: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
 
@@ -87,8 +94,14 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropout_
     if dropout_p > 0.0:
         attn = _dropout(attn, dropout_p)
     # make_tuple(matmul(attn, v).to(origin), attn.to(origin)): arguments evaluated right to left
-    weights = attn.to(origin)  # noqa: F841  (dies with the tuple, after the output)
-    return torch.matmul(attn, value).to(origin)
+    weights = attn.to(origin)  # noqa: F841  (dies with the tuple, after the function's locals)
+    out = torch.matmul(attn, value).to(origin)
+    # the C++ locals die in reverse order of declaration: attn, value_expanded, key_expanded, query,
+    # attn_mask, value_acc, key_acc, query_acc (the GPU's recording frees them in this order)
+    del attn, value, key, query
+    mask = None
+    del v_acc, k_acc, q_acc
+    return out
 
 
 def _pad_last_dim(t: torch.Tensor, align: int) -> torch.Tensor:
@@ -280,7 +293,8 @@ def _efficient_backward(args: tuple[Any, ...]) -> list[tuple[str, Any]]:
     return plan + ([("free", 0)] if base else [])
 
 
-def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int) -> list[tuple[str, Any]] | None:
+def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
+            cc: tuple[int, int] = (9, 0)) -> list[tuple[str, Any]] | None:
     """The allocation order of an SDPA kernel (see `vram.run.kernels.plan.op_plan`), None for other ops."""
     if name == "_scaled_dot_product_flash_attention":
         return _flash_forward(args, sms)
@@ -294,8 +308,10 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int) -> list
         return plan
     if name == "_scaled_dot_product_efficient_attention_backward":
         return _efficient_backward(args)
-    if name == "_scaled_dot_product_cudnn_attention":  # seed, offset, o, softmaxstats (workspace: unknown)
-        return [("out", 6), ("out", 7), ("out", 0)] + ([("out", 1)] if len(args) > 4 and args[4] else [])
+    if name == "_scaled_dot_product_cudnn_attention":
+        return cudnn_forward_plan(args, cc)
+    if name == "_scaled_dot_product_cudnn_attention_backward":
+        return cudnn_backward_plan(args, cc)
     if name == "_safe_softmax":  # softmax, isneginf, all(keepdim), scalar 0: where_out into softmax
         x = args[0]
         rows = x.numel() // max(x.size(args[1]), 1) if x.dim() else x.numel()

@@ -12,13 +12,15 @@ head dims divisible by ``minimum_gemm_alignment``, storage offsets aligned on sm
 (no GQA); ``can_use_cudnn_attention``; math.
 
 cuDNN attention: the PyPI 2.13.0 wheel (cu130) pins nvidia-cudnn-cu13 9.20.0.48, so
-``check_prefer_cudnn_attention`` (cuDNN > 9.15.0 on sm9x/sm10x) puts cuDNN first on H100/H200/
-B200. vram does not by default (`PREFER_CUDNN`): cuDNN's workspace comes from its heuristics
-(``MHA.cpp``: ``mha_graph->get_workspace_size()``) and cannot be derived from source.
+``check_prefer_cudnn_attention`` (cuDNN > 9.15.0 on sm90/sm100/sm103, minor 0 or 3; off with
+``TORCH_CUDNN_SDPA_DEPRIORITIZED=1``) puts cuDNN first on H100/H200/B200, as a real H200 does
+(``shared/gpu-truth/h200-2026-11-27``: ``compiled_gpt.py --mode eager``'s attention runs cuDNN's
+kernels). What they allocate: `vram.run.kernels.sdpa_cudnn`.
 """
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -26,9 +28,9 @@ import torch
 HALF = (torch.float16, torch.bfloat16)
 #: cuDNN runtime version of the simulated build (``versionRuntimeCuDNN``): 9.20.0, torch 2.13.0's pin
 CUDNN_VERSION = 92000
-#: whether ``check_prefer_cudnn_attention`` may put cuDNN first (off: see the module docstring;
-#: equivalent to running with ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1``)
-PREFER_CUDNN = False
+#: whether ``check_prefer_cudnn_attention`` may put cuDNN first (None: unless the environment sets
+#: ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1``, read as ``c10::utils::check_env`` does)
+PREFER_CUDNN: bool | None = None
 _NAMES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
 _DEFAULT_ORDER = [1, 2, 0, 3, 4]
 
@@ -241,6 +243,8 @@ def select_sdpa_backend(p: dict[str, Any], major: int = 9, minor: int = 0, *,
         return "math"  # nested inputs: not modelled, PyTorch's own composite runs
     version = CUDNN_VERSION if cudnn_version is None else cudnn_version
     prefer = PREFER_CUDNN if prefer_cudnn is None else prefer_cudnn
+    if prefer is None:
+        prefer = os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") != "1"
     enabled = {"math": torch.backends.cuda.math_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
                "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
                "cudnn": torch.backends.cuda.cudnn_sdp_enabled()}
@@ -248,8 +252,8 @@ def select_sdpa_backend(p: dict[str, Any], major: int = 9, minor: int = 0, *,
         raise RuntimeError("No viable backend for scaled_dot_product_attention was found. This is likely "
                            "due to turning off both the math kernel and the fused kernels.")
     order = list(torch._C._get_sdp_priority_order())
-    # check_prefer_cudnn_attention (a CUDA 13 build): cuDNN > 9.15.0 on sm9x/sm10x
-    if prefer and version > 91500 and major in (9, 10) and order == _DEFAULT_ORDER:
+    # check_prefer_cudnn_attention (a CUDA 13 build): cuDNN > 9.15.0 on sm90/sm100/sm103
+    if prefer and version > 91500 and major in (9, 10) and minor in (0, 3) and order == _DEFAULT_ORDER:
         order = [3, 1, 2, 0, 4]
     rejected = sdpa_rejections(p, major, minor, version)
     for backend in (_NAMES[i] for i in order):
