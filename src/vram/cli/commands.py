@@ -250,22 +250,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"vram {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    def snapshot_cmd(name: str, help_: str, many: bool = False) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_, description=help_, epilog=epilog(name),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        what = "a torch.cuda.memory._dump_snapshot pickle, a JSON snapshot or an RMM allocation-log CSV"
-        if many:
-            p.add_argument("snapshot", nargs="+", help=what + " (several: replayed in parallel)")
-            p.add_argument("--device", type=index, default=None, help="device index (default: every device)")
-            p.add_argument("--jobs", type=positive, default=None, help=JOBS_HELP)
-            p.add_argument("--cluster", default=None, help=CLUSTER_HELP)
-        else:
-            p.add_argument("snapshot", help=what)
-            p.add_argument("--device", type=index, default=0, help="device index in the snapshot (default 0)")
-        return p
+    _add_replay_parser(sub)
+    _add_file_parsers(sub)
+    add_analysis_parsers(sub, GPU_HELP)
+    _add_demo_parser(sub)
+    add_run_parser(sub, GPU_HELP, ARCH_HELP)
+    _add_estimate_parser(sub)
+    _add_gpus_parser(sub)
+    return parser
 
-    p = snapshot_cmd("replay", "replay recorded snapshots through the allocator (what-if, verification)",
-                     many=True)
+
+def _snapshot_parser(sub: Any, name: str, help_: str, many: bool = False) -> argparse.ArgumentParser:
+    """A subcommand whose first argument is a snapshot file (several with `many`)."""
+    p = sub.add_parser(name, help=help_, description=help_, epilog=epilog(name),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = "a torch.cuda.memory._dump_snapshot pickle, a JSON snapshot or an RMM allocation-log CSV"
+    if many:
+        p.add_argument("snapshot", nargs="+", help=what + " (several: replayed in parallel)")
+        p.add_argument("--device", type=index, default=None, help="device index (default: every device)")
+        p.add_argument("--jobs", type=positive, default=None, help=JOBS_HELP)
+        p.add_argument("--cluster", default=None, help=CLUSTER_HELP)
+    else:
+        p.add_argument("snapshot", help=what)
+        p.add_argument("--device", type=index, default=0, help="device index in the snapshot (default 0)")
+    return p
+
+
+def _add_replay_parser(sub: Any) -> None:
+    """``vram replay``."""
+    p = _snapshot_parser(sub, "replay", "replay recorded snapshots through the allocator (what-if, verification)",
+                         many=True)
     p.add_argument("--gpu", help=GPU_HELP + " (default: no limit, the recording's own run)")
     p.add_argument("--context", default=None, help=REPLAY_CONTEXT_HELP)
     p.add_argument("--conf", action="append", metavar="CONF",
@@ -282,13 +296,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "the C core, where it is built, replays every event anyway)")
     p.set_defaults(func=cmd_replay)
 
-    p = snapshot_cmd("summary", "print torch.cuda.memory_summary() for the recorded state")
+
+def _add_file_parsers(sub: Any) -> None:
+    """``vram summary``, ``plot``, ``diff`` and ``export``: one snapshot file in, a view of it out."""
+    p = _snapshot_parser(sub, "summary", "print torch.cuda.memory_summary() for the recorded state")
     p.add_argument("--at", type=int, metavar="EVENT", help="the state before this event index (default: the end)")
     p.add_argument("--abbreviated", action="store_true", help="only the 'all' rows")
     p.add_argument("--json", action="store_true", help="print torch.cuda.memory_stats() there as one JSON object")
     p.set_defaults(func=cmd_summary)
 
-    p = snapshot_cmd("plot", "plot memory over the trace and a segment map at the reserved peak")
+    p = _snapshot_parser(sub, "plot", "plot memory over the trace and a segment map at the reserved peak")
     p.add_argument("-o", "--output", help="output image, e.g. out.png (needs matplotlib)")
     p.add_argument("--html", metavar="FILE", help="a self-contained HTML report instead (or as well): memory over "
                    "time with the OOM marked, segments and top consumers at the OOM or reserved peak")
@@ -308,27 +325,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_diff)
 
-    p = snapshot_cmd("export", "convert any supported input to a PyTorch snapshot pickle (or .json)")
+    p = _snapshot_parser(sub, "export", "convert any supported input to a PyTorch snapshot pickle (or .json)")
     p.add_argument("-o", "--output", required=True, help="output path (.pickle, or .json for JSON)")
     p.add_argument("--from", dest="start", metavar="EVENT|TIME",
                    help="the piece starts at this event index, or time from the first event (2.5s, 300ms)")
     p.add_argument("--to", dest="end", metavar="EVENT|TIME",
                    help="the piece ends before this event (or time); its segments are the state there")
     p.set_defaults(func=cmd_export)
-    add_analysis_parsers(sub, GPU_HELP)
 
-    help_ = "walk through reserved vs allocated, the summary table and an OOM on a simulated GPU"
-    p = sub.add_parser("demo", help=help_, description=help_ + ": the classic experiments (a tensor, its "
-                       "cached block after del, fragmentation empty_cache cannot return, PyTorch's OOM "
-                       "message)", epilog=epilog("demo"), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpu", default=DEFAULT_GPU, help=GPU_HELP + f" (default {DEFAULT_GPU})")
-    p.add_argument("--context", default=DEFAULT_CONTEXT, help=CONTEXT_HELP)
-    p.add_argument("--conf", action="append", metavar="CONF",
-                   help="PYTORCH_CUDA_ALLOC_CONF (repeatable: joined with commas)")
-    p.set_defaults(func=lambda a: demo(a.gpu, a.context, joined_conf(a.conf)))
 
-    add_run_parser(sub, GPU_HELP, ARCH_HELP)
-
+def _add_estimate_parser(sub: Any) -> None:
+    """``vram estimate``."""
     help_ = "predict a training step's GPU memory before running it (needs torch)"
     p = sub.add_parser("estimate", help=help_, description=help_ + ": the model trains for a few "
                        "steps on a simulated GPU; peaks per phase, what the memory is at the peak, "
@@ -371,13 +378,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe"], help="pipeline schedule (default 1F1B)")
     p.set_defaults(func=cmd_estimate)
 
+
+def _add_demo_parser(sub: Any) -> None:
+    """``vram demo``."""
+    help_ = "walk through reserved vs allocated, the summary table and an OOM on a simulated GPU"
+    p = sub.add_parser("demo", help=help_, description=help_ + ": the classic experiments (a tensor, its "
+                       "cached block after del, fragmentation empty_cache cannot return, PyTorch's OOM "
+                       "message)", epilog=epilog("demo"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpu", default=DEFAULT_GPU, help=GPU_HELP + f" (default {DEFAULT_GPU})")
+    p.add_argument("--context", default=DEFAULT_CONTEXT, help=CONTEXT_HELP)
+    p.add_argument("--conf", action="append", metavar="CONF",
+                   help="PYTORCH_CUDA_ALLOC_CONF (repeatable: joined with commas)")
+    p.set_defaults(func=lambda a: demo(a.gpu, a.context, joined_conf(a.conf)))
+
+
+def _add_gpus_parser(sub: Any) -> None:
+    """``vram gpus``."""
     help_ = "list the cards --gpu accepts, with what CUDA reports for each"
     p = sub.add_parser("gpus", help=help_, description=help_ + " (total memory in bytes, compute "
                        "capability, SMs); sources in docs/gpus.md", epilog=epilog("gpus"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_gpus)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
