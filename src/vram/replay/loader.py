@@ -20,40 +20,26 @@ PyTorch writes one of each), so a small file cannot make the walk or a replay ex
 """
 from __future__ import annotations
 
-import csv
 import math
 import os
-import re
-import stat
 import sys
-import tempfile
 from typing import Any
 
 from . import ccore
 from .messages import Invalid, SnapshotError, brief, int_text, printable
-from .safe_pickle import OPCODE_BYTES, decode_json, decode_pickle, gc_paused, memory_cap
+from .rmm import decode_rmm_csv
+from .safe_pickle import decode_json, decode_pickle, gc_paused, memory_cap
+from .source import DEFAULT_MAX_BYTES, detect, read_source
 from .validate import KNOWN_ACTIONS, RESERVED_STREAMS, check_requested, check_segment, check_settings, stream_error
 
 __all__ = ["DEFAULT_MAX_BYTES", "SnapshotError", "load_snapshot", "to_pytorch_snapshot"]
 
-DEFAULT_MAX_BYTES = 2 * 1024**3
 _LIMIT = 2**64  # sizes, addresses and stream handles are 64-bit (spec §18.2)
 _SMALL_SEGMENT = 2 * 1024 * 1024  # small-pool segments are exactly 2 MiB (spec §6, §23)
 _MAX_PLAIN_NODES, _MAX_PLAIN_DEPTH = 1_000_000, 32
-_CHUNK = 16 << 20
-#: a pipe's bytes beyond this wait in a temporary file until its end: one longer than the limit
-#: is refused having held no more than this in memory
-_SPILL = 64 << 20
 # Block states (spec §18.3); the memory.py docstring's "active_awaiting_free" means pending.
 _STATES = {"active_allocated": "active_allocated", "active_pending_free": "active_pending_free",
            "active_awaiting_free": "active_pending_free", "inactive": "inactive"}
-_RMM_HEADER = "Thread,Time,Action,Pointer,Size,Stream"
-_NUMBER = re.compile(r"0x[0-9a-f]{1,16}|[0-9]{1,20}")
-_CLOCK = re.compile(r"([0-9]{1,2}):([0-9]{2}):([0-9]{2})(?:[.:]([0-9]{1,6}))?")
-_EPOCH = re.compile(r"([0-9]{1,12})(?:\.([0-9]{1,6}))?")
-# Bytes a supported file can start with: a pickle opcode, JSON's whitespace, BOM, '{' or '['
-# (RMM's header starts with 'T', itself an opcode). /dev/zero is refused after one read.
-_STARTS = OPCODE_BYTES | frozenset(b" \t\r\n{[\xef")
 
 
 def _int(value: Any, path: str, *, positive: bool = False, hi: int = _LIMIT) -> int:
@@ -400,133 +386,6 @@ class _Walker:
         raise Invalid(f"{path} has a value of type {type(v).__name__} (or is not finite)")
 
 
-def _rmm_number(text: str, path: str) -> int:
-    t = text.strip().lower()
-    if not _NUMBER.fullmatch(t):
-        raise Invalid(f"{path} is not a number ({text[:40]!r})")
-    return _int(int(t, 0 if t.startswith("0x") else 10), path)
-
-
-def _rmm_time(text: str, path: str) -> tuple[int, bool]:
-    """(µs, is time of day): ``HH:MM:SS.ffffff`` (spdlog ``%H:%M:%S.%f``; ``:`` before the
-    fraction as in RMM's replay parser's doc) or seconds since the epoch (RMM's user guide)."""
-    if m := _CLOCK.fullmatch(text.strip()):
-        h, mi, s, us = (int(g) for g in (m[1], m[2], m[3], (m[4] or "").ljust(6, "0")))
-        return ((h * 60 + mi) * 60 + s) * 10**6 + us, True
-    if m := _EPOCH.fullmatch(text.strip()):
-        return int(m[1]) * 10**6 + int((m[2] or "").ljust(6, "0")), False
-    raise Invalid(f"{path} is not a time ({text[:40]!r})")
-
-
-def _decode_rmm_csv(data: bytes) -> dict[str, Any]:
-    """RMM ``logging_resource_adaptor`` log (``Thread,Time,Action,Pointer,Size,Stream``; actions
-    allocate / free / allocate failure) as §18.2 entries on device 0: alloc; free_requested +
-    free_completed (RMM frees at once); oom with device_free 0 (RMM does not log it)."""
-    try:
-        lines = data.decode("utf-8-sig").splitlines()
-        rows = list(csv.reader(lines[1:]))
-    except UnicodeDecodeError as exc:
-        raise Invalid(f"unreadable CSV: byte {exc.start:,} is not UTF-8") from None
-    except csv.Error as exc:
-        raise Invalid(f"unreadable CSV: {printable(str(exc), 100)}") from None
-    if not lines or lines[0].strip() != _RMM_HEADER:
-        raise Invalid(f"not an RMM log: first line is not {_RMM_HEADER!r}")
-    entries: list[dict[str, Any]] = []
-    day, last = 0, -1
-    for n, row in enumerate(rows, start=2):
-        if not "".join(row).strip():
-            continue
-        if len(row) != 6:
-            raise Invalid(f"line {n} has {len(row)} fields, expected 6")
-        _rmm_number(row[0], f"line {n} Thread")
-        time_us, of_day = _rmm_time(row[1], f"line {n} Time")
-        if of_day:  # time of day only: a backwards jump of more than 12 h is the next day
-            day, last = day + (time_us + 43_200 * 10**6 < last), time_us
-            time_us += day * 86_400 * 10**6
-        action, ptr = row[2].strip(), _rmm_number(row[3], f"line {n} Pointer")
-        stream = _rmm_number(row[5], f"line {n} Stream")
-        if stream >= RESERVED_STREAMS:
-            raise stream_error(f"line {n} Stream", stream)
-        common = {"size": _rmm_number(row[4], f"line {n} Size"), "stream": stream, "time_us": time_us}
-        if action == "allocate":
-            entries.append({"action": "alloc", "addr": ptr, **common, "frames": []})
-        elif action in ("free", "deallocate"):
-            entries += [{"action": a, "addr": ptr, **common, "frames": []}
-                        for a in ("free_requested", "free_completed")]
-        elif action == "allocate failure":
-            entries.append({"action": "oom", "addr": 0, "device_free": 0, **common,
-                            "frames": []})
-        else:
-            raise Invalid(f"line {n} Action is not allocate/free/allocate failure "
-                          f"({action[:40]!r})")
-    return {"segments": [], "device_traces": [entries], "allocator_settings": None,
-            "legacy": False, "warnings": []}
-
-
-def _detect(data: bytes) -> str:
-    """Pickle protocol 2+ opens with PROTO (0x80); JSON with ``{``/``[``; RMM with its header;
-    anything else ending in the STOP opcode ``.`` is tried as a protocol 0/1 pickle."""
-    text = data.lstrip(b"\xef\xbb\xbf")
-    if data[:1] == b"\x80":
-        return "pickle"
-    if text.lstrip()[:1] in (b"{", b"["):
-        return "json"
-    if text.split(b"\n", 1)[0].strip() == _RMM_HEADER.encode():
-        return "rmm-csv"
-    if data.endswith(b"."):
-        return "pickle"
-    raise Invalid("unrecognised format (expected a pickle, JSON, or an RMM CSV log)")
-
-
-def _too_large(name: str, size: int | str, max_bytes: int) -> SnapshotError:
-    return SnapshotError(f"{name}: larger than the {max_bytes:,}-byte limit ({size} bytes); "
-                         "pass max_bytes to raise it")
-
-
-def _read(source: str | os.PathLike[str] | bytes, max_bytes: int, sniff: bool) -> tuple[str, bytes]:
-    """The file's bytes. A regular file's size is checked before anything is read; other files
-    (pipes, devices) are read in `_CHUNK`-byte pieces, stopping at `max_bytes` + 1 (beyond
-    `_SPILL` bytes they wait in a temporary file, so a pipe over the limit is refused without
-    holding it in memory), and refused after the first piece when it cannot start any supported
-    format (`sniff`; e.g. /dev/zero)."""
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        data = bytes(source)
-        if len(data) > max_bytes:
-            raise _too_large("<bytes>", f"{len(data):,}", max_bytes)
-        return "<bytes>", data
-    name = printable(os.fsdecode(source), 300)
-    try:
-        with open(source, "rb") as f:
-            st = os.fstat(f.fileno())
-            regular = stat.S_ISREG(st.st_mode)
-            if regular and st.st_size > max_bytes:
-                raise _too_large(name, f"{st.st_size:,}", max_bytes)
-            chunks = [f.read(min(st.st_size + 1 if regular else _CHUNK, max_bytes + 1))]
-            total = len(chunks[0])
-            if sniff and total and chunks[0][0] not in _STARTS:
-                raise SnapshotError(f"{name}: unrecognised format (byte 0 is {chunks[0][0]:#04x}: "
-                                    "not a pickle, JSON, or an RMM CSV log)")
-            with tempfile.TemporaryFile() as spill:
-                spilled = 0
-                while total <= max_bytes and (total > st.st_size or not regular):  # else: at its end
-                    more = f.read(min(_CHUNK, max_bytes + 1 - total))
-                    if not more:
-                        break
-                    chunks.append(more)
-                    total += len(more)
-                    if total - spilled > _SPILL:  # a pipe of unknown length: its bytes wait on disk
-                        spill.writelines(chunks)
-                        spilled, chunks = total, []
-                if total > max_bytes:
-                    raise _too_large(name, f"more than {max_bytes:,}", max_bytes)
-                if spilled:
-                    spill.seek(0)
-                    chunks.insert(0, spill.read(spilled))
-    except OSError as exc:
-        raise SnapshotError(f"{name}: cannot read: {printable(exc.strerror or str(exc), 200)}") from None
-    return name, chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
 def load_snapshot(source: str | os.PathLike[str] | bytes, *, fmt: str | None = None,
                   max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:
     """Load and normalise a snapshot (spec §18.3) from a path or from bytes.
@@ -543,14 +402,14 @@ def load_snapshot(source: str | os.PathLike[str] | bytes, *, fmt: str | None = N
     """
     if fmt not in (None, "pickle", "json", "rmm-csv"):
         raise ValueError(f"fmt must be None, 'pickle', 'json' or 'rmm-csv', not {fmt!r}")
-    name, data = _read(source, max_bytes, sniff=fmt is None)
+    name, data = read_source(source, max_bytes, sniff=fmt is None)
     try:
         if not data:
             raise Invalid("file is empty")
-        kind = fmt or _detect(data)
+        kind = fmt or detect(data)
         if kind == "rmm-csv":
             with memory_cap(len(data)):
-                out = _decode_rmm_csv(data)
+                out = decode_rmm_csv(data)
         else:
             with gc_paused():  # millions of new containers and no garbage: see `gc_paused`
                 obj = decode_json(data) if kind == "json" else decode_pickle(data)
