@@ -84,6 +84,7 @@ from vram.frontend import memory as _memory
 from .cuda.api import DeviceProperties, patch_torch_cuda, patch_torch_extras
 from .cuda.compat import define_torchvision_ops, refuse_cuda_ipc
 from .distributed import install as install_distributed
+from .engine.dynamo_guard import defer_dynamo_in_meta_kernels
 from .engine.meta import DispatchMode, FunctionMode
 from .engine.privateuse1 import EngineLimit
 from .kernels.fastpath import patch_fast_paths
@@ -215,6 +216,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     if values not in VALUES:
         raise ValueError(f"unknown vram run values {values!r} (one of {', '.join(VALUES)})")
     define_torchvision_ops()  # a CUDA build of torchvision next to a CPU torch: importable
+    defer_dynamo_in_meta_kernels()  # meta kernels import torch._dynamo only once something compiles
     spec = resolve_gpu(gpu, arch)
     name = spec.name if name is None else name
     major = spec.major if major is None else major
