@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 import torch
@@ -89,7 +90,7 @@ def run_estimate(args: argparse.Namespace) -> int:
                               iterations=args.iterations, gpu=args.gpu, context=args.context, conf=args.conf,
                               arch=args.arch)
     try:
-        best = max_batch(build, inputs, **kw) if args.max_batch else None
+        best = max_batch(build, inputs, progress=sys.stderr, **kw) if args.max_batch else None
         result = estimate(build, inputs(best if best else None), **kw)
     except (ValueError, TypeError, OSError) as e:
         raise type(e)(str(e)) from None
