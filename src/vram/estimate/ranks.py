@@ -56,8 +56,7 @@ def answer(config: dict[str, Any], rank: int) -> dict[str, Any]:
 
     mode, batch = config["mode"], config["batch"]
     if mode == "search":
-        return {"max_batch": search_largest(lambda b: fits(build, _inputs(config, b), parallel=plan(b), **kw),
-                                            progress=sys.stderr)}
+        return {"max_batch": search_largest(lambda b: fits(build, _inputs(config, b), parallel=plan(b), **kw))}
     if mode == "fits":
         return {"fits": fits(build, _inputs(config, batch), parallel=plan(batch), **kw)}
     from vram.devices.gpus import resolve_gpu
