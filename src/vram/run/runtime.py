@@ -259,6 +259,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
             yield devices
     finally:
         sim.host.ledger.settle()  # code after the block uses the CPU generator where a GPU run's would be
+        sim.host.drop_kept()
         _ACTIVE.remove(sim)
         restore_ipc()
         restore_warnings()

@@ -386,6 +386,11 @@ class LazyHost:
         while self.kept_bytes > self.keep_limit:
             self._unkeep(*next(iter(self.kept)))
 
+    def drop_kept(self) -> None:
+        """Let the kept bytes go (the run ended: nothing will read them)."""
+        self.kept.clear()
+        self.kept_bytes = 0
+
     def _unkeep(self, ls: LazyStorage, version: int) -> torch.UntypedStorage:
         self.kept_bytes -= ls.nbytes  # out of `kept`: the oldest, or a storage's new mirror
         return self.kept.pop((ls, version))
