@@ -104,8 +104,8 @@ def main() -> None:
     def simulated() -> None:
         with torch.device("meta"):
             model = gpt2_small()
-        with simulated_cuda():
-            _loop(model.to("cuda"), "cuda", args.batch, args.seq)
+        with simulated_cuda():  # meta parameters have no values to copy: storage of the same shapes
+            _loop(model.to_empty(device="cuda"), "cuda", args.batch, args.seq)
 
     t_meta, t_sim = _best(plain_meta), _best(simulated)
     t_est = _best(lambda: estimate(gpt2_small, x, optimizer="adamw"))

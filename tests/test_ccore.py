@@ -32,6 +32,8 @@ from vram.replay.engine import replay
 from vram.replay.loader import load_snapshot
 from vram.views.snapshot import segments, snapshot
 
+pytestmark = pytest.mark.xdist_group("test_ccore")  # the C core, built in place once when missing
+
 MiB = 1 << 20
 CONFS = [None, "", "max_split_size_mb:64", "roundup_power2_divisions:4",
          "roundup_power2_divisions:[256:1,512:2,>:8],max_non_split_rounding_mb:300",

@@ -10,8 +10,10 @@ sm90; the 1 MiB cuBLASLt workspace of addmm with a bias) — never from printing
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -441,3 +443,16 @@ def test_readme_example_models_run(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     assert "GPT, 124,439,808 parameters" in out  # GPT-2 small with its tied embedding, counted once
     assert main(["estimate", "mymodels:Net", "--input", "2x3x64x64", "--gpu", "24GiB"]) == 0
     assert "Net, 11,689,512 parameters" in capsys.readouterr().out  # ResNet-18's published count
+
+
+def test_max_batch_search_reports_each_run() -> None:
+    """Doubling to the first failure, then bisection; with a progress stream, one line per run
+    (its batch and whether it fits) as it ends."""
+    from vram.estimate.engine import search_largest
+
+    out = io.StringIO()
+    assert search_largest(lambda b: b <= 37, progress=out) == 37
+    probes = [(int(m[1]), m[2] == "fits") for m in re.finditer(r"batch (\d+) (fits|does not fit)", out.getvalue())]
+    assert probes == [(1, True), (2, True), (4, True), (8, True), (16, True), (32, True), (64, False),
+                      (48, False), (40, False), (36, True), (38, False), (37, True)]
+    assert len(out.getvalue().splitlines()) == len(probes)

@@ -207,3 +207,57 @@ def test_factory_size_read_off_the_arguments_is_the_tensors(name: str, args: tup
         assert pushed is None and not t.is_meta
         if name not in ("empty", "empty_strided", "rand", "randn", "randint", "randperm"):
             assert torch.equal(t, expected)
+
+
+def _redraws(keep_limit: int | None = None) -> tuple[torch.Tensor, list[int], int]:
+    """``trunc_normal_`` of a lazy [600, 128] tensor under a simulated run (with `keep_limit`
+    bytes of computed values kept, None: the default): its values after the settled stream,
+    the steps each evaluation computed, and the words replayed from the ledger."""
+    from vram.run.memory import host_rng, lazy_host
+
+    applied: list[int] = []
+    replayed = [0]
+    apply, advance_words = lazy_host.LazyHost._apply, host_rng.advance
+
+    def counting_apply(self: Any, step: Any, *args: Any) -> Any:
+        applied.append(id(step))
+        return apply(self, step, *args)
+
+    def counting_advance(gen: torch.Generator, words: int) -> None:
+        replayed[0] += words
+        advance_words(gen, words)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(lazy_host.LazyHost, "_apply", counting_apply)
+    mp.setattr(host_rng, "advance", counting_advance)
+    try:
+        with simulated_cuda(gpu="24GiB"):
+            host = active_sim().host
+            if keep_limit is not None:
+                host.keep_limit = keep_limit
+            torch.manual_seed(3)
+            w = torch.empty(600, 128)
+            assert host.of(w) is not None
+            nn.init.trunc_normal_(w, std=1.0, a=-2.0, b=2.0)  # ~4.6% redrawn per round: a few rounds
+            assert host.kept_bytes <= host.keep_limit
+            after = torch.randn(3)
+            value = torch.cat([torch.from_numpy(w.numpy().copy()).flatten(), after])
+    finally:
+        mp.undo()
+    return value, applied, replayed[0]
+
+
+def test_rejection_sampling_computes_each_step_once() -> None:
+    """``trunc_normal_`` reads ``mask.any()`` after each round of redraws: each read starts from
+    the values the previous one computed (kept), and each deferred draw's generator state is the
+    one the previous draw left (no replay of earlier draws): every step of the recipe runs once.
+    The values, and the CPU generator's stream after them, are plain CPU torch's."""
+    torch.manual_seed(3)
+    w = torch.empty(600, 128)
+    nn.init.trunc_normal_(w, std=1.0, a=-2.0, b=2.0)
+    expected = torch.cat([w.flatten(), torch.randn(3)])
+    got, applied, replayed = _redraws()
+    assert torch.equal(got, expected)
+    assert len(applied) == len(set(applied)) and replayed == 0
+    # with nothing kept, every read recomputes the recipe from its start: same values
+    again, applied, _ = _redraws(keep_limit=0)
+    assert torch.equal(again, expected) and len(applied) > len(set(applied))

@@ -24,6 +24,8 @@ import pytest
 import vram
 from vram.allocator import native, native_build
 
+pytestmark = pytest.mark.xdist_group("test_native")  # the compiled allocator, built once
+
 HERE = Path(__file__).resolve().parent
 WORKLOADS = HERE / "native_workloads.py"
 SRC = str(Path(vram.__file__).resolve().parents[1])

@@ -6,7 +6,6 @@ On failure, `vram diff` prints the first divergence with both stacks.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -61,7 +60,7 @@ def test_s_mem_forward_backward_reproduces_its_recording(tmp_path, monkeypatch) 
     assert r.identical, render(r)  # type: ignore[attr-defined]
 
 
-@pytest.mark.skipif(not os.environ.get("VRAM_SLOW_TESTS"), reason="a 2.7B model: minutes; set VRAM_SLOW_TESTS=1")
+@pytest.mark.slow  # a 2.7B model: minutes
 def test_k_run_forward_reproduces_its_recording(tmp_path, monkeypatch) -> None:
     """CS336 2.7B LM, ctx 128, batch 4, fp32 forward with grad enabled (H100: 32 MiB cuBLAS workspace)."""
     r = _reproduce(tmp_path, monkeypatch, "k_run", [str(PROGRAMS / "fast_init.py"), "cs336_systems/benchmark.py"],

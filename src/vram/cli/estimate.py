@@ -90,7 +90,7 @@ def run_estimate(args: argparse.Namespace) -> int:
                               iterations=args.iterations, gpu=args.gpu, context=args.context, conf=args.conf,
                               arch=args.arch)
     try:
-        best = max_batch(build, _said(inputs), **kw) if args.max_batch else None
+        best = max_batch(build, inputs, progress=sys.stderr, **kw) if args.max_batch else None
         result = estimate(build, inputs(best if best else None), **kw)
     except (ValueError, TypeError, OSError) as e:
         raise type(e)(str(e)) from None
@@ -109,15 +109,6 @@ def run_estimate(args: argparse.Namespace) -> int:
             print("batch 1 does not fit; what batch 1 needs:\n")
     print(result)
     return 0 if result.fits else 1  # EXIT_CODES: 1 is "does not fit"
-
-
-def _said(make_inputs: Any) -> Any:
-    """`make_inputs` that says on stderr which batch each simulated run of the search tries (a
-    search runs for minutes: doubling, then bisection)."""
-    def probe(batch: int) -> Any:
-        print(f"vram estimate --max-batch: trying batch {batch:,}", file=sys.stderr, flush=True)
-        return make_inputs(batch)
-    return probe
 
 
 def _run_layout(args: argparse.Namespace, shapes: list[tuple[list[int], Any]], model_dtype: Any,

@@ -325,21 +325,27 @@ def fits(model: Any, example_inputs: Any, *, gpu: int | str = "80GiB", context: 
 
 
 def max_batch(model: Any, make_inputs: Callable[[int], Any], *, gpu: int | str = "80GiB",
-              context: int | str = 0, arch: str | None = None, limit: int = 1 << 20, **kwargs: Any) -> int:
+              context: int | str = 0, arch: str | None = None, limit: int = 1 << 20, progress: Any = None,
+              **kwargs: Any) -> int:
     """The largest batch size b for which ``make_inputs(b)`` trains `iterations` steps without OOM.
 
     Real simulated runs (`fits`), no extrapolation: b = 1, 2, 4, … until one fails, then bisection
     between the last success and the first failure — about 2·log2(b) runs of `iterations` steps
     (a failing run stops at its OOM). Returns 0 when batch 1 does not fit, `limit` when it fits.
     `kwargs` are `estimate`'s (optimizer, amp, checkpoint, …). Fitting is assumed monotonic in the
-    batch size, which allocator rounding can break by a few samples near the boundary.
+    batch size, which allocator rounding can break by a few samples near the boundary. `progress`:
+    see `search_largest`.
     """
     return search_largest(lambda b: fits(model, make_inputs(b), gpu=gpu, context=context, arch=arch, **kwargs),
-                          limit)
+                          limit, progress)
 
 
-def search_largest(ok: Callable[[int], bool], limit: int = 1 << 20) -> int:
-    """The largest b in 1..`limit` with ``ok(b)`` (0 if none): doubling, then bisection."""
+def search_largest(ok: Callable[[int], bool], limit: int = 1 << 20, progress: Any = None) -> int:
+    """The largest b in 1..`limit` with ``ok(b)`` (0 if none): doubling, then bisection. With
+    `progress` (a text stream, as ``sys.stderr``), one line per simulated run: its batch, whether
+    it fits, and the time so far."""
+    if progress is not None:
+        ok = _reporting(ok, progress)
     if not ok(1):
         return 0
     lo = 1
@@ -357,3 +363,15 @@ def search_largest(ok: Callable[[int], bool], limit: int = 1 << 20) -> int:
         else:
             hi = mid
     return lo
+
+
+def _reporting(ok: Callable[[int], bool], stream: Any) -> Callable[[int], bool]:
+    start, runs = time.perf_counter(), [0]
+
+    def probe(b: int) -> bool:
+        fit = ok(b)
+        runs[0] += 1
+        print(f"max-batch: run {runs[0]}, batch {b} {'fits' if fit else 'does not fit'} "
+              f"({time.perf_counter() - start:.1f} s)", file=stream, flush=True)
+        return fit
+    return probe

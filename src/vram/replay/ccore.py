@@ -285,10 +285,13 @@ def build(quiet: bool = True) -> Path:
         if proc.returncode != 0 or not built:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
             raise RuntimeError(f"building the C core failed:\n{tail}")
-        for old in [*SOURCE.parent.glob("_ccore*.so"), *SOURCE.parent.glob("_ccore*.pyd")]:
-            old.unlink()
         target = SOURCE.parent / built[0].name
-        shutil.copy2(built[0], target)
+        partial = SOURCE.parent / f".{built[0].name}.{os.getpid()}.partial"
+        shutil.copy2(built[0], partial)
+        for old in [*SOURCE.parent.glob("_ccore*.so"), *SOURCE.parent.glob("_ccore*.pyd")]:
+            if old != target:
+                old.unlink()
+        os.replace(partial, target)  # another process loading it meanwhile sees the old file or the new, whole
     if not quiet:
         print(f"built {target}")
     return target

@@ -84,6 +84,7 @@ from .cuda.api import DeviceProperties, patch_torch_cuda
 from .cuda.compat import define_torchvision_ops, refuse_cuda_ipc
 from .cuda.patches import patch_torch_extras
 from .distributed import install as install_distributed
+from .engine.dynamo_guard import defer_dynamo_in_meta_kernels
 from .engine.meta import DispatchMode, FunctionMode
 from .engine.privateuse1 import EngineLimit
 from .kernels.cudnn import uncharged_note
@@ -216,6 +217,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     if values not in VALUES:
         raise ValueError(f"unknown vram run values {values!r} (one of {', '.join(VALUES)})")
     define_torchvision_ops()  # a CUDA build of torchvision next to a CPU torch: importable
+    defer_dynamo_in_meta_kernels()  # meta kernels import torch._dynamo only once something compiles
     spec = resolve_gpu(gpu, arch)
     name = spec.name if name is None else name
     major = spec.major if major is None else major
@@ -258,6 +260,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
             yield devices
     finally:
         sim.host.ledger.settle()  # code after the block uses the CPU generator where a GPU run's would be
+        sim.host.drop_kept()
         _ACTIVE.remove(sim)
         restore_ipc()
         restore_warnings()

@@ -23,6 +23,7 @@ from typing import Any
 
 from vram.devices.nccl import VERSION as NCCL_VERSION
 from vram.frontend import memory as _memory
+from vram.run.cuda.on_import import when_imported
 from vram.run.cuda.stand_ins import attribute_patches
 from vram.run.memory.storages import SimState
 
@@ -107,11 +108,16 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
     put(c10d, "batch_isend_irecv", batch)
     put(dist, "batch_isend_irecv", batch)
     nccl.reset()   # this run's communicators only
-    import torch.distributed.tensor._op_schema as schema
-    put(schema, "_rebuild_tensor_from_dtensor_meta", rebuild_on_meta(schema._rebuild_tensor_from_dtensor_meta))
-    import torch.distributed.tensor._random as dtensor_random
-    tracker = dtensor_random.OffsetBasedRNGTracker
-    put(tracker, "_get_device_state", device_state_on(tracker._get_device_state, device_for))
+
+    def patch_schema(schema: Any) -> None:
+        put(schema, "_rebuild_tensor_from_dtensor_meta", rebuild_on_meta(schema._rebuild_tensor_from_dtensor_meta))
+
+    def patch_random(dtensor_random: Any) -> None:
+        tracker = dtensor_random.OffsetBasedRNGTracker
+        put(tracker, "_get_device_state", device_state_on(tracker._get_device_state, device_for))
+    # DTensor's modules (a second to import: sympy) are patched when the script imports them
+    waiting = [when_imported("torch.distributed.tensor._op_schema", patch_schema),
+               when_imported("torch.distributed.tensor._random", patch_random)]
     put(torch.Tensor, "_make_wrapper_subclass", make_wrapper_subclass(torch.Tensor._make_wrapper_subclass, device_for))
     staged = stage_snapshots(_memory._dump_snapshot)  # a launched rank: dumps wait for the launcher
     if staged is not None:
@@ -127,6 +133,8 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
         if dist.is_initialized():
             dist.destroy_process_group()
         _SIMS.remove(sim)
+        for cancel in waiting:
+            cancel()
         undo()
 
     return restore

@@ -22,12 +22,14 @@ from torch.utils._pytree import tree_leaves
 from vram.run.memory.lazy_host import seeded
 from vram.run.memory.storages import SimState
 
+from .dynamo_guard import import_dynamo_when_compiling
 from .meta import draws_host_default
 
 #: the runs whose `LazyHostMode` is on the dispatch stack
 _PUSHED: set[SimState] = set()
 
 
+@import_dynamo_when_compiling
 class LazyHostMode(TorchDispatchMode):
     """Records the ops of lazy host tensors (as `vram.run.engine.meta.DispatchMode` does for the
     default engine); every other op passes through to its kernel (the engine's fallback)."""

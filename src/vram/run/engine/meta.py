@@ -26,10 +26,13 @@ from vram.run.kernels import plan as _plan
 from vram.run.kernels import sdpa as _sdpa
 from vram.run.kernels import sdpa_choice as _sdpa_choice
 from vram.run.kernels import sparse as _sparse
-from vram.run.memory.lazy_host import LAZY_FACTORIES, factory_numel, seeded
+from vram.run.memory.lazy_host import LAZY_FACTORIES, seeded
+from vram.run.memory.op_args import factory_numel
 from vram.run.memory.storages import ChargedStorage, SimState
 from vram.run.values import known
 from vram.run.values.placeholders import describe, needs_data, value_error
+
+from .dynamo_guard import import_dynamo_when_compiling
 
 _SDPA = F.scaled_dot_product_attention
 _CPU_COPY = frozenset({"cpu", "numpy", "tolist", "__array__", "__repr__", "__format__", "equal",
@@ -76,6 +79,7 @@ def _repr_as(host: torch.Tensor, t: torch.Tensor, device: str | None = None) -> 
         tensor_str._add_suffixes = original
 
 
+@import_dynamo_when_compiling
 class DispatchMode(TorchDispatchMode):
     """Charges every new output storage of every aten op to the simulated allocator."""
 

@@ -55,7 +55,6 @@ _IMPLICIT = "CompositeImplicitAutograd"
 #: (derivatives.yaml); ``mish_backward`` is called by ``MishBackward0`` with grad mode off (CUDA:
 #: one output, Activation.cpp; the composite ``math_mish_backward`` makes five input-sized temporaries)
 _DIFFERENTIABLE = frozenset({"aten::_fused_rms_norm", "aten::mish_backward"})
-_has = torch._C._dispatch_has_kernel_for_dispatch_key
 #: composites whose input a CUDA kernel takes ``contiguous()`` and PrivateUse1 does not
 _CUDA_CONTIGUOUS = frozenset({"group_norm"})
 _STATE: list[BackendState] = []  # the running simulations, innermost last
@@ -111,6 +110,13 @@ def _structured_kernels() -> Any:
     The fallback stays for other namespaces and ops registered later."""
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
     cuda = cuda_kernel_ops()
+    # which ops have a kernel at each key: one dispatcher query per key (asking per op and key
+    # is as many name lookups as ops, a second of start-up)
+    kernels = {k: frozenset(torch._C._dispatch_get_registrations_for_dispatch_key(k))
+               for k in ("CPU", _NON_FUNCTIONAL, _EXPLICIT, _IMPLICIT)}
+
+    def _has(qualified: str, key: str) -> bool:
+        return qualified in kernels[key]
     for qualified in torch._C._dispatch_get_all_op_names():
         if not qualified.startswith("aten::"):
             continue

@@ -18,14 +18,14 @@ is mirrored by a real storage that ops update directly. The default generator's 
 GPU run's: deferred draws are settled before anything observes it.
 
 Limits: ``Tensor.numpy()`` of a lazy tensor shares memory with its mirror, not with the meta
-tensor the script holds (writes through the array are seen by later ops, as on the CPU, since
-ops then use the mirror); ``torch.default_generator.get_state()`` called directly (not through
-``torch.get_rng_state``) sees the stream before any deferred draws.
+tensor the script holds (later ops use the mirror, so they see writes through the array, as on
+the CPU); ``torch.default_generator.get_state()`` called directly sees the stream before any
+deferred draws.
 """
 from __future__ import annotations
 
-import math
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from vram.run.values.placeholders import needs_data
 
 from .host_rng import Draw, Ledger, word_count
+from .op_args import factory_numel, with_generator, written_tensors
 
 _CPU = torch.device("cpu")
 _META = torch.device("meta")
@@ -55,6 +56,10 @@ _FACTORY_KERNEL = {"randn": "normal_", "rand": "uniform_"}
 #: ops that change a storage's size or identity: lazy storages take them materialized
 _RESHAPE_STORAGE = frozenset({"resize_", "resize_as_", "set_", "_resize_output_"})
 
+#: bytes of computed intermediate values kept for later reads (`LazyHost._keep`): a few
+#: [50257, 768] float32 tensors (GPT-2's embedding, 154 MB), a small share of a host's memory
+KEEP_LIMIT = 1 << 30
+
 Geometry = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]
 
 
@@ -64,6 +69,14 @@ def _geometry(t: torch.Tensor) -> Geometry:
 
 def _view(storage: torch.UntypedStorage, g: Geometry) -> torch.Tensor:
     return torch.empty(0, dtype=g[3]).set_(storage, g[2], g[0], g[1])
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _zeros(nbytes: int) -> torch.UntypedStorage:
+    return torch.zeros(nbytes, dtype=torch.uint8).untyped_storage()
 
 
 def seeded(func: Any) -> bool:
@@ -137,12 +150,15 @@ class LazyHost:
     """The lazy host storages of one simulated run, and the CPU generator's ledger."""
 
     def __init__(self, value_limit: int, known_value: Callable[[torch.Tensor], torch.Tensor | None],
-                 on_unknown: Callable[[str], None]) -> None:
+                 on_unknown: Callable[[str], None], keep_limit: int = KEEP_LIMIT) -> None:
         self.limit = value_limit
         self.live: dict[int, LazyStorage] = {}
         self.ledger = Ledger()
         self.known_value = known_value  # a simulated tensor's known values (CPU), or None
         self.on_unknown = on_unknown  # told when a recipe used zeros for a value it did not know
+        #: bytes of computed versions, (storage, version) -> bytes, oldest first (`_keep`)
+        self.kept: OrderedDict[tuple[LazyStorage, int], torch.UntypedStorage] = OrderedDict()
+        self.kept_bytes, self.keep_limit = 0, keep_limit
 
     # -- identity ---------------------------------------------------------------------------
     def of(self, t: Any) -> LazyStorage | None:
@@ -199,7 +215,7 @@ class LazyHost:
         name = func.overloadpacket.__name__
         if name in _RESHAPE_STORAGE or (seeded(func) and name not in _REPLAYABLE):
             return True
-        written = _written(func, args, kwargs)
+        written = written_tensors(func, args, kwargs)
         if any(not t.is_meta for t in written):  # a real host tensor written from lazy ones
             return True
         return len({id(ls) for t in written if (ls := self.of(t)) is not None}) > 1
@@ -234,7 +250,7 @@ class LazyHost:
         `new_outputs` is false: they went to a GPU), with this op as their recipe's first step;
         the lazy storages it wrote gain it as a step."""
         name = func.overloadpacket.__name__
-        written = _written(func, args, kwargs)
+        written = written_tensors(func, args, kwargs)
         rng = None
         if seeded(func):
             target = written[0] if written else next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
@@ -317,47 +333,72 @@ class LazyHost:
 
     def _evaluate(self, target: LazyStorage, version: int) -> torch.UntypedStorage:
         """Compute `target`'s bytes after `version` steps, and every version of every storage
-        its recipe reads, dependencies first (iteratively: recipes can be deep)."""
-        order: list[tuple[LazyStorage, int]] = []
+        its recipe reads, dependencies first (iteratively: recipes can be deep), each from the
+        latest version of it that `kept` holds."""
+        order: list[tuple[LazyStorage, int, int]] = []
         uses: dict[tuple[int, int], int] = {}
         seen: set[tuple[int, int]] = set()
-        stack: list[tuple[LazyStorage, int, bool]] = [(target, version, False)]
+        stack: list[tuple[LazyStorage, int, int]] = [(target, version, -1)]
         while stack:
-            ls, v, done = stack.pop()
-            if done:
-                order.append((ls, v))
+            ls, v, start = stack.pop()
+            if start >= 0:
+                order.append((ls, v, start))
                 continue
-            if (id(ls), v) in seen:
+            if (id(ls), v) in seen or seen.add((id(ls), v)):
                 continue
-            seen.add((id(ls), v))
-            stack.append((ls, v, True))
-            for j, step in enumerate(ls.steps[:v]):
-                for r in step.refs():
+            start = max((u for (k, u) in self.kept if k is ls and u <= v), default=0)
+            stack.append((ls, v, start))
+            for j in range(start, v):
+                for r in ls.steps[j].refs():
                     if r.ls is ls and r.version == j:
                         continue  # the storage being built, as it is at this step
                     key = (id(r.ls), r.version)
                     uses[key] = uses.get(key, 0) + 1
-                    stack.append((r.ls, r.version, False))
+                    stack.append((r.ls, r.version, -1))
         memo: dict[tuple[int, int], torch.UntypedStorage] = {}
-        for ls, v in order:
-            st = torch.UntypedStorage(ls.nbytes)
-            if ls.nbytes:
-                torch.empty(0, dtype=torch.uint8).set_(st, 0, (ls.nbytes,), (1,)).zero_()
-            for j, step in enumerate(ls.steps[:v]):
-                self._apply(step, st, ls, j, memo)
+        for ls, v, start in order:
+            st = self.kept.get((ls, start)) if start else None
+            if st is not None and (start < v and (id(ls), start) not in seen or start == v and ls is target):
+                self._unkeep(ls, start)  # read by nothing else here: built on in place, or the mirror
+            elif st is not None and start < v:
+                st = _bytes(torch.UntypedStorage(ls.nbytes)).copy_(_bytes(st)).untyped_storage()
+            for j in range(start, v):
+                step = ls.steps[j]
+                st = self._apply(step, st, ls, j, memo)
                 for r in step.refs():
-                    if r.ls is ls and r.version == j:
-                        continue
                     key = (id(r.ls), r.version)
-                    if key in uses:
+                    if key in uses and not (r.ls is ls and r.version == j):
                         uses[key] -= 1
                         if not uses[key] and key != (id(target), version):
                             memo.pop(key, None)
-            memo[(id(ls), v)] = st
+            memo[(id(ls), v)] = st if st is not None else _zeros(ls.nbytes)
+            if v > start and ls is not target and v == len(ls.steps) and ls.ref is not None and ls.ref():
+                self._keep(ls, v, st)
         return memo[(id(target), version)]
 
-    def _apply(self, step: Step, st: torch.UntypedStorage, ls: LazyStorage, j: int,
-               memo: dict[tuple[int, int], torch.UntypedStorage]) -> None:
+    def _keep(self, ls: LazyStorage, version: int, st: torch.UntypedStorage) -> None:
+        """Keep a live storage's current bytes, computed on the way to another's: a later read (the
+        next round of ``trunc_normal_``'s redraws) starts there. The oldest go beyond `keep_limit`."""
+        if ls.nbytes > self.keep_limit:
+            return
+        self.kept[(ls, version)] = st
+        self.kept_bytes += ls.nbytes
+        while self.kept_bytes > self.keep_limit:
+            self._unkeep(*next(iter(self.kept)))
+
+    def drop_kept(self) -> None:
+        """Let the kept bytes go (the run ended: nothing will read them)."""
+        self.kept.clear()
+        self.kept_bytes = 0
+
+    def _unkeep(self, ls: LazyStorage, version: int) -> torch.UntypedStorage:
+        self.kept_bytes -= ls.nbytes  # out of `kept`: the oldest, or a storage's new mirror
+        return self.kept.pop((ls, version))
+
+    def _apply(self, step: Step, st: torch.UntypedStorage | None, ls: LazyStorage, j: int,
+               memo: dict[tuple[int, int], torch.UntypedStorage]) -> torch.UntypedStorage:
+        """Run step `j` of `ls`'s recipe on `st` (None before its first step); returns the storage
+        (a creation step's own output storage when it is exactly the storage's layout)."""
         def arg(x: Any) -> Any:
             if isinstance(x, Ref):
                 src = st if (x.ls is ls and x.version == j) else memo[(id(x.ls), x.version)]
@@ -371,77 +412,21 @@ class LazyHost:
             return x
         args, kwargs = tree_map(arg, (step.args, step.kwargs))
         if step.rng is not None:
-            gen = torch.Generator()
-            gen.set_state(step.rng[0].state_before(step.rng[1]) if isinstance(step.rng, tuple) else step.rng)
+            gen, ticket = torch.Generator(), step.rng if isinstance(step.rng, tuple) else None
+            gen.set_state(ticket[0].state_before(ticket[1]) if ticket else step.rng)
             result = with_generator(step.func)(*args, **dict(kwargs, generator=gen))
+            if ticket:  # the state after its draws: where the next deferred draw starts
+                ticket[0].states.setdefault(ticket[1] + 1, gen.get_state())
         else:
             result = step.func(*args, **kwargs)
-        if step.out is not None:
-            r = [x for x in tree_leaves(result) if isinstance(x, torch.Tensor)][step.out]
-            _view(st, step.geometry).copy_(r)  # type: ignore[arg-type]
-
-
-def _size_numel(size: Any) -> int | None:
-    """Elements of a size list (``empty/zeros/ones/full/rand/randn(size, ...)``), else None."""
-    if not isinstance(size, (list, tuple)) or not all(type(n) is int for n in size):
-        return None
-    numel = 1
-    for n in size:
-        numel *= n
-    return numel
-
-
-def factory_numel(name: str, args: Any, kwargs: dict[str, Any]) -> int | None:
-    """The elements a CPU factory call makes, read off its arguments at the torch-function level
-    (``torch.zeros(2, 3)``, ``torch.randint(0, 9, (4,))``, ``torch.arange(8)``) or the aten level
-    (sizes as lists); None when not plain numbers. A hint: deciding "small, so real" early skips
-    the lazy path, and a wrong answer only makes a tensor real or lazy, never a wrong value."""
-    if name in ("arange", "range"):
-        nums = args[:3]
-        if not nums or len(args) > 3 or not all(type(x) in (int, float) for x in nums):
-            return None
-        start, end, step = (0, nums[0], 1) if len(nums) == 1 else (*nums[:2], nums[2] if len(nums) == 3 else 1)
-        if step == 0:
-            return None
-        span = (end - start) / step
-        return max(0, math.ceil(span) if name == "arange" else math.floor(span) + 1)
-    if name == "randperm":
-        return args[0] if args and type(args[0]) is int else None
-    if name == "eye":
-        dims = args[:2]
-        return dims[0] * dims[-1] if dims and all(type(n) is int for n in dims) else None
-    if name in ("linspace", "logspace"):
-        steps = args[2] if len(args) > 2 else kwargs.get("steps")
-        return steps if type(steps) is int else None
-    if name == "randint":
-        return _size_numel(kwargs["size"] if "size" in kwargs else args[-1] if args else None)
-    if "size" in kwargs:
-        return _size_numel(kwargs["size"])
-    if args and all(type(n) is int for n in args) and name not in ("full", "empty_strided", "empty_permuted"):
-        return _size_numel(args)  # varargs sizes: torch.zeros(2, 3)
-    return _size_numel(args[0]) if args else None
-
-
-def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors an aten op writes (its schema's mutable arguments)."""
-    if not func._schema.is_mutable:
-        return []
-    found: list[torch.Tensor] = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(a.name)
-        found.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-    return found
-
-
-def with_generator(func: Any) -> Any:
-    """The overload of `func` that takes a ``generator=`` (``rand.default`` → ``rand.generator``,
-    ``randint.low`` → ``randint.low_generator``)."""
-    if any(a.name == "generator" for a in func._schema.arguments):
-        return func
-    name = "generator" if func._overloadname == "default" else func._overloadname + "_generator"
-    return getattr(func.overloadpacket, name)
+        if step.out is None:
+            return st  # type: ignore[return-value]  # written in place
+        r = [x for x in tree_leaves(result) if isinstance(x, torch.Tensor)][step.out]
+        if st is None and _geometry(r) == step.geometry and r.untyped_storage().nbytes() == ls.nbytes:
+            return r.untyped_storage()
+        st = _zeros(ls.nbytes) if st is None else st
+        _view(st, step.geometry).copy_(r)  # type: ignore[arg-type]
+        return st
 
 
 def _replay(func: Any, args: Any, kwargs: dict[str, Any]) -> Callable[[torch.Generator], Any]:
