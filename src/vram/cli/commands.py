@@ -270,23 +270,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise OSError(f"can't find '__main__' module in {args.script!r} (a directory, not a script)")
     elif not os.path.isfile(args.script):
         raise OSError(f"can't open file {args.script!r}: no such file")
-    chosen = args.backend is not None or bool(os.environ.get("VRAM_RUN_BACKEND"))
     if args.backend is not None:  # the environment carries it to a launcher's ranks too
         os.environ["VRAM_RUN_BACKEND"] = args.backend
     if args.nproc_per_node is not None:
         return _launch(args)
-    from vram.run.engine import EngineLimit
-
-    try:
-        status = run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
-                            context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch,
-                            strict_values=args.strict_values, value_report=args.value_report, values=args.values,
-                            engine_fallback=not chosen)
-    except EngineLimit as e:  # the default engine could not: the whole run again on the meta engine
-        print(f"{e}\nvram run: running the script again on the meta engine", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "vram", *sys.argv[1:]],
-                  dict(os.environ, VRAM_RUN_BACKEND="meta"))
+    status = run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
+                        context=args.context, conf=args.conf, device_count=args.devices, arch=args.arch,
+                        strict_values=args.strict_values, value_report=args.value_report, values=args.values)
     from vram.devices.gpus import resolve_gpu
     from vram.run.distributed.rank import write_result
 
@@ -447,11 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--value-report", metavar="FILE.json",
                    help="write the reads answered with placeholder values as JSON")
     p.add_argument("--backend", choices=["privateuse1", "meta"], default=None,
-                   help="the simulation engine (default: $VRAM_RUN_BACKEND, else privateuse1 for one GPU and meta "
-                        "for --devices > 1 or --nproc-per-node). privateuse1: tensors on a Python PrivateUse1 "
-                        "device, no dispatch mode while the model trains, so autograd takes the GPU's formulas "
-                        "(issue 12); meta: meta tensors under a dispatch mode, whose backward formulas are "
-                        "PyTorch's out-of-place subclass ones (extra allocations; docs/design.md)")
+                   help="the simulation engine (default: $VRAM_RUN_BACKEND, else privateuse1). privateuse1: tensors "
+                        "on a PrivateUse1 device, no dispatch mode while the model trains, so autograd takes "
+                        "the GPU's formulas; meta, a debugging aid: meta tensors under a dispatch mode, whose "
+                        "backward formulas are PyTorch's out-of-place subclass ones (extra allocations; "
+                        "docs/design.md)")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="as torchrun: N processes (ranks) per node, one simulated GPU each")
     p.add_argument("--nnodes", type=int, default=1, metavar="M", help="nodes, with --nproc-per-node (default 1)")

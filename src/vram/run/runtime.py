@@ -22,7 +22,7 @@ How it works, inside `simulated_cuda`:
 * **Moves keep Parameters.** ``model.to("cuda")`` / ``.cuda()`` / ``.to_empty`` and ``p.data =
   p.data.cuda()`` keep every Parameter object, as ``set_data`` does on a GPU: tied weights stay
   tied (stored once), optimizers built before the move see the moved parameters, attributes and
-  hooks stay (`vram.run.engine.meta.FunctionMode._set_data`). Moving back to the host needs values.
+  hooks stay (`vram.run.engine.function_mode.FunctionMode._set_data`). Moving back to the host needs values.
 * **Which meta storages are "CUDA".** An op's new storages take the device of its first simulated
   input, or the CUDA index the function mode redirected; an op fed only by meta tensors the script
   made itself (``device="meta"``) stays on meta; a factory without device arguments inside a
@@ -85,7 +85,7 @@ from .cuda.api import DeviceProperties, patch_torch_cuda
 from .cuda.compat import define_torchvision_ops, refuse_cuda_ipc
 from .cuda.patches import patch_torch_extras
 from .distributed import install as install_distributed
-from .engine.meta import DispatchMode, FunctionMode
+from .engine.function_mode import FunctionMode
 from .engine.privateuse1 import EngineLimit
 from .kernels.cudnn import uncharged_note
 from .kernels.fastpath import patch_fast_paths
@@ -98,9 +98,9 @@ from .values.placeholders import DataDependentError, ValueReport
 
 __all__ = ["BACKENDS", "VALUES", "DataDependentError", "HostMemoryError", "default_backend", "simulated_cuda",
            "run_script", "active_sim"]
-#: the engines of a simulated run: the Python PrivateUse1 backend (`vram.run.engine`, issue 12:
-#: the default for one process on one GPU), or meta tensors under two modes (several GPUs,
-#: torch.distributed ranks, `vram.estimate`)
+#: the engines of a simulated run: the PrivateUse1 backend (`vram.run.engine`: every mode of
+#: ``vram run`` and `vram.estimate`), or, as a debugging aid chosen by name, meta tensors under
+#: a dispatch mode (`vram.run.engine.meta`), whose backward takes PyTorch's subclass formulas
 BACKENDS = ("privateuse1", "meta")
 #: what a simulated run knows of tensor values: "known" (what needs no model arithmetic,
 #: `vram.run.values.known`; placeholders for the rest) or "real" (everything, `vram.run.values.real_values`)
@@ -113,19 +113,16 @@ if os.environ.get("VRAM_RUN_BACKEND") != "meta":
     _early_engine.register()
 
 
-def default_backend(device_count: int) -> str:
-    """``$VRAM_RUN_BACKEND``, else "privateuse1" for one process on one GPU or a torch.distributed
-    rank (``WORLD_SIZE`` set: its autograd runs on its own GPU, `own_gpu`), and "meta" for one
-    process on several GPUs, whose backward may cross them (the PrivateUse1 engine's autograd has
-    one device, see `vram.run.values.known.engine_index`)."""
-    chosen = os.environ.get("VRAM_RUN_BACKEND")
-    if chosen:
-        return chosen
-    return "meta" if device_count > 1 and "WORLD_SIZE" not in os.environ else "privateuse1"
+def default_backend(device_count: int = 1) -> str:
+    """``$VRAM_RUN_BACKEND``, else "privateuse1": every run, one GPU or several, one process or a
+    torch.distributed rank, is on the PrivateUse1 engine (`vram.run.engine`). "meta" is a
+    debugging aid, chosen by name only (``--backend meta``)."""
+    return os.environ.get("VRAM_RUN_BACKEND") or "privateuse1"
 
 
 def own_gpu(device_count: int) -> int:
-    """The GPU this process runs its autograd on: a torch.distributed rank's ``LOCAL_RANK`` (as
+    """The GPU this process runs its autograd on where the engine has one autograd device (its
+    Python device guard, `vram.run.engine.native`): a torch.distributed rank's ``LOCAL_RANK`` (as
     torchrun sets it) when it names one of the process's GPUs, else 0."""
     local = os.environ.get("LOCAL_RANK", "0") if "WORLD_SIZE" in os.environ else "0"
     own = int(local) if local.isdigit() else 0
@@ -228,12 +225,14 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     if backend == "privateuse1":
         from . import engine as _engine
 
-        _engine.register()
-        known.ENGINE_OWN[0] = own_gpu(device_count)
+        _engine.register(device_count)
+        known.ENGINE_OWN[0] = 0 if _engine.native.loaded() else own_gpu(device_count)
         sim: SimState = _engine.BackendState(props)
         dispatch, function = nullcontext(), _engine.BackendFunctionMode(sim)
         _engine.privateuse1.push(sim)  # type: ignore[arg-type]
     else:
+        from .engine.meta import DispatchMode
+
         sim = SimState(props)
         dispatch, function = DispatchMode(sim), FunctionMode(sim)
     sim.strict_values = strict_values
@@ -291,18 +290,9 @@ def _print_exception(e: BaseException, report: ValueReport) -> None:
     sys.stderr.flush()
 
 
-def _missed_cuda(e: BaseException, sim_kwargs: dict[str, Any]) -> bool:
-    """Did a CPU build's dispatcher get a CUDA tensor under the PrivateUse1 engine (a ``cuda``
-    device that reached aten without the function mode, as DTensor's RNG tracker's
-    ``get_rng_state().to(device)`` in torch/distributed/tensor/_random.py)? The meta engine's
-    dispatch mode sees those."""
-    backend = sim_kwargs.get("backend") or default_backend(sim_kwargs.get("device_count", 1))
-    return backend == "privateuse1" and isinstance(e, NotImplementedError) and "from the 'CUDA' backend" in str(e)
-
-
 def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                on_exit: Callable[[], None] | None = None, value_report: str | None = None,
-               engine_fallback: bool = False, **sim_kwargs: Any) -> int:
+               **sim_kwargs: Any) -> int:
     """Run the script at `path` with `argv` under `simulated_cuda`; returns its exit status.
 
     As ``python path argv...`` would: ``sys.argv`` and ``sys.path[0]`` are the script's,
@@ -312,9 +302,7 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
     tensors); `on_exit` is called at that moment too. Reads answered with placeholder values are
     listed on stderr at the end, and written as JSON to `value_report` when given. `sim_kwargs`
     go to `simulated_cuda` (``strict_values=True``: stop at the first such read instead). What the
-    PrivateUse1 engine cannot run (`vram.run.engine.EngineLimit`) is one line on stderr, or with
-    `engine_fallback` raised from here once the run is cleaned up, for the caller to rerun the
-    script on the meta engine.
+    engine cannot run (`vram.run.engine.EngineLimit`) is one line on stderr.
     """
     path = os.fspath(path)
     saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
@@ -325,7 +313,6 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
     else:
         sys.path.insert(0, script_dir)
     status = 0
-    limit: EngineLimit | None = None
     try:
         with simulated_cuda(**sim_kwargs):
             result: Any = None
@@ -341,18 +328,11 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                 print(f"vram run: {e}", file=sys.stderr, flush=True)
                 status = 1
             except EngineLimit as e:
-                if engine_fallback:
-                    limit = e
-                else:
-                    sys.stdout.flush()
-                    print(e, file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                print(e, file=sys.stderr, flush=True)
                 status = 1
             except Exception as e:  # noqa: BLE001 - the script's own failure, reported as python would
-                if engine_fallback and _missed_cuda(e, sim_kwargs):
-                    limit = EngineLimit(f"vram run: the PrivateUse1 engine let an op reach PyTorch's CUDA backend "
-                                        f"({str(e).splitlines()[0][:120]})")
-                else:
-                    _print_exception(e, _ACTIVE[-1].report)
+                _print_exception(e, _ACTIVE[-1].report)
                 status = 1
             finally:
                 if summary:
@@ -373,6 +353,4 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
         sys.argv = saved_argv
         if saved_path0 is not None:
             sys.path[0] = saved_path0
-    if limit is not None:
-        raise limit
     return status

@@ -14,6 +14,7 @@ no meta key, no storage Python object: autograd sees plain tensors. A function m
 (`vram.run.engine.privateuse1.BackendFunctionMode`, the default engine's `FunctionMode` with
 ``cuda`` sent here instead of to meta) plays the CUDA tensor to the script.
 """
+from . import native
 from .privateuse1 import NAME, BackendFunctionMode, BackendState, EngineLimit, register
 
-__all__ = ["NAME", "BackendFunctionMode", "BackendState", "EngineLimit", "register"]
+__all__ = ["NAME", "BackendFunctionMode", "BackendState", "EngineLimit", "native", "register"]

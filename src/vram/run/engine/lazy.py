@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 from vram.run.memory.lazy_host import seeded
 from vram.run.memory.storages import SimState
 
-from .meta import draws_host_default
+from .function_mode import draws_host_default
 
 #: the runs whose `LazyHostMode` is on the dispatch stack
 _PUSHED: set[SimState] = set()
