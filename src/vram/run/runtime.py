@@ -2,35 +2,29 @@
 
 How it works, inside `simulated_cuda`:
 
-* **Where tensors live.** A ``TorchFunctionMode`` rewrites every CUDA device argument ("cuda",
-  "cuda:1", ``torch.device("cuda")``, an int index; ``device=`` of factories, ``Tensor.to``,
-  ``Tensor.cuda``, and so ``Module.to/cuda``) to ``meta``, remembering the CUDA index. Meta tensors
-  have shapes, dtypes and strides but no data, so forward, backward and optimizer steps run at the
-  cost of shape inference. To the script, such a tensor *is* a CUDA tensor: ``.device`` is
-  ``cuda:N``, ``.is_cuda`` is True, ``.data_ptr()`` is its simulated address — so optimizers take
-  their CUDA code paths (foreach Adam, as on a GPU) and ``torch.zeros(n, device=x.device)`` works.
-* **What is allocated, and when.** A ``TorchDispatchMode`` sees every aten op after autograd —
-  forward, backward and optimizer — with its outputs. Every *new* storage among them is charged to
-  the simulated caching allocator (``storage.nbytes()``, on the current stream), in output order,
-  when the op runs; a weak reference to the storage frees the block the moment PyTorch frees the
-  storage (its last tensor, view, or autograd saved-tensor reference dies). See `vram.run.kernels.plan`
-  for what CUDA kernels allocate besides outputs (cuBLAS workspaces, flash-attention scratch).
-* **Identity of a storage.** ``t.untyped_storage()`` returns the *same* Python object for every
-  tensor and view of one ``StorageImpl`` (PyObject preservation), and ``_cdata`` is the
-  ``StorageImpl`` address, unique while it lives. Meta storages all have ``data_ptr() == 0``, so the
-  address cannot be used.
+* **Where tensors live.** A ``TorchFunctionMode`` (`vram.run.engine.function_mode`) rewrites
+  every CUDA device argument ("cuda", "cuda:1", ``torch.device("cuda")``, an int index; ``device=``
+  of factories, ``Tensor.to``, ``Tensor.cuda``, and so ``Module.to/cuda``) to the engine's
+  PrivateUse1 device ``vramsim:N`` (`vram.run.engine`). Every aten op on such a tensor reaches one
+  boxed fallback that runs it on meta (shapes, dtypes and strides, no data), so forward, backward
+  and optimizer steps run at the cost of shape inference. To the script, such a tensor *is* a CUDA
+  tensor: ``.device`` is ``cuda:N``, ``.is_cuda`` is True, ``.data_ptr()`` is its simulated
+  address — so optimizers take their CUDA code paths (foreach Adam, as on a GPU) and
+  ``torch.zeros(n, device=x.device)`` works.
+* **What is allocated, and when.** The fallback sees every aten op after autograd — forward,
+  backward and optimizer — with its outputs. Every *new* output gets a storage at its simulated
+  address, charged to the simulated caching allocator (on the current stream) when the op runs,
+  in the order of the CUDA kernel's allocations (`vram.run.kernels.plan`: cuBLAS workspaces,
+  flash-attention scratch…); the storage's deleter frees the block the moment PyTorch frees the
+  storage (its last tensor, view, or autograd saved-tensor reference dies).
+* **Backward.** No dispatch mode is active while the model trains, so autograd takes the formulas
+  it takes on a GPU. The engine's C++ device guard (`vram.run.engine.native`) counts the
+  simulation's GPUs: the autograd engine runs each GPU's part of a backward on that GPU's thread.
 * **Moves keep Parameters.** ``model.to("cuda")`` / ``.cuda()`` / ``.to_empty`` and ``p.data =
   p.data.cuda()`` keep every Parameter object, as ``set_data`` does on a GPU: tied weights stay
   tied (stored once), optimizers built before the move see the moved parameters, attributes and
-  hooks stay (`vram.run.engine.function_mode.FunctionMode._set_data`). Moving back to the host needs values.
-* **Which meta storages are "CUDA".** An op's new storages take the device of its first simulated
-  input, or the CUDA index the function mode redirected; an op fed only by meta tensors the script
-  made itself (``device="meta"``) stays on meta; a factory without device arguments inside a
-  Python-level torch function (``device=x.device`` seen unredirected) goes to the current device.
-* **Freed when PyTorch frees.** ``weakref.ref(storage, callback)`` rather than
-  ``weakref.finalize``: the same timing (the storage's PyObject dies with the ``StorageImpl``), no
-  atexit registry, and the callbacks can be disarmed when the simulation ends.
-* **Values.** A meta tensor has no data, but values that need no model arithmetic are known
+  hooks stay (`vram.run.engine.function_mode.FunctionMode._set_data`).
+* **Values.** A simulated tensor has no data, but values that need no model arithmetic are known
   exactly (`vram.run.values.known`): factories, host data copied over, and small ops on those alone
   (masks, ids, counters), so ``.item()``, ``bool(t)``, ``.tolist()``, printing, ``.cpu()`` and
   data-dependent ops (``nonzero``, boolean masks) give what the GPU would. Reading any other
@@ -40,8 +34,8 @@ How it works, inside `simulated_cuda`:
   ``torch.cuda.OutOfMemoryError``) with PyTorch's message, raised from the op that allocated; the
   op's already-allocated outputs are freed first, as C++ unwinding would.
 * **autocast.** ``torch.autocast("cuda", dtype)`` / ``torch.cuda.amp.autocast`` set the autocast
-  state, but no kernel casts meta tensors, so the function mode applies CUDA's cast policy to the
-  ops listed in `vram.run.kernels.plan` (lower precision: matmul/linear/conv/bmm/addmm/baddbmm/SDPA…;
+  state, but PyTorch has no autocast policy for PrivateUse1, so the function mode applies CUDA's
+  cast policy to the ops listed in `vram.run.kernels.plan` (lower precision: matmul/linear/conv/bmm/addmm/baddbmm/SDPA…;
   float32: softmax/log_softmax/layer_norm/losses…), with autocast's weight-cast cache (leaf float32
   tensors that require grad keep their cast copy until the outermost autocast exits). Casts are
   done right to left, the evaluation order GCC gives the C++ wrapper's argument pack.
@@ -55,10 +49,9 @@ torch functions (``F.multi_head_attention_forward``, ``F.normalize``…) are see
 only, so they get no autocast casting or SDPA routing — except ``F.multi_head_attention_forward``
 (``nn.MultiheadAttention``) and ``F.normalize``, whose inner calls the mode sees
 (`vram.run.kernels.functions.TRANSPARENT`); ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` in
-inference take PyTorch's fused path as on a GPU (`vram.run.kernels.fastpath`). Backward formulas see meta
-tensors and an active dispatch mode, both "subclass-like" to ``at::isTensorSubclassLike``
-(``ATen/TensorSubclassLikeUtils.h``), so they take out-of-place paths a GPU run does not (issue 12;
-docs/estimate-accuracy.md §4).
+inference take PyTorch's fused path as on a GPU (`vram.run.kernels.fastpath`). ``--backend meta``
+(`vram.run.engine.meta`) is a debugging aid: meta tensors under a dispatch mode, whose backward
+formulas are PyTorch's out-of-place subclass ones (docs/estimate-accuracy.md §4).
 Storage-level moves, which no mode sees
 (``torch.load(map_location="cuda")``, a checkpoint saved on a GPU, ``storage.cuda()``), are
 charged by `vram.run.memory.storage_api.patch_storages`, which also makes a simulated storage's
