@@ -88,8 +88,9 @@ def test_a_rank_sees_its_own_gpu_and_is_charged_there(rank1: Any) -> None:
         torch.cuda.set_device(1)
         w = torch.randn(256, 256, device="cuda", requires_grad=True)
         assert w.device == torch.device("cuda", 1) and w.get_device() == 1 and torch.cuda.current_device() == 1
-        assert w.untyped_storage().device == torch.device("cuda", 1)    # what a GPU build says
-        assert raw_device(w.untyped_storage()) == torch.device("vramsim", 1)  # the engine's device 1
+        shown, engine = w.untyped_storage().device, raw_device(w.untyped_storage())
+        assert shown == torch.device("cuda", 1)          # what a GPU build says
+        assert engine == torch.device("vramsim", 1)      # the engine's device 1
         (w * 2).sum().backward()
         assert w.grad is not None and w.grad.device == torch.device("cuda", 1)
         assert torch.cuda.memory_allocated(1) == 2 * 256 * 256 * 4 and torch.cuda.memory_allocated(0) == 0
