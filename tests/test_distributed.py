@@ -188,8 +188,7 @@ def test_ddp_buckets_follow_the_reducers_rules(rank_env: Any, cap: int | None, e
 @pytest.mark.parametrize("as_view", [False, True])
 def test_ddp_gradient_as_bucket_view_saves_the_gradients(rank_env: Any, as_view: bool) -> None:
     rank_env(0, 2)
-    # static_graph's pinned used-parameter map: the meta engine only (tests/test_distributed_engine.py)
-    with simulated_cuda(gpu="24GiB", device_count=2, backend="meta" if as_view else None):
+    with simulated_cuda(gpu="24GiB", device_count=2):
         dist.init_process_group("nccl")
         m = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(3)]).cuda()
         d = nn.parallel.DistributedDataParallel(m, device_ids=[0], gradient_as_bucket_view=as_view,

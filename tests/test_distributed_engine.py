@@ -1,12 +1,14 @@
-"""torch.distributed ranks on the PrivateUse1 engine: a rank's own GPU is the engine's
-device 0, so its backward takes the GPU's formulas.
+"""torch.distributed ranks and several GPUs in one process on the PrivateUse1 engine: its C++
+device guard (`vram.run.engine.native`) counts the simulation's GPUs, so the autograd engine has a
+ready queue for each (engine.cpp ``start_device_threads``), and its hooks give DDP pinned host
+memory (reducer.cpp ``all_reduce_local_used_map``); every backward takes the GPU's formulas.
 
-The autograd engine has ready queues for PrivateUse1 device 0 only: the Python device guard's
-``deviceCount()`` is 1 (torch/csrc/acc/Module.cpp ``PythonDeviceGuard``; engine.cpp
-``start_device_threads``). Expected counts come from tests/test_subclass_formulas.py's families
-(the in-place formulas of derivatives.yaml / ``InputBuffer::accumulate`` a GPU runs); a rank's
-figures must be the single-GPU step's plus DDP's bucket (reducer.cpp: one flat bucket of every
-gradient, 512-byte rounded, spec §4).
+Expected counts come from tests/test_subclass_formulas.py's families (the in-place formulas of
+derivatives.yaml / ``InputBuffer::accumulate`` a GPU runs); a rank's figures must be the
+single-GPU step's plus DDP's bucket (reducer.cpp: one flat bucket of every gradient, 512-byte
+rounded, spec §4) and, with ``find_unused_parameters`` or ``static_graph``, the used-parameter
+map on the GPU (reducer.cpp ``initialize_local_used_map``: ``at::zeros({n}, kInt)`` on the
+parameters' device).
 """
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ if not hasattr(torch._C, "_acc"):
     pytest.skip("needs torch's experimental Python PrivateUse1 backend (torch._C._acc)", allow_module_level=True)
 
 from test_subclass_formulas import FAMILIES  # noqa: E402
-from vram.run.engine import EngineLimit  # noqa: E402
+from vram.run.engine import native  # noqa: E402
 from vram.run.memory.storage_api import raw_device  # noqa: E402
-from vram.run.runtime import simulated_cuda  # noqa: E402
+from vram.run.runtime import active_sim, simulated_cuda  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not native.load(1), reason=f"needs the engine's C++ device guard: {native.why_not()}")
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = ROOT / "tests" / "distributed_programs" / "ddp_formulas.py"
@@ -84,18 +88,43 @@ def test_a_rank_sees_its_own_gpu_and_is_charged_there(rank1: Any) -> None:
         torch.cuda.set_device(1)
         w = torch.randn(256, 256, device="cuda", requires_grad=True)
         assert w.device == torch.device("cuda", 1) and w.get_device() == 1 and torch.cuda.current_device() == 1
-        assert w.untyped_storage().device == torch.device("cuda", 1)    # what a GPU build says
-        assert raw_device(w.untyped_storage()) == torch.device("vramsim", 0)  # the engine's device 0
+        shown, engine = w.untyped_storage().device, raw_device(w.untyped_storage())
+        assert shown == torch.device("cuda", 1)          # what a GPU build says
+        assert engine == torch.device("vramsim", 1)      # the engine's device 1
         (w * 2).sum().backward()
         assert w.grad is not None and w.grad.device == torch.device("cuda", 1)
         assert torch.cuda.memory_allocated(1) == 2 * 256 * 256 * 4 and torch.cuda.memory_allocated(0) == 0
         other = torch.ones(128, device="cuda:0")     # another GPU: forward ops run and are charged there
         assert other.device == torch.device("cuda", 0) and torch.cuda.memory_allocated(0) == 512
         x = torch.randn(128, device="cuda:0", requires_grad=True)
-        with pytest.raises(EngineLimit, match="other than cuda:1.*--backend meta"):
-            (x * 2).sum().backward()
+        (x * 2).sum().backward()                     # and its backward runs on that GPU's autograd queue
+        assert x.grad is not None and x.grad.device == torch.device("cuda", 0)
+        assert torch.cuda.memory_allocated(0) == 3 * 512   # other, x, x.grad
 
 
+def test_a_backward_across_the_gpus_of_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--devices 2`` in one process: a model split over two GPUs trains on the PrivateUse1 engine
+    (no dispatch mode); each gradient is made on its parameter's GPU (``AccumulateGrad`` steals
+    the incoming gradient: accumulate_grad.h), the copy's backward sends the gradient back to
+    cuda:0 (``CopyBackwards``: ``grad.to(src device)``), so each GPU holds its own layer, input
+    or activation, and gradients, and nothing else."""
+    monkeypatch.delenv("VRAM_RUN_BACKEND", raising=False)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    n = 256
+    with simulated_cuda(gpu="24GiB", device_count=2):
+        assert type(active_sim()).__name__ == "BackendState"
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+        assert _get_current_dispatch_mode() is None
+        a = torch.empty(n, n, device="cuda:0", requires_grad=True)
+        b = torch.empty(n, n, device="cuda:1", requires_grad=True)
+        x = torch.empty(n, device="cuda:0")
+        (((a * x).to("cuda:1")) * b).sum().backward()
+        assert a.grad is not None and a.grad.device == torch.device("cuda", 0)
+        assert b.grad is not None and b.grad.device == torch.device("cuda", 1)
+        del x
+        assert torch.cuda.memory_allocated(0) == 2 * n * n * 4       # a, a.grad
+        assert torch.cuda.memory_allocated(1) == 2 * n * n * 4       # b, b.grad
 def test_storage_resize_allocates_then_frees_as_cuda(rank1: Any) -> None:
     """FSDP2's free/alloc of unsharded parameters: ``resize_`` to n bytes allocates a new block
     before the old one is freed (``resize_bytes_cuda``); to 0 frees it; views keep their sizes."""
@@ -113,38 +142,85 @@ def test_storage_resize_allocates_then_frees_as_cuda(rank1: Any) -> None:
         assert torch.cuda.memory_allocated(1) == 0
 
 
-def test_ddp_with_a_pinned_used_map_is_refused_or_rerun_on_meta(tmp_path: Path) -> None:
-    """``find_unused_parameters=True``: refused in one line when the engine was asked for, rerun
-    on the meta engine when it was the default."""
+def test_ddp_find_unused_parameters_runs_on_the_gpus_formulas_and_prints_once(tmp_path: Path,
+                                                                               single: dict[str, int]) -> None:
+    """``find_unused_parameters=True`` on the default engine, no rerun: the backward allocates what
+    the in-place formulas do, the peak is the plain DDP step's (single step + bucket) plus the
+    used-parameter map on the GPU (one int32 per parameter: 512 bytes), and each line the script
+    prints appears once."""
     script = tmp_path / "unused.py"
     script.write_text(PROGRAM.read_text().replace("device_ids=[local])", "device_ids=[local], "
                                                   "find_unused_parameters=True)"))
-    asked = _vram("--backend", "privateuse1", "--nproc-per-node", "2", "--ranks", "0", str(script))
-    assert asked.returncode == 1
-    refusal = [ln for ln in asked.stderr.splitlines() if "find_unused_parameters=True copies" in ln]
-    assert len(refusal) == 1 and "Traceback" not in asked.stderr
-    default = _vram("--nproc-per-node", "2", "--ranks", "0", str(script))
-    assert default.returncode == 0, default.stdout + default.stderr
-    assert "running the script again on the meta engine" in default.stderr
-    assert _printed(default.stdout, 0)["full"] > sum(FAMILIES[f][3] for f in FAMILIES)   # meta's formulas
+    r = _vram("--nproc-per-node", "2", "--ranks", "0", str(script))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _printed(r.stdout, 0) == {"full": sum(FAMILIES[f][3] for f in FAMILIES), "peak": single["peak"] + FULL + 512}
+    assert len(re.findall(r"^\[rank0\]:full ", r.stdout, re.M)) == 1
+    assert len(re.findall(r"^\[rank0\]:peak ", r.stdout, re.M)) == 1
+    assert "meta engine" not in r.stderr and "Traceback" not in r.stderr
 
 
-def test_ddp_static_graph_is_refused_in_process(rank1: Any) -> None:
+def _ddp_step(**ddp: Any) -> tuple[int, int]:
+    """Memory allocated on cuda:1 once DDP is built, and the peak of two steps after it."""
     import torch.distributed as dist
 
     with simulated_cuda(gpu="24GiB", device_count=2):
         dist.init_process_group("nccl")
+        torch.cuda.set_device(1)
         m = torch.nn.Linear(8, 8).cuda()
-        with pytest.raises(EngineLimit, match="static_graph copies its used-parameter map"):
-            torch.nn.parallel.DistributedDataParallel(m, device_ids=[1], static_graph=True)
+        model = torch.nn.parallel.DistributedDataParallel(m, device_ids=[1], **ddp)
+        built = torch.cuda.memory_allocated(1)
+        torch.cuda.reset_peak_memory_stats(1)
+        for _ in range(2):
+            model(torch.ones(4, 8, device="cuda")).sum().backward()
+        assert m.weight.grad is not None and m.weight.grad.device == torch.device("cuda", 1)
+        peak = torch.cuda.max_memory_allocated(1)
+        dist.destroy_process_group()
+    return built, peak
+
+
+def test_ddp_static_graph_and_find_unused_keep_a_used_map_on_the_gpu(rank1: Any) -> None:
+    """reducer.cpp: ``find_unused_parameters`` (the Reducer's constructor) and ``static_graph``
+    (``set_static_graph``) call ``initialize_local_used_map``: ``local_used_map_dev_`` =
+    ``at::zeros({2}, kInt)`` on the parameters' GPU, one 512-byte block for the Reducer's life;
+    its staging copy (``all_reduce_local_used_map``) is pinned host memory, not the GPU's. A
+    Linear(8, 8): weight, bias and the one bucket of 72 floats are 512 bytes each."""
+    plain = _ddp_step()
+    assert plain[0] == 3 * 512
+    assert _ddp_step(static_graph=True) == (plain[0] + 512, plain[1] + 512)
+    assert _ddp_step(find_unused_parameters=True) == (plain[0] + 512, plain[1] + 512)
+
+
+def test_ddp_leaves_a_globally_unused_parameters_gradient_alone(rank1: Any) -> None:
+    """A parameter no rank used: the Reducer copies the reduced used map back to the host
+    (``local_used_map_.copy_(local_used_map_dev_)``) and leaves its gradient unset."""
+    import torch.distributed as dist
+
+    with simulated_cuda(gpu="24GiB", device_count=2):
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(1)
+        m = torch.nn.ModuleDict({"used": torch.nn.Linear(8, 8), "unused": torch.nn.Linear(8, 8)}).cuda()
+
+        class Forward(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.m = m
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.m["used"](x)
+
+        model = torch.nn.parallel.DistributedDataParallel(Forward(), device_ids=[1], find_unused_parameters=True)
+        for _ in range(2):
+            model(torch.ones(4, 8, device="cuda")).sum().backward()
+        assert m["used"].weight.grad is not None and m["unused"].weight.grad is None
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("backend", ["privateuse1", "meta"])
 def test_a_device_index_is_a_cuda_device(rank1: Any, backend: str) -> None:
     """On a GPU build an integer device is CUDA's: ``ToyModel().to(rank)`` (pytorch/examples
     distributed/ddp/example.py), ``torch.ones(n, device=rank)``, ``t.to(rank)``. ``Module.to``
-    parses it in C++ as the current accelerator's index, which is not a CUDA index here (the
-    PrivateUse1 engine numbers the rank's own GPU 0; a CPU build without it has no accelerator)."""
+    parses it in C++ as the current accelerator's index (PrivateUse1 here; a CPU build without it
+    has no accelerator)."""
     with simulated_cuda(gpu="24GiB", device_count=2, backend=backend):
         torch.cuda.set_device(1)
         m = torch.nn.Linear(256, 256).to(1)

@@ -1,6 +1,6 @@
 """What pytorch/examples' distributed scripts (``distributed/FSDP2/example.py``,
 ``distributed/tensor_parallelism/*.py``; docs/corpus.md, "distributed") needed, each reduced to
-the rule from PyTorch it exercises. In-process, rank 1 of 2 (``LOCAL_RANK=1``), meta engine."""
+the rule from PyTorch it exercises. In-process, rank 1 of 2 (``LOCAL_RANK=1``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -30,7 +30,7 @@ def test_device_mesh_selects_local_rank_while_cuda_is_not_initialised(rank1: Non
     CUDA tensor do (``THCPModule_setDevice_wrap``, ``device_lazy_init``). FSDP2/TP examples
     never call ``set_device``: their ``.to("cuda")`` lands on ``cuda:LOCAL_RANK``."""
     from torch.distributed.device_mesh import init_device_mesh
-    with simulated_cuda(gpu="24GiB", device_count=2, backend="meta"):
+    with simulated_cuda(gpu="24GiB", device_count=2):
         assert torch.accelerator.is_available() and torch.accelerator.device_count() == 2
         assert not torch.cuda.is_initialized()
         dist.init_process_group("nccl")
@@ -39,7 +39,7 @@ def test_device_mesh_selects_local_rank_while_cuda_is_not_initialised(rank1: Non
         assert torch.cuda.is_initialized()
         assert torch.cuda.current_device() == 1
         assert torch.ones(4).to("cuda").device == torch.device("cuda", 1)
-    with simulated_cuda(gpu="24GiB", device_count=2, backend="meta"):
+    with simulated_cuda(gpu="24GiB", device_count=2):
         torch.empty(4, device="cuda:0")     # a CUDA tensor initialises CUDA: the mesh keeps cuda:0
         assert torch.cuda.is_initialized()
         dist.init_process_group("nccl")
@@ -55,7 +55,7 @@ def test_nccl_default_timeout_is_a_cuda_builds(rank1: None) -> None:
     from datetime import timedelta
 
     import torch.distributed.distributed_c10d as c10d
-    with simulated_cuda(gpu="24GiB", device_count=2, backend="meta"), warnings.catch_warnings():
+    with simulated_cuda(gpu="24GiB", device_count=2), warnings.catch_warnings():
         warnings.simplefilter("error")
         assert c10d._get_default_timeout("nccl") == timedelta(minutes=10)
 
@@ -66,7 +66,7 @@ def test_in_place_init_of_fsdp2_parameters_outside_the_function_mode(rank1: None
     makes fake tensors on the mesh's device. It runs in place on the local shard: nothing is
     allocated (the GPU's ``uniform_`` writes its output)."""
     from torch.distributed.fsdp import fully_shard
-    with simulated_cuda(gpu="24GiB", device_count=2, backend="meta"):
+    with simulated_cuda(gpu="24GiB", device_count=2):
         torch.cuda.set_device(1)
         dist.init_process_group("nccl")
         with torch.device("meta"):
@@ -85,7 +85,7 @@ def test_functional_collectives_values_and_no_unwaited_works(rank1: None) -> Non
     rank's chunk x world), as ``dist.all_reduce`` does; each Work registered by ``Functional.cpp``
     is unregistered by ``wait_tensor`` (a GPU run ends with an empty work registry)."""
     import torch.distributed._functional_collectives as funcol
-    with simulated_cuda(gpu="24GiB", device_count=2, backend="meta"):
+    with simulated_cuda(gpu="24GiB", device_count=2):
         torch.cuda.set_device(1)
         dist.init_process_group("nccl")
         g = dist.group.WORLD
@@ -106,7 +106,7 @@ def test_sdpa_on_dtensors_runs_the_gpu_kernel_on_the_local_shards(rank1: None) -
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     F = torch.nn.functional
-    with simulated_cuda(gpu="H100", device_count=2, backend="meta"):
+    with simulated_cuda(gpu="H100", device_count=2):
         torch.cuda.set_device(1)
         mesh = init_device_mesh("cuda", (2,))
         qkv = [torch.empty(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]

@@ -49,7 +49,7 @@ def test_first_functional_collective_creates_the_communicator(rank0: None) -> No
     import torch.distributed._functional_collectives as funcol
     drops = []
     for functional in (False, True):
-        with simulated_cuda(gpu="H100", device_count=2, backend="meta"):
+        with simulated_cuda(gpu="H100", device_count=2):
             dist.init_process_group("nccl")
             x = torch.empty(1024, device="cuda")
             before = _free()
@@ -69,7 +69,7 @@ def test_outputs_on_the_current_stream_inputs_stashed_until_wait(rank0: None) ->
     """``all_gather_into_tensor``: the ``[2 * 1024, 1024]`` output on the current stream (a side
     stream here); the input, deleted by the script, stays stashed until the output is waited."""
     import torch.distributed._functional_collectives as funcol
-    with simulated_cuda(gpu="24GiB", device_count=2, backend="meta"):
+    with simulated_cuda(gpu="24GiB", device_count=2):
         dist.init_process_group("nccl")
         s = torch.cuda.Stream()
         x = torch.empty(1024, 1024, device="cuda")                 # 4 MiB
@@ -88,7 +88,7 @@ def test_an_output_never_waited_for_stays_allocated(rank0: None) -> None:
     """The registry holds the Work and the Work its outputs: an ``all_reduce`` result dropped
     without ``wait_tensor`` keeps its clone; one waited for is freed with its last reference."""
     import torch.distributed._functional_collectives as funcol
-    with simulated_cuda(gpu="24GiB", device_count=2, backend="meta"):
+    with simulated_cuda(gpu="24GiB", device_count=2):
         dist.init_process_group("nccl")
         x = torch.empty(1024, 1024, device="cuda")
         waited = funcol.all_reduce(x, "sum", dist.group.WORLD).wait()
@@ -107,7 +107,7 @@ def test_shard_to_shard_is_one_all_to_all(rank0: None) -> None:
     made."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    with simulated_cuda(gpu="24GiB", device_count=2, backend="meta"):
+    with simulated_cuda(gpu="24GiB", device_count=2):
         mesh = init_device_mesh("cuda", (2,))
         d = DTensor.from_local(torch.empty(512, 1024, device="cuda"), mesh, [Shard(0)], run_check=False)
         base = torch.cuda.memory_allocated()
@@ -120,7 +120,7 @@ def test_shard_to_shard_is_one_all_to_all(rank0: None) -> None:
 
 def test_bad_reduce_op_is_refused_before_allocating(rank0: None) -> None:
     """``to_reduce_op``: "Unrecognized reduce_op" (Functional.cpp), nothing allocated."""
-    with simulated_cuda(gpu="24GiB", device_count=2, backend="meta"):
+    with simulated_cuda(gpu="24GiB", device_count=2):
         dist.init_process_group("nccl")
         x = torch.empty(1024, device="cuda")
         before = torch.cuda.memory_allocated()

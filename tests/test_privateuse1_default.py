@@ -33,15 +33,15 @@ def _allocs(fn) -> list[int]:  # type: ignore[no-untyped-def]
     return [e["size"] for e in trace if e["action"] == "alloc"]
 
 
-def test_one_gpu_defaults_to_privateuse1(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_run_defaults_to_privateuse1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU or several, one process or a rank: the PrivateUse1 engine; meta only by name."""
     monkeypatch.delenv("VRAM_RUN_BACKEND", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert default_backend(1) == "privateuse1"
+    assert default_backend(1) == default_backend(2) == default_backend(8) == "privateuse1"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert default_backend(1) == default_backend(2) == "privateuse1"
+    monkeypatch.setenv("VRAM_RUN_BACKEND", "meta")
     assert default_backend(2) == "meta"
-    monkeypatch.setenv("WORLD_SIZE", "2")  # a torch.distributed rank: autograd on its own GPU
-    assert default_backend(1) == "privateuse1" and default_backend(2) == "privateuse1"
-    monkeypatch.setenv("VRAM_RUN_BACKEND", "privateuse1")
-    assert default_backend(1) == "privateuse1"
 
 
 def test_layer_norm_is_cudas_kernel() -> None:

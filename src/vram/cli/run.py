@@ -105,13 +105,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     context = parse_size(args.context, "--context")  # bad input stops here, before the script starts
     check_context(args.gpu, context)
     conf = joined_conf(args.conf)
-    chosen = args.backend is not None or bool(os.environ.get("VRAM_RUN_BACKEND"))
     if args.backend is not None:  # the environment carries it to a launcher's ranks too
         os.environ["VRAM_RUN_BACKEND"] = args.backend
     if args.nproc_per_node is not None:
         return _launch(args, conf)
     from vram.frontend import memory as _memory
-    from vram.run.engine import EngineLimit
     from vram.run.values import rerun
 
     printed = _values_rerun(args)
@@ -133,7 +131,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         status = run_script(args.script, args.args, summary=args.summary, gpu=args.gpu,
                             context=context, conf=conf, device_count=args.devices, arch=args.arch,
                             strict_values=args.strict_values, value_report=args.value_report, values=args.values,
-                            engine_fallback=not chosen, values_fallback=printed is not None, on_start=start,
+                            values_fallback=printed is not None, on_start=start,
                             on_exit=dump, module=args.module)
     except rerun.ValuesNeeded as e:  # a data-dependent shape: the whole run again with real values
         print(f"{e}\nvram run: running the script again with --values real (every value computed on the "
@@ -141,12 +139,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", "vram", *sys.argv[1:]],
                   dict(os.environ, **{rerun.PRINTED_ENV: printed or ""}))
-    except EngineLimit as e:  # the default engine could not: the whole run again on the meta engine
-        rerun.forget(printed)
-        print(f"{e}\nvram run: running the script again on the meta engine", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "vram", *sys.argv[1:]],
-                  dict(os.environ, VRAM_RUN_BACKEND="meta"))
     finally:
         sys.stdout = real_stdout
     rerun.forget(printed)
@@ -295,11 +287,11 @@ def add_parser(sub: Any, gpu_help: str, arch_help: str) -> None:
     p.add_argument("--value-report", metavar="FILE.json",
                    help="write the reads answered with placeholder values as JSON")
     p.add_argument("--backend", choices=["privateuse1", "meta"], default=None,
-                   help="the simulation engine (default: $VRAM_RUN_BACKEND, else privateuse1 for one GPU and meta "
-                        "for --devices > 1 or --nproc-per-node). privateuse1: tensors on a Python PrivateUse1 "
-                        "device, no dispatch mode while the model trains, so autograd takes the GPU's formulas; "
-                        "meta: meta tensors under a dispatch mode, whose backward formulas are "
-                        "PyTorch's out-of-place subclass ones (extra allocations; docs/design.md)")
+                   help="the simulation engine (default: $VRAM_RUN_BACKEND, else privateuse1). privateuse1: tensors "
+                        "on a PrivateUse1 device, no dispatch mode while the model trains, so autograd takes "
+                        "the GPU's formulas; meta, a debugging aid: meta tensors under a dispatch mode, whose "
+                        "backward formulas are PyTorch's out-of-place subclass ones (extra allocations; "
+                        "docs/design.md)")
     g = p.add_argument_group("as torchrun (its spellings too: --nproc_per_node, --standalone, -m)")
     g.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=None,
                    metavar="N", help="N processes (ranks) per node, one simulated GPU each")

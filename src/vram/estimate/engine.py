@@ -150,8 +150,7 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
     tr: Tracker | None = None
     oom = None
     devices = 1 if parallel is None else parallel.devices
-    with _own_gpu(), simulated_cuda(gpu=gpu, context=context, conf=conf, device_count=devices,
-                                       backend="meta" if parallel is not None else None):
+    with _own_gpu(), simulated_cuda(gpu=gpu, context=context, conf=conf, device_count=devices):
         sim = active_sim()
         if parallel is not None:
             parallel.enter()

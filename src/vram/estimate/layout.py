@@ -37,7 +37,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .model import load_factory, sum_outputs
+from vram.run.runtime import active_sim
+
+from .model import load_factory, sum_outputs, to_gpu
 from .trace import Tracker, checkpoint_targets
 
 __all__ = ["Layout", "RankPlan", "DIMS"]
@@ -192,7 +194,8 @@ class RankPlan:
             fully_shard(m, mesh=dp)
             self._tag_fsdp_buffers(tr)
         if any(p.device.type == "meta" for p in (*m.parameters(), *m.buffers())):
-            m = m.to_empty(device="cuda") if lay.fsdp > 1 or lay.tp > 1 else m.to("cuda")
+            # a model built on meta: its shards made empty (FSDP, TP), or moved as `to_gpu` moves one
+            m = m.to_empty(device="cuda") if lay.fsdp > 1 or lay.tp > 1 else to_gpu(m, active_sim())
         else:
             m = m.to("cuda")
         if lay.ddp > 1 and lay.fsdp == 1:

@@ -36,9 +36,9 @@ def to_gpu(model: nn.Module, sim: Any) -> nn.Module:
     parameters, then buffers), one allocation each as ``.to`` makes. Under the meta engine a meta
     tensor *is* a simulated one and ``.to`` does it. The PrivateUse1 engine cannot copy out of a
     meta tensor, so there the move is ``torch.empty_like`` swapped into the same Python object
-    (``torch._C._swap_tensor_impl``, as `vram.run.engine.meta.FunctionMode._set_data` moves a host tensor): ties,
-    ``Parameter`` objects and hooks survive, and a tied parameter moves once, as ``.to`` finds it
-    already moved on its second visit."""
+    (``torch._C._swap_tensor_impl``, as `vram.run.engine.function_mode.FunctionMode._set_data`
+    moves a host tensor): ties, ``Parameter`` objects and hooks survive, and a tied parameter
+    moves once, as ``.to`` finds it already moved on its second visit."""
     if not isinstance(sim, BackendState):
         return model.to("cuda")
 

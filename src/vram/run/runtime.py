@@ -2,35 +2,29 @@
 
 How it works, inside `simulated_cuda`:
 
-* **Where tensors live.** A ``TorchFunctionMode`` rewrites every CUDA device argument ("cuda",
-  "cuda:1", ``torch.device("cuda")``, an int index; ``device=`` of factories, ``Tensor.to``,
-  ``Tensor.cuda``, and so ``Module.to/cuda``) to ``meta``, remembering the CUDA index. Meta tensors
-  have shapes, dtypes and strides but no data, so forward, backward and optimizer steps run at the
-  cost of shape inference. To the script, such a tensor *is* a CUDA tensor: ``.device`` is
-  ``cuda:N``, ``.is_cuda`` is True, ``.data_ptr()`` is its simulated address — so optimizers take
-  their CUDA code paths (foreach Adam, as on a GPU) and ``torch.zeros(n, device=x.device)`` works.
-* **What is allocated, and when.** A ``TorchDispatchMode`` sees every aten op after autograd —
-  forward, backward and optimizer — with its outputs. Every *new* storage among them is charged to
-  the simulated caching allocator (``storage.nbytes()``, on the current stream), in output order,
-  when the op runs; a weak reference to the storage frees the block the moment PyTorch frees the
-  storage (its last tensor, view, or autograd saved-tensor reference dies). See `vram.run.kernels.plan`
-  for what CUDA kernels allocate besides outputs (cuBLAS workspaces, flash-attention scratch).
-* **Identity of a storage.** ``t.untyped_storage()`` returns the *same* Python object for every
-  tensor and view of one ``StorageImpl`` (PyObject preservation), and ``_cdata`` is the
-  ``StorageImpl`` address, unique while it lives. Meta storages all have ``data_ptr() == 0``, so the
-  address cannot be used.
+* **Where tensors live.** A ``TorchFunctionMode`` (`vram.run.engine.function_mode`) rewrites
+  every CUDA device argument ("cuda", "cuda:1", ``torch.device("cuda")``, an int index; ``device=``
+  of factories, ``Tensor.to``, ``Tensor.cuda``, and so ``Module.to/cuda``) to the engine's
+  PrivateUse1 device ``vramsim:N`` (`vram.run.engine`). Every aten op on such a tensor reaches one
+  boxed fallback that runs it on meta (shapes, dtypes and strides, no data), so forward, backward
+  and optimizer steps run at the cost of shape inference. To the script, such a tensor *is* a CUDA
+  tensor: ``.device`` is ``cuda:N``, ``.is_cuda`` is True, ``.data_ptr()`` is its simulated
+  address — so optimizers take their CUDA code paths (foreach Adam, as on a GPU) and
+  ``torch.zeros(n, device=x.device)`` works.
+* **What is allocated, and when.** The fallback sees every aten op after autograd — forward,
+  backward and optimizer — with its outputs. Every *new* output gets a storage at its simulated
+  address, charged to the simulated caching allocator (on the current stream) when the op runs,
+  in the order of the CUDA kernel's allocations (`vram.run.kernels.plan`: cuBLAS workspaces,
+  flash-attention scratch…); the storage's deleter frees the block the moment PyTorch frees the
+  storage (its last tensor, view, or autograd saved-tensor reference dies).
+* **Backward.** No dispatch mode is active while the model trains, so autograd takes the formulas
+  it takes on a GPU. The engine's C++ device guard (`vram.run.engine.native`) counts the
+  simulation's GPUs: the autograd engine runs each GPU's part of a backward on that GPU's thread.
 * **Moves keep Parameters.** ``model.to("cuda")`` / ``.cuda()`` / ``.to_empty`` and ``p.data =
   p.data.cuda()`` keep every Parameter object, as ``set_data`` does on a GPU: tied weights stay
   tied (stored once), optimizers built before the move see the moved parameters, attributes and
-  hooks stay (`vram.run.engine.meta.FunctionMode._set_data`). Moving back to the host needs values.
-* **Which meta storages are "CUDA".** An op's new storages take the device of its first simulated
-  input, or the CUDA index the function mode redirected; an op fed only by meta tensors the script
-  made itself (``device="meta"``) stays on meta; a factory without device arguments inside a
-  Python-level torch function (``device=x.device`` seen unredirected) goes to the current device.
-* **Freed when PyTorch frees.** ``weakref.ref(storage, callback)`` rather than
-  ``weakref.finalize``: the same timing (the storage's PyObject dies with the ``StorageImpl``), no
-  atexit registry, and the callbacks can be disarmed when the simulation ends.
-* **Values.** A meta tensor has no data, but values that need no model arithmetic are known
+  hooks stay (`vram.run.engine.function_mode.FunctionMode._set_data`).
+* **Values.** A simulated tensor has no data, but values that need no model arithmetic are known
   exactly (`vram.run.values.known`): factories, host data copied over, and small ops on those alone
   (masks, ids, counters), so ``.item()``, ``bool(t)``, ``.tolist()``, printing, ``.cpu()`` and
   data-dependent ops (``nonzero``, boolean masks) give what the GPU would. Reading any other
@@ -40,8 +34,8 @@ How it works, inside `simulated_cuda`:
   ``torch.cuda.OutOfMemoryError``) with PyTorch's message, raised from the op that allocated; the
   op's already-allocated outputs are freed first, as C++ unwinding would.
 * **autocast.** ``torch.autocast("cuda", dtype)`` / ``torch.cuda.amp.autocast`` set the autocast
-  state, but no kernel casts meta tensors, so the function mode applies CUDA's cast policy to the
-  ops listed in `vram.run.kernels.plan` (lower precision: matmul/linear/conv/bmm/addmm/baddbmm/SDPA…;
+  state, but PyTorch has no autocast policy for PrivateUse1, so the function mode applies CUDA's
+  cast policy to the ops listed in `vram.run.kernels.plan` (lower precision: matmul/linear/conv/bmm/addmm/baddbmm/SDPA…;
   float32: softmax/log_softmax/layer_norm/losses…), with autocast's weight-cast cache (leaf float32
   tensors that require grad keep their cast copy until the outermost autocast exits). Casts are
   done right to left, the evaluation order GCC gives the C++ wrapper's argument pack.
@@ -55,9 +49,9 @@ torch functions (``F.multi_head_attention_forward``, ``F.normalize``…) are see
 only, so they get no autocast casting or SDPA routing — except ``F.multi_head_attention_forward``
 (``nn.MultiheadAttention``) and ``F.normalize``, whose inner calls the mode sees
 (`vram.run.kernels.functions.TRANSPARENT`); ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` in
-inference take PyTorch's fused path as on a GPU (`vram.run.kernels.fastpath`). Backward formulas see meta
-tensors and an active dispatch mode, both "subclass-like" to ``at::isTensorSubclassLike``
-(``ATen/TensorSubclassLikeUtils.h``), so they take out-of-place paths a GPU run does not.
+inference take PyTorch's fused path as on a GPU (`vram.run.kernels.fastpath`). ``--backend meta``
+(`vram.run.engine.meta`) is a debugging aid: meta tensors under a dispatch mode, whose backward
+formulas are PyTorch's out-of-place subclass ones (docs/estimate-accuracy.md §4).
 Storage-level moves, which no mode sees
 (``torch.load(map_location="cuda")``, a checkpoint saved on a GPU, ``storage.cuda()``), are
 charged by `vram.run.memory.storage_api.patch_storages`, which also makes a simulated storage's
@@ -85,7 +79,7 @@ from .cuda.compat import define_torchvision_ops, refuse_cuda_ipc
 from .cuda.patches import patch_torch_extras
 from .distributed import install as install_distributed
 from .engine.dynamo_guard import defer_dynamo_in_meta_kernels
-from .engine.meta import DispatchMode, FunctionMode
+from .engine.function_mode import FunctionMode
 from .engine.privateuse1 import EngineLimit
 from .kernels.cudnn import uncharged_note
 from .kernels.fastpath import patch_fast_paths
@@ -99,9 +93,9 @@ from .values.rerun import ValuesNeeded
 
 __all__ = ["BACKENDS", "VALUES", "DataDependentError", "HostMemoryError", "default_backend", "simulated_cuda",
            "run_script", "active_sim"]
-#: the engines of a simulated run: the Python PrivateUse1 backend (`vram.run.engine`:
-#: the default for one process on one GPU), or meta tensors under two modes (several GPUs,
-#: torch.distributed ranks, `vram.estimate`)
+#: the engines of a simulated run: the PrivateUse1 backend (`vram.run.engine`: every mode of
+#: ``vram run`` and `vram.estimate`), or, as a debugging aid chosen by name, meta tensors under
+#: a dispatch mode (`vram.run.engine.meta`), whose backward takes PyTorch's subclass formulas
 BACKENDS = ("privateuse1", "meta")
 #: what a simulated run knows of tensor values: "known" (what needs no model arithmetic,
 #: `vram.run.values.known`; placeholders for the rest) or "real" (everything, `vram.run.values.real_values`)
@@ -114,19 +108,16 @@ if os.environ.get("VRAM_RUN_BACKEND") != "meta":
     _early_engine.register()
 
 
-def default_backend(device_count: int) -> str:
-    """``$VRAM_RUN_BACKEND``, else "privateuse1" for one process on one GPU or a torch.distributed
-    rank (``WORLD_SIZE`` set: its autograd runs on its own GPU, `own_gpu`), and "meta" for one
-    process on several GPUs, whose backward may cross them (the PrivateUse1 engine's autograd has
-    one device, see `vram.run.values.known.engine_index`)."""
-    chosen = os.environ.get("VRAM_RUN_BACKEND")
-    if chosen:
-        return chosen
-    return "meta" if device_count > 1 and "WORLD_SIZE" not in os.environ else "privateuse1"
+def default_backend(device_count: int = 1) -> str:
+    """``$VRAM_RUN_BACKEND``, else "privateuse1": every run, one GPU or several, one process or a
+    torch.distributed rank, is on the PrivateUse1 engine (`vram.run.engine`). "meta" is a
+    debugging aid, chosen by name only (``--backend meta``)."""
+    return os.environ.get("VRAM_RUN_BACKEND") or "privateuse1"
 
 
 def own_gpu(device_count: int) -> int:
-    """The GPU this process runs its autograd on: a torch.distributed rank's ``LOCAL_RANK`` (as
+    """The GPU this process runs its autograd on where the engine has one autograd device (its
+    Python device guard, `vram.run.engine.native`): a torch.distributed rank's ``LOCAL_RANK`` (as
     torchrun sets it) when it names one of the process's GPUs, else 0."""
     local = os.environ.get("LOCAL_RANK", "0") if "WORLD_SIZE" in os.environ else "0"
     own = int(local) if local.isdigit() else 0
@@ -230,12 +221,14 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     if backend == "privateuse1":
         from . import engine as _engine
 
-        _engine.register()
-        known.ENGINE_OWN[0] = own_gpu(device_count)
+        _engine.register(device_count)
+        known.ENGINE_OWN[0] = 0 if _engine.native.loaded() else own_gpu(device_count)
         sim: SimState = _engine.BackendState(props)
         dispatch, function = nullcontext(), _engine.BackendFunctionMode(sim)
         _engine.privateuse1.push(sim)  # type: ignore[arg-type]
     else:
+        from .engine.meta import DispatchMode
+
         sim = SimState(props)
         dispatch, function = DispatchMode(sim), FunctionMode(sim)
     sim.strict_values = strict_values
@@ -294,19 +287,24 @@ def _print_exception(e: BaseException, report: ValueReport) -> None:
     sys.stderr.flush()
 
 
-def _missed_cuda(e: BaseException, sim_kwargs: dict[str, Any]) -> bool:
-    """Did a CPU build's dispatcher get a CUDA tensor under the PrivateUse1 engine (a ``cuda``
-    device that reached aten without the function mode, as DTensor's RNG tracker's
-    ``get_rng_state().to(device)`` in torch/distributed/tensor/_random.py)? The meta engine's
-    dispatch mode sees those."""
-    backend = sim_kwargs.get("backend") or default_backend(sim_kwargs.get("device_count", 1))
-    return backend == "privateuse1" and isinstance(e, NotImplementedError) and "from the 'CUDA' backend" in str(e)
+def _report_reads(value_report: str | None, notes: bool) -> None:
+    """When the script has ended: no host draw follows; with `notes`, the placeholder report and
+    the uncharged-scratch notes on stderr; the report's JSON to `value_report`."""
+    _ACTIVE[-1].host.ledger.drop()  # the script is over: nothing will draw again
+    report = _ACTIVE[-1].report
+    lines = [n for n in (report.render(), uncharged_note(_ACTIVE[-1].uncharged)) if n]
+    if lines and notes:
+        sys.stdout.flush()
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    if value_report is not None:
+        with open(value_report, "w") as f:
+            f.write(report.as_json() + "\n")
 
 
 def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                on_exit: Callable[[], None] | None = None, value_report: str | None = None,
-               engine_fallback: bool = False, values_fallback: bool = False,
-               on_start: Callable[[], None] | None = None, module: bool = False, **sim_kwargs: Any) -> int:
+               values_fallback: bool = False, on_start: Callable[[], None] | None = None,
+               module: bool = False, **sim_kwargs: Any) -> int:
     """Run the script at `path` with `argv` under `simulated_cuda`; returns its exit status.
 
     As ``python path argv...`` would: ``sys.argv`` and ``sys.path[0]`` are the script's,
@@ -316,13 +314,12 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
     tensors); `on_exit` is called at that moment too. Reads answered with placeholder values are
     listed on stderr at the end, and written as JSON to `value_report` when given. `sim_kwargs`
     go to `simulated_cuda` (``strict_values=True``: stop at the first such read instead). What the
-    PrivateUse1 engine cannot run (`vram.run.engine.EngineLimit`) is one line on stderr, or with
-    `engine_fallback` raised from here once the run is cleaned up, for the caller to rerun the
-    script on the meta engine; likewise a `DataDependentError` with `values_fallback`, as
-    `vram.run.values.rerun.ValuesNeeded`, for a rerun with real values. `on_start` is called once
-    the simulated GPUs exist, before the script's first line (e.g. to start recording the
-    allocation history). With `module`, `path` is a module name run as ``python -m path`` runs it
-    (``sys.path[0]`` the current directory).
+    engine cannot run (`vram.run.engine.EngineLimit`) is one line on stderr; a `DataDependentError`
+    with `values_fallback` is raised from here, once the run is cleaned up, as
+    `vram.run.values.rerun.ValuesNeeded`, for the caller to run the script again with real values.
+    `on_start` is called once the simulated GPUs exist, before the script's first line (e.g. to
+    start recording the allocation history). With `module`, `path` is a module name run as
+    ``python -m path`` runs it (``sys.path[0]`` the current directory).
     """
     path = os.fspath(path)
     saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
@@ -333,7 +330,7 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
     else:
         sys.path.insert(0, script_dir)
     status = 0
-    limit: EngineLimit | ValuesNeeded | None = None
+    limit: ValuesNeeded | None = None
     try:
         with simulated_cuda(**sim_kwargs):
             result: Any = None
@@ -359,18 +356,11 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                 print(f"vram run: {e}", file=sys.stderr, flush=True)
                 status = 1
             except EngineLimit as e:
-                if engine_fallback:
-                    limit = e
-                else:
-                    sys.stdout.flush()
-                    print(e, file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                print(e, file=sys.stderr, flush=True)
                 status = 1
             except Exception as e:  # noqa: BLE001 - the script's own failure, reported as python would
-                if engine_fallback and _missed_cuda(e, sim_kwargs):
-                    limit = EngineLimit(f"vram run: the PrivateUse1 engine let an op reach PyTorch's CUDA backend "
-                                        f"({str(e).splitlines()[0][:120]})")
-                else:
-                    _print_exception(e, _ACTIVE[-1].report)
+                _print_exception(e, _ACTIVE[-1].report)
                 status = 1
             finally:
                 if summary:
@@ -378,19 +368,9 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
                 if on_exit is not None:
                     on_exit()
                 del result
-                _ACTIVE[-1].host.ledger.drop()  # the script is over: nothing will draw again
-                report = _ACTIVE[-1].report
-                notes = [n for n in (report.render(), uncharged_note(_ACTIVE[-1].uncharged)) if n]
-                if notes and not isinstance(limit, ValuesNeeded):   # the rerun gives its own
-                    sys.stdout.flush()
-                    print("\n".join(notes), file=sys.stderr, flush=True)
-                if value_report is not None:
-                    with open(value_report, "w") as f:
-                        f.write(report.as_json() + "\n")
+                _report_reads(value_report, notes=limit is None)  # (a rerun gives its own)
     finally:
         sys.argv = saved_argv
         if saved_path0 is not None:
             sys.path[0] = saved_path0
-    if limit is not None:
-        raise limit
     return status

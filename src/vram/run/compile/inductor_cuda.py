@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vram.run.kernels.sdpa import sdpa_args, select_sdpa_backend
+from vram.run.kernels.sdpa_choice import sdpa_args, select_sdpa_backend
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
 _CUDA = torch.device("cuda", 0)

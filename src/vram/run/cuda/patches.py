@@ -87,7 +87,7 @@ def _patch_modules(put: Put, simulated: Callable[[Any], bool]) -> None:
     """* ``torch._has_compatible_shallow_copy_type`` says a host tensor and a simulated one are
       compatible (CPU and CUDA are, to a GPU run), so ``Module._apply`` moves Parameters in place
       with ``param.data = moved`` instead of making new ones (see
-      ``vram.run.engine.meta.FunctionMode._set_data``);
+      ``vram.run.engine.function_mode.FunctionMode._set_data``);
     * ``Module.to(1)`` / ``Module.to(device=1)``: a device index is a CUDA device on a GPU build;
       ``Module.to`` parses it in C++ (``_parse_to``) as the current accelerator's, which a CPU build
       lacks ("Cannot access accelerator device", meta engine) or which is the PrivateUse1 engine's

@@ -31,18 +31,20 @@ def verify_params_across_processes(process_group: Any, params: list[torch.Tensor
 
 
 def refuse_local_used_map(ddp: Any, put: Any) -> None:
-    """Under the PrivateUse1 engine, refuse DDP's ``find_unused_parameters=True`` and
-    ``static_graph`` at once: the Reducer's ``all_reduce_local_used_map`` (reducer.cpp) copies the
-    used-parameter map through a *pinned* host tensor when the parameters are CUDA or PrivateUse1
-    tensors and asserts ``is_pinned()``, and a Python PrivateUse1 backend has no pinned-memory
-    allocator (``getPinnedMemoryAllocator``/``isPinnedPtr`` are not among the hooks
-    torch/csrc/acc/Module.cpp lets Python implement), so the first backward would fail in C++."""
-    from vram.run.engine import EngineLimit
+    """Where the PrivateUse1 engine runs without its C++ hooks (`vram.run.engine.native`), refuse
+    DDP's ``find_unused_parameters=True`` and ``static_graph`` at once: the Reducer's
+    ``all_reduce_local_used_map`` (reducer.cpp) copies the used-parameter map through a *pinned*
+    host tensor when the parameters are CUDA or PrivateUse1 tensors and asserts ``is_pinned()``,
+    and Python hooks have no pinned-memory allocator (``getPinnedMemoryAllocator``/``isPinnedPtr``
+    are not among the hooks torch/csrc/acc/Module.cpp lets Python implement), so the first
+    backward would fail in C++."""
+    from vram.run.engine import EngineLimit, native
 
+    if native.loaded():
+        return
     init = ddp.__init__
     why = ("vram run: DDP's {} copies its used-parameter map through pinned host memory (reducer.cpp "
-           "all_reduce_local_used_map), which the PrivateUse1 engine cannot allocate (torch/csrc/acc/Module.cpp "
-           "has no pinned-memory hook); run with --backend meta")
+           "all_reduce_local_used_map), which needs the engine's C++ hooks: " + native.why_not())
 
     def ddp_init(self: Any, *args: Any, **kwargs: Any) -> None:
         import inspect

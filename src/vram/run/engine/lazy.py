@@ -23,7 +23,7 @@ from vram.run.memory.lazy_host import seeded
 from vram.run.memory.storages import SimState
 
 from .dynamo_guard import import_dynamo_when_compiling
-from .meta import draws_host_default
+from .function_mode import draws_host_default
 
 #: the runs whose `LazyHostMode` is on the dispatch stack
 _PUSHED: set[SimState] = set()

@@ -6,7 +6,7 @@ test/test_privateuseone_python_backend.py registers its ops the same way). It ru
 views of its inputs; outputs that alias an input (``alias_info`` in the op's schema) view that
 input's storage, new ones get a new storage (`vram.run.engine.dlpack`) charged in the order of
 the CUDA kernel's allocations (`vram.run.kernels.plan.op_plan`, with the cuBLAS workspaces of
-`vram.run.engine.meta.DispatchMode`). A block is found from a tensor's data pointer (the storage's
+`vram.run.engine.outputs`). A block is found from a tensor's data pointer (the storage's
 address *is* the simulated address), never from ``untyped_storage()``, whose Python object would
 pin the storage.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,9 +32,10 @@ from vram.run.memory.storages import ChargedStorage, SimState
 from vram.run.values import known
 from vram.run.values.placeholders import describe, needs_data, value_error
 
-from . import formulas, lazy, views
+from . import formulas, lazy, native, views
 from .dlpack import new_storage
-from .meta import DispatchMode, FunctionMode
+from .function_mode import FunctionMode
+from .outputs import cublas_if_device, data_dependent
 
 #: PrivateUse1's name in a process that ran the engine (``torch.utils.rename_privateuse1_backend``)
 NAME = "vramsim"
@@ -58,18 +60,22 @@ _DIFFERENTIABLE = frozenset({"aten::_fused_rms_norm", "aten::mish_backward"})
 #: composites whose input a CUDA kernel takes ``contiguous()`` and PrivateUse1 does not
 _CUDA_CONTIGUOUS = frozenset({"group_norm"})
 _STATE: list[BackendState] = []  # the running simulations, innermost last
+_LOCK = threading.RLock()  # the simulated allocators, shared by the autograd engine's device threads
 _LIB: list[Any] = []
 
 
 class EngineLimit(RuntimeError):
-    """What the PrivateUse1 engine cannot run, for a reason in PyTorch's C++ (named in the
-    message); the meta engine can (``--backend meta``). A run on the default engine is rerun on
-    the meta engine (`vram.cli.commands.cmd_run`)."""
+    """What the engine cannot run in this process, for a reason in PyTorch's C++ (named in the
+    message): a backward on more GPUs than the autograd engine started with, or, without the
+    C++ device guard (`vram.run.engine.native`), several autograd devices or pinned memory."""
 
 
-def register() -> None:
-    """Set PrivateUse1 up as a Python backend named `NAME` with `_fallback` for every op; once
-    per process (PyTorch cannot undo it; it changes nothing for other devices)."""
+def register(devices: int = 1) -> None:
+    """Set PrivateUse1 up as a backend named `NAME` with at least `devices` devices: the C++
+    device guard and hooks (`vram.run.engine.native`, registered first so that PyTorch keeps them)
+    and `_fallback` for every op; once per process (PyTorch cannot undo it; it changes nothing
+    for other devices). Later calls only raise the device count."""
+    native.load(devices)
     if _LIB:
         return
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -179,7 +185,6 @@ class BackendState(SimState):
         super().__init__(props)
         self.blocks: dict[tuple[int, int], ChargedStorage] = {}
         self._empty = [ChargedStorage(0, 0, i, None) for i in range(len(props))]  # type: ignore[arg-type]
-        self._blas = DispatchMode(self)  # its cuBLAS workspace helpers; never entered
 
     def block_of(self, t: Any) -> ChargedStorage | None:
         if not isinstance(t, torch.Tensor):
@@ -235,9 +240,10 @@ class BackendState(SimState):
         return new_storage(meta, known.engine_index(idx), ptr, self._died)
 
     def _died(self, engine_idx: int, ptr: int) -> None:
-        b = self.blocks.pop((known.engine_index(engine_idx), ptr), None)
-        if b is not None:
-            self._free(b)
+        with _LOCK:
+            b = self.blocks.pop((known.engine_index(engine_idx), ptr), None)
+            if b is not None:
+                self._free(b)
 
     def close(self) -> None:
         self.active = False
@@ -271,8 +277,10 @@ def _device(args: Any, kwargs: dict[str, Any]) -> int:
 
 def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     """Run `op` on meta; charge its new outputs and scratch to the simulated allocator. Without
-    the function mode: an op may run where it is on the stack (the autograd engine's threads)."""
-    with torch._C.DisableTorchFunction():
+    the function mode: an op may run where it is on the stack (the autograd engine's threads).
+    One op at a time: a backward across GPUs runs on one autograd thread per device (engine.cpp
+    ``thread_init``), as CUDA's allocator takes its device's lock for each call."""
+    with _LOCK, torch._C.DisableTorchFunction():
         return _run(op, args, kwargs)
 
 
@@ -293,7 +301,7 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
         if not needs_data(e):
             raise
         # an output shape that depends on values (nonzero, boolean masks): from the CPU copies
-        computed, computed_assumed = sim._blas._data_dependent(op, args, kwargs)
+        computed, computed_assumed = data_dependent(sim, op, args, kwargs)
         if computed is None:
             what = describe(sim.call) if sim.call is not None else f"{op}"
             raise value_error(what, f"{op} has no meta kernel" if "no fake impl" in str(e) else "") from None
@@ -399,7 +407,7 @@ def _materialise(sim: BackendState, alias: Any, outs: list[Any], results: list[A
 def _blas(sim: BackendState, idx: int, name: str, margs: Any, mkwargs: Any, results: list[Any]) -> None:
     out = results[0]
     if isinstance(out, torch.Tensor):
-        sim._blas._cublas_if_device(idx, name, margs, mkwargs, out)
+        cublas_if_device(sim, idx, name, margs, mkwargs, out)
 
 
 class BackendFunctionMode(FunctionMode):
@@ -413,19 +421,22 @@ class BackendFunctionMode(FunctionMode):
 
     @contextmanager
     def backward_scope(self, roots: Any) -> Iterator[None]:
-        """`lazy.outside_backward`; a backward that reaches another GPU than this process's own
-        fails in the autograd engine (``device_ready_queues_`` has PrivateUse1 device 0 only:
-        `vram.run.values.known.engine_index`) and is refused in one line instead."""
+        """`lazy.outside_backward`; a backward on a GPU the autograd engine has no ready queue for
+        (``device_ready_queues_``, sized once per process by the device guard's count:
+        engine.cpp ``start_device_threads``) is refused in one line."""
         try:
             with lazy.outside_backward(self.sim, roots):
                 yield
         except RuntimeError as e:
             if "device_ready_queues_" not in str(e):
                 raise
-            raise EngineLimit(
-                f"vram run: this backward runs on a GPU other than cuda:{known.ENGINE_OWN[0]}, the only one the "
-                "PrivateUse1 engine can run autograd on (its Python device guard counts one device: "
-                "torch/csrc/acc/Module.cpp PythonDeviceGuard::deviceCount); run with --backend meta") from None
+            if native.loaded():
+                why = ("the autograd engine of this process started its device threads for fewer GPUs "
+                       "(engine.cpp start_device_threads: once per process)")
+            else:
+                why = (f"{native.why_not()}, and the Python device guard counts one device "
+                       "(torch/csrc/acc/Module.cpp PythonDeviceGuard::deviceCount)")
+            raise EngineLimit(f"vram run: a backward on a GPU the engine has no autograd queue for: {why}") from None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         lazy.retire(self.sim)
