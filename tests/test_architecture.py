@@ -16,8 +16,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "vram"
-#: Files allowed over the ~600-line guideline, with the reason. None today.
-LONG_FILES: dict[str, str] = {}
+#: Modules allowed over `MAX_MODULE_LINES`, with the reason.
+LONG_FILES: dict[str, str] = {
+    "allocator/caching.py": "CachingAllocator's malloc/free/stream-event core: one class that mypyc compiles as a "
+                            "unit (vram.allocator.native); release, expandable segments and private pools are "
+                            "already its mixins",
+    "frontend/memory.py": "torch.cuda.memory's names over simulated GPUs, as torch/cuda/memory.py holds them in one "
+                          "module: `vram.memory.<name>` is the public path of each (README, run.cuda.api)",
+}
+#: Functions allowed over `MAX_FUNCTION_LINES`, with the reason.
+LONG_FUNCTIONS: dict[str, str] = {}
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
 
 
 def _lint_imports(pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -74,11 +84,28 @@ def test_core_type_checks() -> None:
 
 
 def test_files_stay_focused() -> None:
-    """No module over ~600 lines without a reason recorded in LONG_FILES."""
+    """No module over `MAX_MODULE_LINES` lines without a reason recorded in LONG_FILES."""
     too_long = {}
     for path in sorted(SRC.rglob("*.py")):
         rel = path.relative_to(SRC).as_posix()
         n = len(path.read_text().splitlines())
-        if n > 620 and rel not in LONG_FILES:
+        if n > MAX_MODULE_LINES and rel not in LONG_FILES:
             too_long[rel] = n
     assert not too_long, f"split these or record why in LONG_FILES: {too_long}"
+
+
+def test_functions_stay_short() -> None:
+    """No function over `MAX_FUNCTION_LINES` lines (its whole body, docstring included) without a
+    reason recorded in LONG_FUNCTIONS."""
+    import ast
+
+    too_long = {}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+                n = node.end_lineno - node.lineno + 1
+                key = f"{rel}::{node.name}"
+                if n > MAX_FUNCTION_LINES and key not in LONG_FUNCTIONS:
+                    too_long[key] = n
+    assert not too_long, f"split these or record why in LONG_FUNCTIONS: {too_long}"

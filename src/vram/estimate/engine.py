@@ -127,6 +127,20 @@ def _own_gpu() -> Iterator[None]:
         _memory._runtime = saved
 
 
+def _checked_run(step: Any, amp: Any, loss: Any, grad_accum: int, iterations: int) -> Any:
+    """`_run`'s arguments checked (and not inside a simulation already); autocast's dtype."""
+    if active_sim() is not None:
+        raise RuntimeError("vram.estimate cannot run inside simulated_cuda(): it simulates its own GPU")
+    amp_dtype = _AMP.get(amp.lower()) if isinstance(amp, str) else amp
+    if amp is not None and amp_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {amp!r}")
+    if step is not None and (amp is not None or loss is not None or grad_accum != 1):
+        raise ValueError("amp, loss and grad_accum apply to the default step; a custom step does its own")
+    if not isinstance(grad_accum, int) or grad_accum < 1 or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError("grad_accum and iterations must be positive ints")
+    return amp_dtype
+
+
 def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: Any, amp: Any,
          checkpoint: Any, grad_accum: int, iterations: int, gpu: GpuPreset, context: int, conf: str | None,
          keep: bool = True, parallel: Any = None) -> _Run:
@@ -137,15 +151,7 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
     group, ``place(model, tracker)`` replaces ``model.to("cuda")`` (sharding, wrapping), and its
     ``step``, when set, replaces the default step (pipeline schedules).
     """
-    if active_sim() is not None:
-        raise RuntimeError("vram.estimate cannot run inside simulated_cuda(): it simulates its own GPU")
-    amp_dtype = _AMP.get(amp.lower()) if isinstance(amp, str) else amp
-    if amp is not None and amp_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {amp!r}")
-    if step is not None and (amp is not None or loss is not None or grad_accum != 1):
-        raise ValueError("amp, loss and grad_accum apply to the default step; a custom step does its own")
-    if not isinstance(grad_accum, int) or grad_accum < 1 or not isinstance(iterations, int) or iterations < 1:
-        raise ValueError("grad_accum and iterations must be positive ints")
+    amp_dtype = _checked_run(step, amp, loss, grad_accum, iterations)
     t0 = time.perf_counter()
     tr: Tracker | None = None
     oom = None

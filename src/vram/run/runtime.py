@@ -217,23 +217,51 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     total = spec.total_memory
     devices = _memory.simulate(total, context, device_count, conf, name=name, **simulate_kwargs)
     props = [DeviceProperties(name, total, major, minor, sms) for _ in range(device_count)]
-    dispatch: Any
+    sim, dispatch, function = _engine_for(backend, props, device_count)
+    sim.strict_values = strict_values
+    if values == "real":
+        sim.real_values, sim.value_limit = True, sys.maxsize
+    restores = _install_patches(sim, function)
+    _ACTIVE.append(sim)
+    try:
+        with dispatch, function:
+            yield devices
+    finally:
+        sim.host.ledger.settle()  # code after the block uses the CPU generator where a GPU run's would be
+        sim.host.drop_kept()
+        _ACTIVE.remove(sim)
+        for restore in restores:
+            restore()
+        sim.autocast_cache.clear()
+        sim.active = False  # storages that outlive the block no longer touch the allocator
+        sim.live.clear()
+        if backend == "privateuse1":
+            from . import engine as _engine
+
+            _engine.privateuse1.pop(sim)  # type: ignore[arg-type]
+            known.ENGINE_OWN[0] = 0
+
+
+def _engine_for(backend: str, props: list[DeviceProperties], device_count: int) -> tuple[SimState, Any, Any]:
+    """The run's state, its dispatch mode (none on the PrivateUse1 engine) and function mode."""
     if backend == "privateuse1":
         from . import engine as _engine
 
         _engine.register(device_count)
         known.ENGINE_OWN[0] = 0 if _engine.native.loaded() else own_gpu(device_count)
         sim: SimState = _engine.BackendState(props)
-        dispatch, function = nullcontext(), _engine.BackendFunctionMode(sim)
+        function = _engine.BackendFunctionMode(sim)
         _engine.privateuse1.push(sim)  # type: ignore[arg-type]
-    else:
-        from .engine.meta import DispatchMode
+        return sim, nullcontext(), function
+    from .engine.meta import DispatchMode
 
-        sim = SimState(props)
-        dispatch, function = DispatchMode(sim), FunctionMode(sim)
-    sim.strict_values = strict_values
-    if values == "real":
-        sim.real_values, sim.value_limit = True, sys.maxsize
+    sim = SimState(props)
+    return sim, DispatchMode(sim), FunctionMode(sim)
+
+
+def _install_patches(sim: SimState, function: Any) -> list[Callable[[], None]]:
+    """Patch torch for the run (``torch.cuda``, storages, the host generator, distributed, the
+    fast paths, CUDA IPC, warnings, snapshot stacks); the restore functions, in the order to call."""
     restore = patch_torch_cuda(sim.props)
     restore_extras = patch_torch_extras(sim.autocast_cache.clear, lambda t: sim.block_of(t) is not None,
                                         sim.resize_storage, function,
@@ -247,30 +275,13 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
                                   lambda t: sim.host.real(t) if sim.host.of(t) is not None else None)
     restore_warnings = _attributing_warnings()
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
-    _ACTIVE.append(sim)
-    try:
-        with dispatch, function:
-            yield devices
-    finally:
-        sim.host.ledger.settle()  # code after the block uses the CPU generator where a GPU run's would be
-        sim.host.drop_kept()
-        _ACTIVE.remove(sim)
-        restore_ipc()
-        restore_warnings()
-        restore_fast()
-        restore_distributed()
+
+    def restore_prefixes() -> None:
         for prefix in _MODE_FRAMES:
             _history.SKIP_PREFIXES.remove(prefix)
-        restore_rng()
-        restore_storages()
-        restore_extras()
-        restore()
-        sim.autocast_cache.clear()
-        sim.active = False  # storages that outlive the block no longer touch the allocator
-        sim.live.clear()
-        if backend == "privateuse1":
-            _engine.privateuse1.pop(sim)  # type: ignore[arg-type]
-            known.ENGINE_OWN[0] = 0
+
+    return [restore_ipc, restore_warnings, restore_fast, restore_distributed, restore_prefixes, restore_rng,
+            restore_storages, restore_extras, restore]
 
 
 def _print_exception(e: BaseException, report: ValueReport) -> None:

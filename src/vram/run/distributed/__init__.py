@@ -45,7 +45,6 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
     mode's ``device_for``)."""
     import torch
     import torch.distributed as dist
-    import torch.distributed.c10d_logger as c10d_logger
     import torch.distributed.distributed_c10d as c10d
     import torch.distributed.rendezvous  # noqa: F401 - the module; the package's name is a function
     from torch.distributed import HashStore
@@ -54,8 +53,7 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
     from .ddp import refuse_local_used_map, verify_params_across_processes
     from .dtensor import device_state_on, rebuild_on_meta
     from .functional import overrides
-    from .gloo import BUILDING, SimProcessGroupGloo
-    from .process_group import SimProcessGroup
+    from .gloo import BUILDING
     from .rank import stage_snapshots
     from .wrappers import make_wrapper_subclass
 
@@ -69,25 +67,7 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
             raise ValueError(f"port must have value from 0 to 65535 but was {port}.")
         return HashStore()
 
-    put(c10d, "ProcessGroupNCCL", SimProcessGroup)
-    put(c10d, "ProcessGroupGloo", SimProcessGroupGloo)   # would wait for the other ranks' processes
-    put(dist, "ProcessGroupGloo", SimProcessGroupGloo)
-    # c10d_logger's exception wrapper builds a debug-log dict that asks a CPU build for its NCCL
-    # version, and the AttributeError buries the collective's own error: log without it
-    put(c10d_logger, "_get_msg_dict", lambda func_name, *args, **kwargs: {"func_name": func_name})
-    put(dist, "ProcessGroupNCCL", SimProcessGroup)
-    put(c10d, "is_nccl_available", lambda: True)
-    put(dist, "is_nccl_available", lambda: True)
-    put(c10d, "_NCCL_AVAILABLE", True)
-    # torch.cuda.nccl.version() (torchtune's and FSDP's bf16 checks): NCCL_MAJOR << 32 | NCCL_MINOR << 16
-    # | NCCL_PATCH (torch/csrc/cuda/nccl.cpp ``version``), of the NCCL release vram models
-    major, minor, patch = NCCL_VERSION
-    put(torch._C, "_nccl_version", lambda: major << 32 | minor << 16 | patch)
-    put(torch._C, "_nccl_version_suffix", lambda: b"")
-    # torch/distributed/constants.py: a CUDA build's ``_DEFAULT_PG_NCCL_TIMEOUT``
-    # (``kProcessGroupNCCLDefaultTimeout``, 10 minutes); a CPU build has None, and
-    # ``_get_default_timeout("nccl")`` warned "NCCL support is not compiled" in every run
-    put(c10d, "default_pg_nccl_timeout", timedelta(minutes=10))
+    _patch_backends(put)
     put(rdzv, "_create_c10d_store", create_store)
     helper = c10d._new_process_group_helper
 
@@ -138,6 +118,38 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
         undo()
 
     return restore
+
+
+def _patch_backends(put: Callable[[Any, str, Any], None]) -> None:
+    """The ``nccl`` and ``gloo`` backends as vram's process groups, and what a CUDA build's
+    ``torch.distributed`` says of NCCL (available, its version, its default timeout)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.c10d_logger as c10d_logger
+    import torch.distributed.distributed_c10d as c10d
+
+    from .gloo import SimProcessGroupGloo
+    from .process_group import SimProcessGroup
+
+    put(c10d, "ProcessGroupNCCL", SimProcessGroup)
+    put(c10d, "ProcessGroupGloo", SimProcessGroupGloo)   # would wait for the other ranks' processes
+    put(dist, "ProcessGroupGloo", SimProcessGroupGloo)
+    # c10d_logger's exception wrapper builds a debug-log dict that asks a CPU build for its NCCL
+    # version, and the AttributeError buries the collective's own error: log without it
+    put(c10d_logger, "_get_msg_dict", lambda func_name, *args, **kwargs: {"func_name": func_name})
+    put(dist, "ProcessGroupNCCL", SimProcessGroup)
+    put(c10d, "is_nccl_available", lambda: True)
+    put(dist, "is_nccl_available", lambda: True)
+    put(c10d, "_NCCL_AVAILABLE", True)
+    # torch.cuda.nccl.version() (torchtune's and FSDP's bf16 checks): NCCL_MAJOR << 32 | NCCL_MINOR << 16
+    # | NCCL_PATCH (torch/csrc/cuda/nccl.cpp ``version``), of the NCCL release vram models
+    major, minor, patch = NCCL_VERSION
+    put(torch._C, "_nccl_version", lambda: major << 32 | minor << 16 | patch)
+    put(torch._C, "_nccl_version_suffix", lambda: b"")
+    # torch/distributed/constants.py: a CUDA build's ``_DEFAULT_PG_NCCL_TIMEOUT``
+    # (``kProcessGroupNCCLDefaultTimeout``, 10 minutes); a CPU build has None, and
+    # ``_get_default_timeout("nccl")`` warned "NCCL support is not compiled" in every run
+    put(c10d, "default_pg_nccl_timeout", timedelta(minutes=10))
 
 
 def coalesced_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
