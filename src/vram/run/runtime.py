@@ -384,4 +384,6 @@ def run_script(path: str, argv: Sequence[str] = (), *, summary: bool = False,
         sys.argv = saved_argv
         if saved_path0 is not None:
             sys.path[0] = saved_path0
+    if limit is not None:
+        raise limit
     return status
