@@ -8,6 +8,7 @@ on other streams, waits for events first.
 """
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import types
@@ -81,6 +82,15 @@ def _native(config: AllocatorConfig) -> AllocatorConfig:
                           "allocator (CUDA's stream-ordered pool decides its own reservations); use "
                           "backend:native or leave the backend unset")
     return config
+
+
+def _pause_collector() -> bool:
+    """Pause Python's cyclic GC for an allocator operation (see `CachingAllocator.operation`);
+    True when it was running, for the caller to ``gc.enable()`` afterwards."""
+    if gc.isenabled():
+        gc.disable()
+        return True
+    return False
 
 
 def _report_unraisable(exc: BaseException, message: str) -> None:
@@ -171,9 +181,12 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
                 raise RuntimeError("CachingAllocator.malloc re-entered during another allocator "
                                    "operation on the same thread (from a finalizer?)")
             self._busy = True
+            collecting = _pause_collector()
             try:
                 return self._malloc(size, stream)
             finally:
+                if collecting:
+                    gc.enable()
                 if self._deferred:
                     self._end_operation()
                 else:
@@ -372,19 +385,24 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
                 self._deferred.append(ptr)
                 return
             self._busy = True
+            collecting = _pause_collector()
             try:
                 self._free(ptr)
             finally:
+                if collecting:
+                    gc.enable()
                 if self._deferred:
                     self._end_operation()
                 else:
                     self._busy = False
 
     # -- operations and the frees that arrive during them -------------------------------------
-    # Python's cyclic GC can run at any allocation of Python objects, also inside an allocator
-    # operation, and finalize a tensor whose storage then calls `free` on the same thread (the
-    # lock is re-entrant). Such a free must not touch the pools half-way through the operation:
-    # it is queued, and `_end_operation` applies the queue once the operation is done.
+    # Python's cyclic GC can run at any allocation of Python objects, and its finalizers may free
+    # or allocate memory. No Python code runs inside CUDACachingAllocator's C++, so the collector
+    # is paused for the length of an operation (`_pause_collector`): a finalizer that allocates
+    # (``__del__``) runs before or after it, never half-way through. A free arriving on the same
+    # thread all the same (the lock is re-entrant) must not touch the pools half-way through the
+    # operation: it is queued, and `_end_operation` applies the queue once the operation is done.
 
     def _end_operation(self) -> None:
         """Apply the frees queued during the operation, in order, each exactly once, then clear
@@ -420,9 +438,12 @@ class CachingAllocator(ExpandableSegmentsMixin, PrivatePoolsMixin):
                 yield
                 return
             self._busy = True
+            collecting = _pause_collector()
             try:
                 yield
             finally:
+                if collecting:
+                    gc.enable()
                 self._end_operation()
 
     def _operation(self, mutates: bool) -> Any:  # `operation` for the mixins (mypyc traits)

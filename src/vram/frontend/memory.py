@@ -39,15 +39,36 @@ __all__ = [
 ]
 
 
+class _PerThread(threading.local):
+    """The current device and streams of one host thread: ``cudaSetDevice`` is per thread, and so
+    are PyTorch's current streams (c10/cuda/CUDAStream.cpp ``thread_local current_streams``); a new
+    thread starts on device 0 with each device's default stream."""
+
+    def __init__(self) -> None:
+        self.current_device = 0
+        self.current_streams: dict[int, Stream] = {}
+
+
 class _Runtime:
-    """All simulated GPUs of the process, their allocators and the current device/streams."""
+    """All simulated GPUs of the process, their allocators and each thread's current device/streams."""
 
     def __init__(self, devices: list[SimulatedDevice], alloc_conf: str | None, oom_format: str) -> None:
         self.devices = devices
         self.allocators = [CachingAllocator(d, alloc_conf, oom_format=oom_format) for d in devices]
-        self.current_device = 0
-        self.current_streams: dict[int, Stream] = {}
+        self.thread = _PerThread()
         self.lock = threading.Lock()
+
+    @property
+    def current_device(self) -> int:
+        return self.thread.current_device
+
+    @current_device.setter
+    def current_device(self, index: int) -> None:
+        self.thread.current_device = index
+
+    @property
+    def current_streams(self) -> dict[int, Stream]:
+        return self.thread.current_streams
 
 
 _runtime: _Runtime | None = None

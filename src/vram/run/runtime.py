@@ -78,6 +78,7 @@ from .cuda.api import DeviceProperties, patch_torch_cuda
 from .cuda.compat import define_torchvision_ops, refuse_cuda_ipc
 from .cuda.patches import patch_torch_extras
 from .distributed import install as install_distributed
+from .engine import every_thread
 from .engine.dynamo_guard import defer_dynamo_in_meta_kernels
 from .engine.function_mode import FunctionMode
 from .engine.privateuse1 import EngineLimit
@@ -274,14 +275,15 @@ def _install_patches(sim: SimState, function: Any) -> list[Callable[[], None]]:
     restore_ipc = refuse_cuda_ipc(lambda t: sim.block_of(t) is not None,
                                   lambda t: sim.host.real(t) if sim.host.of(t) is not None else None)
     restore_warnings = _attributing_warnings()
+    restore_threads = every_thread.install(function, lambda: sim.active)  # threads and finalizers
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
 
     def restore_prefixes() -> None:
         for prefix in _MODE_FRAMES:
             _history.SKIP_PREFIXES.remove(prefix)
 
-    return [restore_ipc, restore_warnings, restore_fast, restore_distributed, restore_prefixes, restore_rng,
-            restore_storages, restore_extras, restore]
+    return [restore_threads, restore_ipc, restore_warnings, restore_fast, restore_distributed, restore_prefixes,
+            restore_rng, restore_storages, restore_extras, restore]
 
 
 def _print_exception(e: BaseException, report: ValueReport) -> None:

@@ -89,7 +89,7 @@ def snapshot(allocators: Iterable[CachingAllocator]) -> dict[str, Any]:
     for a in allocs:
         # Traces are read before the segments: a snapshot's own ``snapshot`` entry shows up in
         # the next snapshot, as in PyTorch.
-        with a.lock:
+        with a.operation(mutates=False):  # a finalizer's free meanwhile waits (GC on this thread)
             traces.append([e.as_dict() for e in a.history.entries])
         segs.extend(segments(a))
     settings = allocator_settings(allocs[0].config) if allocs else {}
