@@ -269,8 +269,11 @@ def test_max_batch_is_the_exact_boundary() -> None:
     assert estimate(model, make(2 * n), optimizer="sgd").peak_allocated > gpu
     assert fits(model, make(n), gpu=gpu, optimizer="sgd")
     assert not fits(model, make(2 * n), gpu=gpu, optimizer="sgd")
-    best = max_batch(model, make, gpu=gpu, optimizer="sgd")
+    out = io.StringIO()
+    best = max_batch(model, make, gpu=gpu, optimizer="sgd", progress=out)
     assert n <= best < 2 * n
+    # guided by each run's room: fewer runs than doubling to 8192 and bisecting down to it (26)
+    assert len(out.getvalue().splitlines()) <= 20
     assert fits(model, make(best), gpu=gpu, optimizer="sgd")
     assert not fits(model, make(best + 1), gpu=gpu, optimizer="sgd")
     assert max_batch(model, make, gpu=64 * MiB) == 0            # 2 cuBLAS workspaces: 64 MiB
@@ -448,7 +451,7 @@ def test_readme_example_models_run(monkeypatch: pytest.MonkeyPatch, capsys: pyte
 def test_max_batch_search_reports_each_run() -> None:
     """Doubling to the first failure, then bisection; with a progress stream, one line per run
     (its batch and whether it fits) as it ends."""
-    from vram.estimate.engine import search_largest
+    from vram.estimate.search import search_largest
 
     out = io.StringIO()
     assert search_largest(lambda b: b <= 37, progress=out) == 37
@@ -456,3 +459,33 @@ def test_max_batch_search_reports_each_run() -> None:
     assert probes == [(1, True), (2, True), (4, True), (8, True), (16, True), (32, True), (64, False),
                       (48, False), (40, False), (36, True), (38, False), (37, True)]
     assert len(out.getvalue().splitlines()) == len(probes)
+
+
+def test_a_guided_search_finds_the_same_boundary_in_fewer_runs() -> None:
+    """Rooms only choose which batches run: on a staircase memory curve (a fixed part, then 20 MiB
+    segments as the batch grows, as the large pool rounds) the answer is the brute-force boundary
+    for every card size, in at most `GUESSES` runs more than doubling and bisection, and in all a
+    third fewer."""
+    from vram.estimate.search import GUESSES, Probe, search_largest
+
+    seg = 20 * MiB
+
+    def reserved(b: int) -> int:
+        return 700 * MiB + -(-b * 3_300_000 // seg) * seg
+
+    guided_runs = plain_runs = 0
+    for card in range(800 * MiB, 40_000 * MiB, 977 * MiB):
+        truth = max((b for b in range(1 << 14) if reserved(b) <= card), default=0)
+        runs: list[int] = []
+
+        def probe(b: int, card: int = card, runs: list[int] = runs) -> Probe:
+            runs.append(b)
+            return Probe(True, card - reserved(b)) if reserved(b) <= card else Probe(False)
+
+        assert search_largest(probe) == truth
+        guided = len(runs)
+        runs.clear()
+        assert search_largest(lambda b: bool(probe(b))) == truth
+        assert guided <= len(runs) + GUESSES
+        guided_runs, plain_runs = guided_runs + guided, plain_runs + len(runs)
+    assert guided_runs * 3 < plain_runs * 2

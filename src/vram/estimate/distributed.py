@@ -6,7 +6,7 @@ each executing `vram.estimate.ranks` on its own simulated GPU; only the ranks th
 `Layout.representatives` picks are simulated, and the report says which stood for which.
 
 ``max_batch``: without pipeline stages no rank waits for another, so each simulated rank searches
-its own largest per-rank micro-batch (`engine.search_largest`, real runs) and the layout's is the
+its own largest per-rank micro-batch (`search.search_largest`, real runs) and the layout's is the
 smallest; with ``--pp`` the stages exchange activations, so every probe is one launch of all
 simulated ranks.
 """
@@ -25,8 +25,9 @@ from vram.devices.nccl import with_nccl
 from vram.run.distributed.launcher import Launch, launch, outside_lines
 from vram.units import format_size
 
-from .engine import EstimateResult, search_largest
+from .engine import EstimateResult
 from .layout import Layout
+from .search import search_largest
 
 __all__ = ["LayoutEstimate", "estimate_layout", "estimate_on_layout"]
 

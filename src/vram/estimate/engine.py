@@ -32,9 +32,9 @@ tensor / tuple / list / dict) become new simulated CUDA tensors of the same shap
 start of every iteration, as a data loader's ``batch.cuda()`` would; pass meta tensors to avoid
 host memory. The GPU is one simulated H100 (sm90: 32 MiB cuBLAS workspaces).
 
-`max_batch` finds the largest batch for which `iterations` steps run without OOM, by doubling and
-then bisection over real simulated runs (`fits`): about 2·log2(B) runs, each stopping at its first
-OOM — GPT-2 small, bf16, AdamW on 24 GiB: 14 runs, batch 87, ~16 s on one core.
+`max_batch` finds the largest batch for which `iterations` steps run without OOM with real
+simulated runs (`fits`), the batches to run chosen from the room each fitting run left
+(`vram.estimate.search`).
 
 Cost: the steps run at the speed of shape inference — GPT-2 small (batch 8 × 512, AdamW, 3
 iterations) takes ~0.75 s warm, ~1.9 s in a fresh process (torch's one-time imports);
@@ -59,6 +59,7 @@ from vram.run.runtime import active_sim, simulated_cuda
 from vram.units import parse_size
 
 from .model import build_model, default_step, describe_inputs, make_optimizer, materialize, to_gpu
+from .search import Probe, search_largest
 from .trace import CATEGORIES, Tracker, apply_checkpoint, unpack
 
 __all__ = ["estimate", "max_batch", "fits", "EstimateResult", "CATEGORIES", "PHASES"]
@@ -115,6 +116,7 @@ class _Run:
     oom: dict[str, Any] | None
     seconds: float
     resident: int = 0
+    peak_allocated: int = 0  #: on the tracked GPU, over the whole run
 
 
 @contextmanager
@@ -210,11 +212,12 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
                 oom = {"iteration": tr.iteration, "phase": tr.phase if tr.iteration else "setup",
                        "message": str(e)}
             resident = tr.stat_a.current
+            peak_allocated = _memory.max_memory_allocated(0 if parallel is None else parallel.device)
             for h in hooks:
                 h.remove()
         finally:
             uninstall()
-    return _Run(tr if keep else None, oom, time.perf_counter() - t0, resident)
+    return _Run(tr if keep else None, oom, time.perf_counter() - t0, resident, peak_allocated)
 
 
 def _summarise(run: _Run, gpu: int, context: int, others: int) -> dict[str, Any]:
@@ -318,15 +321,25 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
 def fits(model: Any, example_inputs: Any, *, gpu: int | str = "80GiB", context: int | str = 0,
          arch: str | None = None, **kwargs: Any) -> bool:
     """Whether `estimate`'s steps run on `gpu` without OOM (one simulated run, no report)."""
+    return _probe(model, example_inputs, gpu=gpu, context=context, arch=arch, **kwargs).fits
+
+
+def _probe(model: Any, example_inputs: Any, *, gpu: int | str, context: int | str, arch: str | None,
+           **kwargs: Any) -> Probe:
+    """`fits`, with the room a fitting run left: the card's memory less the context and the run's
+    peak allocated memory (`vram.estimate.search.Probe`; not reserved memory, which stops growing
+    once the allocator frees its cache and retries near the card's size)."""
     kw = dict(step=None, optimizer="adam", loss=None, amp=None, checkpoint=False, grad_accum=1,
               iterations=3, conf=None, parallel=None)
     unknown = set(kwargs) - set(kw)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     kw.update(kwargs)
-    run = _run(model, example_inputs, gpu=resolve_gpu(gpu, arch), context=parse_size(context, "context"),
-               keep=False, **kw)  # type: ignore[arg-type]
-    return run.oom is None
+    card, ctx = resolve_gpu(gpu, arch), parse_size(context, "context")
+    run = _run(model, example_inputs, gpu=card, context=ctx, keep=False, **kw)  # type: ignore[arg-type]
+    if run.oom is not None:
+        return Probe(False)
+    return Probe(True, card.total_memory - ctx - run.peak_allocated)
 
 
 def max_batch(model: Any, make_inputs: Callable[[int], Any], *, gpu: int | str = "80GiB",
@@ -334,49 +347,14 @@ def max_batch(model: Any, make_inputs: Callable[[int], Any], *, gpu: int | str =
               **kwargs: Any) -> int:
     """The largest batch size b for which ``make_inputs(b)`` trains `iterations` steps without OOM.
 
-    Real simulated runs (`fits`), no extrapolation: b = 1, 2, 4, … until one fails, then bisection
-    between the last success and the first failure — about 2·log2(b) runs of `iterations` steps
-    (a failing run stops at its OOM). Returns 0 when batch 1 does not fit, `limit` when it fits.
+    Real simulated runs (`fits`), no extrapolation: the answer fits and the batch after it does
+    not. Which batches are run is guided by the room each fitting run left (`search_largest`):
+    typically 4–6 runs of `iterations` steps (a failing run stops at its OOM), never more than
+    `vram.estimate.search.GUESSES` beyond doubling and bisection's ~2·log2(b). Returns 0 when batch
+    1 does not fit, `limit` when it fits.
     `kwargs` are `estimate`'s (optimizer, amp, checkpoint, …). Fitting is assumed monotonic in the
     batch size, which allocator rounding can break by a few samples near the boundary. `progress`:
     see `search_largest`.
     """
-    return search_largest(lambda b: fits(model, make_inputs(b), gpu=gpu, context=context, arch=arch, **kwargs),
+    return search_largest(lambda b: _probe(model, make_inputs(b), gpu=gpu, context=context, arch=arch, **kwargs),
                           limit, progress)
-
-
-def search_largest(ok: Callable[[int], bool], limit: int = 1 << 20, progress: Any = None) -> int:
-    """The largest b in 1..`limit` with ``ok(b)`` (0 if none): doubling, then bisection. With
-    `progress` (a text stream, as ``sys.stderr``), one line per simulated run: its batch, whether
-    it fits, and the time so far."""
-    if progress is not None:
-        ok = _reporting(ok, progress)
-    if not ok(1):
-        return 0
-    lo = 1
-    while True:
-        hi = min(lo * 2, limit)
-        if hi == lo:
-            return lo
-        if not ok(hi):
-            break
-        lo = hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def _reporting(ok: Callable[[int], bool], stream: Any) -> Callable[[int], bool]:
-    start, runs = time.perf_counter(), [0]
-
-    def probe(b: int) -> bool:
-        fit = ok(b)
-        runs[0] += 1
-        print(f"max-batch: run {runs[0]}, batch {b} {'fits' if fit else 'does not fit'} "
-              f"({time.perf_counter() - start:.1f} s)", file=stream, flush=True)
-        return fit
-    return probe

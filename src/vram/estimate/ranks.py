@@ -32,9 +32,10 @@ def _inputs(config: dict[str, Any], batch: int | None) -> Any:
 
 def answer(config: dict[str, Any], rank: int) -> dict[str, Any]:
     """What this rank was asked (see the module doc)."""
-    from .engine import estimate, fits, search_largest
+    from .engine import estimate, fits
     from .layout import Layout, RankPlan
     from .model import load_factory
+    from .search import search_largest
 
     if config["cwd"] not in sys.path:
         sys.path.insert(0, config["cwd"])
