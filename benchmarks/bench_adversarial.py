@@ -220,11 +220,11 @@ def case_equal_str_keys(scale: int) -> bytes:
 
 
 def case_recorded_ooms(scale: int) -> bytes:
-    """A 1 GiB tensor, then 10k recorded OOMs of 8 GiB (a script retrying): with expandable
+    """A 256 MiB tensor, then 8k recorded OOMs of 8 GiB (a script retrying): with expandable
     segments each leaves a reserved range behind, which every later search walked."""
-    trace = [_alloc(0, 0x7F0000000000, 1 << 30)]
+    trace = [_alloc(0, 0x7F0000000000, 256 * MiB)]
     trace += [{"action": "oom", "device_free": 512 * MiB, "size": 8 << 30, "stream": 0, "time_us": k + 1}
-              for k in range(10_000 * scale)]
+              for k in range(4_000 * scale)]
     return pickle.dumps({"segments": [], "device_traces": [trace]})
 
 
@@ -252,14 +252,14 @@ CASES: dict[str, tuple[Callable[[int], bytes], list[str]]] = {
     "tuple key of 2**30 leaves from memo fetches": (case_tuple_dag_key, ["replay", "--verify"]),
     "{n} int keys sharing one hash": (case_int_key_flood, ["replay", "--verify"]),
     "a 1 MB str key set again {n} times": (case_equal_str_keys, ["replay", "--verify"]),
-    "{n} recorded OOMs, expandable segments": (case_recorded_ooms, ["replay", "--gpu", "4GiB", "--conf",
+    "{n} recorded OOMs, expandable segments": (case_recorded_ooms, ["replay", "--gpu", "1GiB", "--conf",
                                                                      "expandable_segments:True"]),
 }
 COUNTS = {"case_shared_entry": 1_500_000, "case_memo_fallback_bomb": 10_000_000, "case_json_bomb": 5_000_000,
           "case_reserved_peaks": 40_000, "case_many_streams_peaks": 12_500, "case_rewind_segments": 50_000,
           "case_held_back_frees": 10_000, "case_shared_stack": 10_000, "case_export_shared_trace": 200_000,
           "case_synthetic_window": 50_000, "case_int_key_flood": 40_000, "case_equal_str_keys": 200_000,
-          "case_recorded_ooms": 10_000}
+          "case_recorded_ooms": 4_000}
 FILES = {  # cases that are paths, not built bytes
     "/dev/zero": ("/dev/zero", ["replay"]),
     "sparse 3 GiB file": ("{sparse}", ["replay"]),

@@ -101,13 +101,12 @@ def check_key(obj: Any) -> None:
         raise pickle.UnpicklingError(refusal(kind))
 
 
-def scan(data: bytes) -> tuple[int, int, int]:
-    """(`OK` | `REFUSED` | `UNMODELLED`, byte offset, `Kind`) for a pickle (see the module doc):
-    in C where the C core is built, else `scan_python`."""
+def scan(data: bytes) -> tuple[int, int, int] | None:
+    """(`OK` | `REFUSED` | `UNMODELLED`, byte offset, `Kind`) for a pickle (see the module doc), in
+    C; None where the C core is not used (`scan_python` takes as long as the pure-Python
+    unpickler, which then decodes the file instead)."""
     module = ccore.loaded()
-    if module is not None:
-        return module.pickle_keys(data)
-    return scan_python(data)
+    return None if module is None else module.pickle_keys(data)
 
 
 _LEN = {0x8C: 1, 0x58: 4, 0x8D: 8, 0x55: 1, 0x54: -4, 0x43: 1, 0x42: 4, 0x8E: 8, 0x96: 8, 0x8A: 1, 0x8B: -4}
@@ -140,10 +139,51 @@ def _sized(op: int, arg: bytes) -> Kind | None:
     return Kind.KEY if -HASH_MODULUS < value < HASH_MODULUS else Kind.BIG_INT
 
 
+_STOP_HERE = -1  # `_marked` / `_memo`: the C unpickler fails at this opcode (unmodelled from here)
+_MARKED_PUSH = {0x74: Kind.TUPLE, 0x6C: Kind.LIST, 0x64: Kind.DICT, 0x91: Kind.FROZENSET}
+
+
+def _marked(op: int, stack: list[int], marks: list[int]) -> int | None:
+    """POP_MARK, TUPLE, LIST, DICT, FROZENSET, APPENDS, SETITEMS, ADDITEMS (``marker`` pops the
+    mark first): None when done, the `Kind` of a refused key, or `_STOP_HERE`."""
+    if not marks:
+        return _STOP_HERE
+    mark = marks.pop()
+    items = stack[mark:]
+    fence = marks[-1] if marks else 0
+    if op in (0x65, 0x75, 0x90):  # APPENDS, SETITEMS, ADDITEMS: the target below the mark
+        if mark <= fence or items and (stack[mark - 1] != _TARGET[op] or op == 0x75 and len(items) % 2):
+            return _STOP_HERE
+    elif op == 0x64 and len(items) % 2:  # DICT
+        return _STOP_HERE
+    if op in (0x64, 0x75, 0x91, 0x90):
+        bad = next((k for k in items[::2 if op in (0x64, 0x75) else 1] if k != Kind.KEY), None)
+        if bad is not None:
+            return bad
+    del stack[mark:]
+    if op in _MARKED_PUSH:
+        stack.append(_MARKED_PUSH[op])
+    return None
+
+
+def _memo(op: int, idx: int, stack: list[int], memo: dict[int, int], fence: int, n: int) -> bool:
+    """BINGET, LONG_BINGET, BINPUT, LONG_BINPUT, MEMOIZE (`idx` its count of entries, as the C
+    memo_len); False where the C unpickler fails (or the index is larger than the file)."""
+    if op in (0x68, 0x6A):
+        if idx not in memo:
+            return False
+        stack.append(memo[idx])
+        return True
+    if len(stack) <= fence or idx > n:
+        return False
+    memo[idx] = stack[-1]
+    return True
+
+
 def scan_python(data: bytes) -> tuple[int, int, int]:  # noqa: C901 - one opcode per branch, as _pickle.c's load
-    """`scan` in Python: the reference for ``_ccore.pickle_keys`` (and its stand-in where the C
-    core is not built). Rules per opcode: Modules/_pickle.c (3.11), ``load`` and the ``load_*``
-    it dispatches to; ``fence`` is the stack length at the last MARK, below which nothing pops."""
+    """`scan` in Python: the reference for ``_ccore.pickle_keys``. Rules per opcode:
+    Modules/_pickle.c (3.11), ``load`` and the ``load_*`` it dispatches to; ``fence`` is the
+    stack length at the last MARK, below which nothing pops."""
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[int, int] = {}
@@ -172,24 +212,14 @@ def scan_python(data: bytes) -> tuple[int, int, int]:  # noqa: C901 - one opcode
             marks.append(len(stack))
         elif op == 0x2E:  # STOP
             return OK, at, Kind.KEY
-        elif op in (0x68, 0x6A, 0x71, 0x72):  # BINGET, LONG_BINGET, BINPUT, LONG_BINPUT
-            width = 1 if op in (0x68, 0x71) else 4
+        elif op in (0x68, 0x6A, 0x71, 0x72, 0x94):  # BINGET, LONG_BINGET, BINPUT, LONG_BINPUT, MEMOIZE
+            width = 0 if op == 0x94 else 1 if op in (0x68, 0x71) else 4
             if pos + width > n:
                 break
-            idx = int.from_bytes(data[pos:pos + width], "little")
+            idx = len(memo) if op == 0x94 else int.from_bytes(data[pos:pos + width], "little")
             pos += width
-            if op in (0x68, 0x6A):
-                if idx not in memo:
-                    break
-                stack.append(memo[idx])
-            elif len(stack) <= fence or idx > n:
+            if not _memo(op, idx, stack, memo, fence, n):
                 break
-            else:
-                memo[idx] = stack[-1]
-        elif op == 0x94:  # MEMOIZE: at the count of entries stored (the C memo_len)
-            if len(stack) <= fence or len(memo) > n:
-                break
-            memo[len(memo)] = stack[-1]
         elif op == 0x32:  # DUP
             if len(stack) <= fence:
                 break
@@ -215,24 +245,11 @@ def scan_python(data: bytes) -> tuple[int, int, int]:  # noqa: C901 - one opcode
                 return REFUSED, at, stack[x]
             del stack[x:]
         elif op in (0x31, 0x74, 0x6C, 0x64, 0x91, 0x65, 0x75, 0x90):  # the ops that pop a MARK
-            if not marks:
+            got = _marked(op, stack, marks)
+            if got == _STOP_HERE:
                 break
-            mark = marks.pop()
-            items = stack[mark:]
-            fence = marks[-1] if marks else 0
-            if op in (0x65, 0x75, 0x90):  # APPENDS, SETITEMS, ADDITEMS: the target below the mark
-                if mark <= fence or items and (stack[mark - 1] != _TARGET[op] or op == 0x75 and len(items) % 2):
-                    break
-            elif op == 0x64 and len(items) % 2:  # DICT
-                break
-            step = 2 if op in (0x64, 0x75) else 1
-            if op in (0x64, 0x75, 0x91, 0x90):
-                bad = next((k for k in items[::step] if k != Kind.KEY), None)
-                if bad is not None:
-                    return REFUSED, at, bad
-            del stack[mark:]
-            if op in (0x74, 0x6C, 0x64, 0x91):  # TUPLE, LIST, DICT, FROZENSET
-                stack.append({0x74: Kind.TUPLE, 0x6C: Kind.LIST, 0x64: Kind.DICT, 0x91: Kind.FROZENSET}[op])
+            if got is not None:
+                return REFUSED, at, got
         elif op == 0x80:  # PROTO
             if pos >= n or data[pos] > pickle.HIGHEST_PROTOCOL:
                 break
@@ -242,4 +259,3 @@ def scan_python(data: bytes) -> tuple[int, int, int]:  # noqa: C901 - one opcode
         else:  # text opcodes, calls and objects, buffers, extensions, persistent ids, unknown
             break
     return UNMODELLED, min(pos, n), Kind.KEY
-

@@ -13,8 +13,9 @@ opcode is refused):
   to hash from a 200-byte file, or overflow the C stack; ints can be made to share one hash).
   The pure-Python unpickler checks every key and member before hashing it (`check_key`). The C
   unpickler cannot be told to, so the file's opcodes are checked first (`pickle_keys.scan`, in
-  time linear in the file): a bad key is refused there, with its byte offset and opcode; a file
-  the scan does not follow exactly goes to the pure-Python unpickler.
+  C, in time linear in the file): a bad key is refused there, with its byte offset and opcode; a
+  file the scan does not follow exactly, or any file where the C core is not built, goes to the
+  pure-Python unpickler.
 * **Messages that say what is wrong with the file**: the pure-Python unpickler, which decides
   whenever the C one fails, names the byte offset and opcode (``corrupt pickle at byte 40:
   0xef is not a pickle opcode``, ``truncated: the file ends inside the pickle``).
@@ -272,7 +273,7 @@ def decode_pickle(data: bytes) -> Any:
     got = None
     if C_UNPICKLER and not (copyreg._extension_registry  # type: ignore[attr-defined]
                             or copyreg._extension_cache):  # type: ignore[attr-defined]
-        verdict, offset, kind = pickle_keys.scan(data)
+        verdict, offset, kind = pickle_keys.scan(data) or (pickle_keys.UNMODELLED, 0, 0)
         if verdict == pickle_keys.REFUSED:
             raise Invalid(f"corrupt pickle at byte {offset:,} ({_OPNAMES[data[offset]]}): "
                           f"{pickle_keys.refusal(pickle_keys.Kind(kind))}")
