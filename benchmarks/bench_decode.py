@@ -4,8 +4,9 @@ this checkout against a baseline revision, alternating, with the ratio per pair.
 Run: ``python3 benchmarks/bench_decode.py [--baseline REV] [--pairs N] [FILE ...]`` (default: the
 previous commit, 20 pairs, the largest real recording). Each side decodes in its own process
 (its own ``src``, the garbage collector paused as the loader pauses it), one decode per round,
-old and new taking turns to go first; printed: the median of each side and of the new/old
-ratios, and their spread.
+old and new taking turns to go first, timed in CPU seconds of the decoding process (a shared
+machine's other work moves wall time far more); printed: the median of each side and of the
+new/old ratios, and their spread.
 """
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ data = open(sys.argv[2], "rb").read()
 decode_pickle(data)  # warm: imports, the C core loaded
 for line in sys.stdin:
     with gc_paused():
-        t = time.perf_counter()
+        t = time.process_time()
         obj = decode_pickle(data)
-        dt = time.perf_counter() - t
+        dt = time.process_time() - t
     del obj
     print(dt, flush=True)
 """

@@ -1433,6 +1433,13 @@ enum { PK_OK = 0, PK_REFUSED = 1, PK_UNMODELLED = 2 };
 enum { PK_KEY = 0, PK_TUPLE, PK_FLOAT, PK_BIG_INT, PK_LONG_STR, PK_LONG_BYTES, PK_FROZENSET, PK_LIST, PK_DICT,
        PK_SET, PK_BYTEARRAY };
 #define PK_MAX_KEY_CHARS 256  /* pickle_keys.MAX_KEY_CHARS */
+#if defined(__GNUC__)
+#define PK_LIKELY(x) __builtin_expect(!!(x), 1)
+#define PK_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#define PK_LIKELY(x) (x)
+#define PK_UNLIKELY(x) (x)
+#endif
 #define PK_HASH_MODULUS ((1LL << 61) - 1)
 
 static int pk_grow(Py_ssize_t **v, size_t *cap, size_t need) {
@@ -1524,7 +1531,7 @@ static PyObject *pickle_keys(PyObject *self, PyObject *arg) {
          * first, outside the switch, whose one indirect jump mispredicts on their mix */
         if ((op | 2) == 0x6A) {  /* without a branch on which of the two it is */
             size_t long_get = op == 0x6A, width = 1 + 3 * long_get, idx;
-            if (pos + 4 <= n) {
+            if (PK_LIKELY(pos + 4 <= n)) {
                 uint32_t word;
                 memcpy(&word, d + pos, 4);
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
@@ -1534,8 +1541,9 @@ static PyObject *pickle_keys(PyObject *self, PyObject *arg) {
             } else if (pos + width <= n) idx = (size_t)pk_le(d + pos, (int)width);
             else goto out;
             pos += width;
-            if (idx > n || !memo[idx]) goto out;
-            stack[sp++] = memo[idx] - 1;
+            unsigned char got = PK_LIKELY(idx <= n) ? memo[idx] : 0;
+            if (PK_UNLIKELY(!got)) goto out;
+            stack[sp++] = got - 1;
             continue;
         }
         switch (op) {
