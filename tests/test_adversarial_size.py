@@ -276,3 +276,26 @@ def test_recorded_ooms_with_expandable_segments_stay_linear() -> None:
     # PyTorch's: each OOM reserves two ranges, for the first try and for the one after emptying the cache
     assert len(r.allocator.expandable_segments) == 1 + 2 * 400
     assert work[1] < 5 * work[0], work  # 4x the OOMs; quadratic work was ~14x
+
+
+def test_reserved_ranges_answer_as_a_walk_over_all_of_them() -> None:
+    """`ReservedRanges.holding` / `first_inside` (binary searches) against the walks they replace."""
+    import random
+
+    from vram.devices.simulated import ReservedRanges
+
+    rng = random.Random(5)
+    ranges = ReservedRanges()
+    for _ in range(300):
+        base = rng.randrange(0, 1 << 20) * 4096
+        if rng.random() < 0.3 and ranges:
+            del ranges[rng.choice(list(ranges))]
+        elif not any(b <= base < b + s for b, s in ranges.items()):
+            above = min((b for b in ranges if b > base), default=base + (1 << 32))
+            ranges[base] = rng.randrange(1, min(above - base, 1 << 24) + 1)
+        for _ in range(5):
+            ptr, size = rng.randrange(0, 1 << 33), rng.randrange(1, 1 << 22)
+            want = max((b for b, s in ranges.items() if b <= ptr and ptr + size <= b + s), default=None)
+            assert ranges.holding(ptr, size) == want
+            lo, hi = ptr, ptr + rng.randrange(1, 1 << 30)
+            assert ranges.first_inside(lo, hi) == min((b for b in ranges if lo < b < hi), default=None)
