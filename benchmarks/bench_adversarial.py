@@ -192,6 +192,42 @@ def case_terminal_escapes(scale: int) -> bytes:
     return pickle.dumps({"segments": [], "device_traces": [trace]})
 
 
+def _settings(items: bytes) -> bytes:
+    """A snapshot whose allocator_settings dict is built by the raw opcodes `items` (on the dict)."""
+    return snapshot_opcodes()[:-2] + short_str("allocator_settings") + b"}" + items + b"u."
+
+
+def case_tuple_dag_key(scale: int) -> bytes:
+    """allocator_settings = {t30: 1}, t0 = ("x",), t(k+1) = (t(k), t(k)) put in the memo and fetched
+    back: 2**30 leaves in ~200 bytes, which hashing walks one by one (about 60 s)."""
+    out = short_str("x") + b"\x85q\x00"
+    for k in range(30):
+        out += b"h" + bytes([k]) + b"\x86q" + bytes([k + 1])
+    return _settings(out + b"K\x01s")
+
+
+def case_int_key_flood(scale: int) -> bytes:
+    """40k distinct int keys k * (2**61 - 1): all hash to 0, so each insertion compares with all before."""
+    p = (1 << 61) - 1
+    keys = b"".join(pickle.dumps(k * p, protocol=4)[2:-1] + b"N" for k in range(1, 40_000 * scale + 1))
+    return _settings(b"(" + keys + b"u")
+
+
+def case_equal_str_keys(scale: int) -> bytes:
+    """A 1 MB str key, then an equal but distinct str set 200k times: each compares all 1 MB."""
+    big = b"X" + (1 << 20).to_bytes(4, "little") + b"s" * (1 << 20)
+    return _settings(big + b"q\x00Ns" + big + b"q\x01Ns" + b"h\x01Ns" * (200_000 * scale))
+
+
+def case_recorded_ooms(scale: int) -> bytes:
+    """A 256 MiB tensor, then 8k recorded OOMs of 8 GiB (a script retrying): with expandable
+    segments each leaves a reserved range behind, which every later search walked."""
+    trace = [_alloc(0, 0x7F0000000000, 256 * MiB)]
+    trace += [{"action": "oom", "device_free": 512 * MiB, "size": 8 << 30, "stream": 0, "time_us": k + 1}
+              for k in range(4_000 * scale)]
+    return pickle.dumps({"segments": [], "device_traces": [trace]})
+
+
 #: name ({n}: the count at scale 1, times the scale) -> (builder, vram arguments)
 CASES: dict[str, tuple[Callable[[int], bytes], list[str]]] = {
     "deep tuple key 200k (settings)": (case_deep_key_settings, ["replay", "--verify"]),
@@ -213,11 +249,17 @@ CASES: dict[str, tuple[Callable[[int], bytes], list[str]]] = {
     "export: 1,000 refs to a {n}-entry trace": (case_export_shared_trace, ["export", "-o", "{out}"]),
     "{n} segments inside the synthetic address window": (case_synthetic_window, ["replay", "--verify"]),
     "terminal escapes in an OOM stack": (case_terminal_escapes, ["replay", "--gpu", "1GiB"]),
+    "tuple key of 2**30 leaves from memo fetches": (case_tuple_dag_key, ["replay", "--verify"]),
+    "{n} int keys sharing one hash": (case_int_key_flood, ["replay", "--verify"]),
+    "a 1 MB str key set again {n} times": (case_equal_str_keys, ["replay", "--verify"]),
+    "{n} recorded OOMs, expandable segments": (case_recorded_ooms, ["replay", "--gpu", "1GiB", "--conf",
+                                                                     "expandable_segments:True"]),
 }
 COUNTS = {"case_shared_entry": 1_500_000, "case_memo_fallback_bomb": 10_000_000, "case_json_bomb": 5_000_000,
           "case_reserved_peaks": 40_000, "case_many_streams_peaks": 12_500, "case_rewind_segments": 50_000,
           "case_held_back_frees": 10_000, "case_shared_stack": 10_000, "case_export_shared_trace": 200_000,
-          "case_synthetic_window": 50_000}
+          "case_synthetic_window": 50_000, "case_int_key_flood": 40_000, "case_equal_str_keys": 200_000,
+          "case_recorded_ooms": 4_000}
 FILES = {  # cases that are paths, not built bytes
     "/dev/zero": ("/dev/zero", ["replay"]),
     "sparse 3 GiB file": ("{sparse}", ["replay"]),

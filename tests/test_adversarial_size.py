@@ -224,3 +224,78 @@ def test_every_state_vrams_allocator_reaches_passes_the_checks(conf: str) -> Non
     if "expandable" not in conf:  # rewinding expandable segments is not supported yet
         v = replay(settled, verify=True, gpu="4GiB").verification
         assert v is not None and v["final_blocks"]["matched"] == v["final_blocks"]["total"] > 10
+
+
+def _lines_run(fn: Any) -> int:
+    """How many lines of vram's own code `fn()` executes: a measure of work that no load on the
+    machine changes (loops inside C builtins such as ``bisect`` count as one line)."""
+    count = 0
+    src = str(Path(__file__).resolve().parents[1] / "src")
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        if not frame.f_code.co_filename.startswith(src):
+            return None
+        if event == "line":
+            count += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def _oom_trace(n: int) -> dict[str, Any]:
+    """A 1 GiB tensor, then `n` recorded OOMs of 8 GiB requests (a script retrying in a loop)."""
+    big = 8 << 30
+    trace = [entry(addr=BASE, size=1 << 30, t=0)]
+    trace += [entry("oom", 0, big, k + 1, device_free=512 * MiB) for k in range(n)]
+    for e in trace[1:]:
+        del e["addr"]
+    return load_snapshot(snap(trace=trace))
+
+
+def test_recorded_ooms_with_expandable_segments_stay_linear() -> None:
+    """With expandable segments, each request larger than any reserved range reserves a new one
+    (``find_expandable_block``; it is never given back while unmapped), so every OOM of a run of
+    them left one more range behind: searching those ranges for room and finding the range
+    holding an address walked all of them, each time (a 720 KB trace of 20,000 OOMs took
+    ``vram explain`` past 300 s). Same results; the work per OOM no longer grows with their number."""
+    small, large = _oom_trace(100), _oom_trace(400)
+    results = []
+
+    def run(loaded: dict[str, Any]) -> None:
+        results.append(replay(loaded, gpu="4GiB", conf="expandable_segments:True"))
+
+    work = [_lines_run(lambda: run(small)), _lines_run(lambda: run(large))]
+    r = results[-1]
+    assert r.ooms == 400 and r.peak_reserved == 52 * 20 * MiB  # 1 GiB in whole 20 MiB pages (spec §14)
+    # PyTorch's: each OOM reserves two ranges, for the first try and for the one after emptying the cache
+    assert len(r.allocator.expandable_segments) == 1 + 2 * 400
+    assert work[1] < 5 * work[0], work  # 4x the OOMs; quadratic work was ~14x
+
+
+def test_reserved_ranges_answer_as_a_walk_over_all_of_them() -> None:
+    """`ReservedRanges.holding` / `first_inside` (binary searches) against the walks they replace."""
+    import random
+
+    from vram.devices.simulated import ReservedRanges
+
+    rng = random.Random(5)
+    ranges = ReservedRanges()
+    for _ in range(300):
+        base = rng.randrange(0, 1 << 20) * 4096
+        if rng.random() < 0.3 and ranges:
+            del ranges[rng.choice(list(ranges))]
+        elif not any(b <= base < b + s for b, s in ranges.items()):
+            above = min((b for b in ranges if b > base), default=base + (1 << 32))
+            ranges[base] = rng.randrange(1, min(above - base, 1 << 24) + 1)
+        for _ in range(5):
+            ptr, size = rng.randrange(0, 1 << 33), rng.randrange(1, 1 << 22)
+            want = max((b for b, s in ranges.items() if b <= ptr and ptr + size <= b + s), default=None)
+            assert ranges.holding(ptr, size) == want
+            lo, hi = ptr, ptr + rng.randrange(1, 1 << 30)
+            assert ranges.first_inside(lo, hi) == min((b for b in ranges if lo < b < hi), default=None)

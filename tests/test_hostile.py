@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from vram.cli.commands import main
+from vram.replay import safe_pickle
 from vram.replay.engine import replay
 from vram.replay.loader import SnapshotError, load_snapshot
 
@@ -45,7 +46,7 @@ import sys
 from vram.replay import safe_pickle
 from vram.replay.loader import SnapshotError, load_snapshot
 if sys.argv[1] == "pure":
-    safe_pickle.MAX_STACK = 0  # no C unpickler: the pure-Python one must be safe on its own
+    safe_pickle.C_UNPICKLER = False  # no C unpickler: the pure-Python one must be safe on its own
 for path in sys.argv[2:]:
     try:
         load_snapshot(path)
@@ -83,6 +84,38 @@ def test_deep_tuples_as_keys_or_members_never_crash(tmp_path: Path, path: str) -
     for line, p in zip(lines, paths):
         assert line.startswith(f"refused {p}: "), line
         assert "recursion" not in line.lower(), line
+
+
+def _tuple_dag(levels: int) -> bytes:
+    """t0 = ("x",), t(k+1) = (t(k), t(k)), each level put in the memo and fetched back."""
+    out = short_str("x") + b"\x85q\x00"
+    for k in range(levels):
+        out += b"h" + bytes([k]) + b"\x86q" + bytes([k + 1])
+    return out
+
+
+@pytest.mark.parametrize("c_unpickler", [True, False])
+def test_keys_that_take_long_to_hash_or_compare_are_refused(c_unpickler: bool, monkeypatch: Any) -> None:
+    """Keys whose hash or comparison costs more than the file justifies, refused where they would
+    be hashed (the byte and opcode named), by both unpicklers: a tuple of 2**22 leaves built from
+    memo fetches (at 2**30, 200 bytes took a minute to hash), ints that all hash to 0 (each
+    insertion compared with every key before it: 34 s for 880 KB), and an equal but distinct long
+    str set again and again (compared byte by byte each time). CPython's hashes: tuplehash walks
+    every leaf; an int's hash is its value modulo 2**61 - 1 (sys.hash_info)."""
+    monkeypatch.setattr(safe_pickle, "C_UNPICKLER", c_unpickler)
+    p = (1 << 61) - 1
+    big = b"X" + (5000).to_bytes(4, "little") + b"s" * 5000
+    cases = {
+        _tuple_dag(22) + b"K\x01s": "(SETITEM): a dict key or set member is a tuple (snapshot keys are strings",
+        short_str("x") + b"(" + _tuple_dag(22) + b"\x91s": "(FROZENSET): a dict key or set member is a tuple",
+        b"(" + b"".join(pickle.dumps(k * p, protocol=4)[2:-1] + b"N" for k in range(1, 500)) + b"u":
+            "(SETITEMS): a dict key or set member is an int of 2**61 - 1 or more in size",
+        big + b"q\x00Ns" + big + b"q\x01Ns" + b"h\x01Ns" * 100:
+            "(SETITEM): a dict key or set member is a str longer than 256 characters",
+    }
+    for settings, needle in cases.items():
+        data = snapshot_opcodes()[:-2] + short_str("allocator_settings") + b"}" + settings + b"u."
+        reject(data, "corrupt pickle at byte ", needle)
 
 
 def test_deep_json_and_deep_lists_are_refused_cleanly() -> None:
@@ -123,10 +156,8 @@ def test_values_are_described_without_building_their_repr(edit: Any, needle: str
 
 def test_settings_and_actions_are_described_briefly() -> None:
     reject(snap(allocator_settings={"x": 1, _shared_bomb().__len__(): 2}), "allocator_settings has a non-str key (10)")
-    key: Any = (0,)
-    for _ in range(20):
-        key = (key,)
-    reject(snap(allocator_settings={key: 1}), "allocator_settings has a non-str key (a tuple of 1 item)")
+    reject(snap(allocator_settings={"x": 1, (1, 2): 2}),
+           "(SETITEMS): a dict key or set member is a tuple (snapshot keys are strings")
     reject(snap(trace=[entry(action="x" * 10_000)]), "device_traces[0][0].action is not a short non-empty str",
            "'xxxxxxxx")
 
@@ -198,7 +229,7 @@ from vram.replay import safe_pickle
 from vram.replay.loader import SnapshotError, load_snapshot
 safe_pickle.MEMORY_FACTOR, safe_pickle.MEMORY_BASE = 4, 16 << 20
 if sys.argv[1] == "pure":
-    safe_pickle.MAX_STACK = 0
+    safe_pickle.C_UNPICKLER = False
 if sys.argv[1] == "ram":  # a machine with less memory left than the proportional cap
     safe_pickle.MEMORY_FACTOR = 1000
     safe_pickle.available_memory = lambda: 24 << 20

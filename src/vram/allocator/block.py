@@ -167,7 +167,8 @@ class BlockPool:
     and the unmapped pieces of expandable segments ordered by (stream, address)."""
 
     __slots__ = ("keys", "blocks", "is_small", "get_free_blocks_call_count", "unmapped_keys",
-                 "unmapped", "stat_index", "name", "owner", "pool_id", "trace_id", "no_split")
+                 "unmapped", "stat_index", "name", "owner", "pool_id", "trace_id", "no_split",
+                 "largest_expandable")
 
     def __init__(self, is_small: bool, owner: Any = None, pool_id: tuple[int, int] = (0, 0)) -> None:
         self.is_small = is_small
@@ -185,6 +186,9 @@ class BlockPool:
         self.get_free_blocks_call_count = 0
         self.unmapped_keys = SortedKeys()  # (stream << 128 | ptr)
         self.unmapped: dict[int, Block] = {}
+        #: the size of the largest expandable segment any unmapped block ever came from: no
+        #: search from an unmapped block finds more room than that (a segment's blocks tile its range)
+        self.largest_expandable = 0
 
     def insert(self, block: Block) -> None:
         """Insert a free block; its GC age clock restarts now (spec §12)."""
@@ -213,6 +217,9 @@ class BlockPool:
         key = block.key = (block.stream << STREAM_SHIFT) | block.ptr
         self.unmapped_keys.add(key)
         self.unmapped[key] = block
+        room = block.expandable_segment.size
+        if room > self.largest_expandable:
+            self.largest_expandable = room
 
     def remove_unmapped(self, block: Block) -> None:
         key = block.key

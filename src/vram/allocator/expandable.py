@@ -121,15 +121,19 @@ class ExpandableSegmentsMixin:
 
     def _find_expandable_block(self, pool: BlockPool, stream: int, size: int) -> Block:
         """The first unmapped block of this stream (address order) that, with the free mapped block
-        before it and whatever free/unmapped space follows, holds `size`; else a new segment's range."""
-        for key in pool.unmapped_keys.irange_from(stream << STREAM_SHIFT):
-            if key >> STREAM_SHIFT != stream:
-                break
-            c = pool.unmapped[key]
-            if _allocatable(c.prev):
-                c = c.prev  # type: ignore[assignment]
-            if _has_space(c, size):
-                return c
+        before it and whatever free/unmapped space follows, holds `size`; else a new segment's range.
+        The room found never crosses a segment's end, so when `size` is more than the largest
+        segment the search would fail on every block: it is skipped (the same answer, without a
+        walk over the unmapped range each earlier such request left behind)."""
+        if size <= pool.largest_expandable:
+            for key in pool.unmapped_keys.irange_from(stream << STREAM_SHIFT):
+                if key >> STREAM_SHIFT != stream:
+                    break
+                c = pool.unmapped[key]
+                if _allocatable(c.prev):
+                    c = c.prev  # type: ignore[assignment]
+                if _has_space(c, size):
+                    return c
         page = K_SMALL_BUFFER if pool.is_small else self.config.large_segment_size
         es = ExpandableSegment(self.device, stream, page)
         self.expandable_segments.append(es)

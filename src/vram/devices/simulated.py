@@ -117,6 +117,43 @@ class VirtualAddressSpace:
         return self._ranges.get(base)
 
 
+class ReservedRanges(dict[int, int]):
+    """Reserved virtual ranges, base -> size, with the bases also kept in order: the range holding
+    an address is a binary search, not a walk over every range (with expandable segments, each
+    request larger than any range left reserves one, so a run of OOMs reserves thousands)."""
+
+    __slots__ = ("_bases",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bases: list[int] = []
+
+    def __setitem__(self, base: int, size: int) -> None:
+        if base not in self:
+            bisect.insort(self._bases, base)
+        super().__setitem__(base, size)
+
+    def __delitem__(self, base: int) -> None:
+        super().__delitem__(base)
+        del self._bases[bisect.bisect_left(self._bases, base)]
+
+    def holding(self, ptr: int, size: int = 1) -> int | None:
+        """The highest base at or below `ptr` whose range holds [ptr, ptr+size) (ranges never
+        overlap, so the first one down that does is the only one; the walk down is for safety)."""
+        bases = self._bases
+        for i in range(bisect.bisect_right(bases, ptr) - 1, -1, -1):
+            base = bases[i]
+            if ptr + size <= base + self[base]:
+                return base
+        return None
+
+    def first_inside(self, lo: int, hi: int) -> int | None:
+        """The lowest base strictly between `lo` and `hi`, or None."""
+        bases = self._bases
+        i = bisect.bisect_right(bases, lo)
+        return bases[i] if i < len(bases) and bases[i] < hi else None
+
+
 class SimulatedDevice:
     """A GPU that exists only as numbers: capacity, CUDA context, other processes' memory.
 
@@ -177,7 +214,7 @@ class SimulatedDevice:
         offset = index * DEVICE_VA_STRIDE
         self._va = VirtualAddressSpace(VA_BOTTOM + offset, VA_TOP + offset)
         self._allocations: dict[int, int] = {}  # cudaMalloc base -> size
-        self._reservations: dict[int, int] = {}  # reserved base -> size
+        self._reservations = ReservedRanges()  # reserved base -> size
         self._mapped: dict[int, int] = {}  # reserved base -> bytes mapped in it
         self._pending: dict[int, list[Event]] = {}  # stream -> incomplete events (on_sync model)
 
@@ -253,9 +290,9 @@ class SimulatedDevice:
         return ptr
 
     def _reservation_of(self, ptr: int, size: int) -> int:
-        for base, rsize in self._reservations.items():
-            if base <= ptr and ptr + size <= base + rsize:
-                return base
+        base = self._reservations.holding(ptr, size)
+        if base is not None:
+            return base
         raise ValueError(f"range {ptr:#x}+{size} is not inside a reserved range")
 
     def release(self, ptr: int) -> None:

@@ -140,7 +140,8 @@ class TraceDevice(SimulatedDevice):
     def _cut_around(self, base: int, size: int) -> bool:
         """Make room for a recorded range at `base`: the range below it ends there, and this one
         ends at the next reserved base above; False when a page mapped now lies in the room."""
-        end = min((b for b in self._reservations if base < b < base + size), default=base + size)
+        above = self._reservations.first_inside(base, base + size)
+        end = base + size if above is None else above
         lo, hi = base // _PAGE, -(-end // _PAGE)
         if any(lo <= p < hi for p in self._live_pages):
             return False
@@ -171,11 +172,7 @@ class TraceDevice(SimulatedDevice):
     def _reservation_at(self, ptr: int) -> int | None:
         """The reserved range holding `ptr`: the highest base at or below it (recorded ranges
         from a smaller real GPU may be closer together than this device's reserve size)."""
-        best = None
-        for base, rsize in self._reservations.items():
-            if base <= ptr < base + rsize and (best is None or base > best):
-                best = base
-        return best
+        return self._reservations.holding(ptr)
 
     def _reservation_of(self, ptr: int, size: int) -> int:
         base = self._reservation_at(ptr)

@@ -1424,10 +1424,243 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ pickle keys (pickle_keys.py scan_python)
+ * pickle_keys(data) -> (verdict, offset, kind): the walk of vram/replay/pickle_keys.py scan_python, opcode
+ * for opcode (the rules per opcode are Modules/_pickle.c's load_*): every stack item and memo entry is
+ * only its kind, and a dict key or set member of any kind but PK_KEY is refused where it would be
+ * hashed. Work and memory are linear in the file: one pass, a byte per stack item and memo entry. */
+enum { PK_OK = 0, PK_REFUSED = 1, PK_UNMODELLED = 2 };
+enum { PK_KEY = 0, PK_TUPLE, PK_FLOAT, PK_BIG_INT, PK_LONG_STR, PK_LONG_BYTES, PK_FROZENSET, PK_LIST, PK_DICT,
+       PK_SET, PK_BYTEARRAY };
+#define PK_MAX_KEY_CHARS 256  /* pickle_keys.MAX_KEY_CHARS */
+#if defined(__GNUC__)
+#define PK_LIKELY(x) __builtin_expect(!!(x), 1)
+#define PK_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#define PK_LIKELY(x) (x)
+#define PK_UNLIKELY(x) (x)
+#endif
+#define PK_HASH_MODULUS ((1LL << 61) - 1)
+
+static int pk_grow(Py_ssize_t **v, size_t *cap, size_t need) {
+    if (need <= *cap) return 0;
+    size_t cap2 = *cap ? *cap * 2 : 64;
+    while (cap2 < need) cap2 *= 2;
+    Py_ssize_t *p = PyMem_Realloc(*v, cap2 * sizeof(Py_ssize_t));
+    if (!p) { PyErr_NoMemory(); return -1; }
+    *v = p; *cap = cap2;
+    return 0;
+}
+
+static uint64_t pk_le(const unsigned char *p, int width) {
+    uint64_t x = 0;
+    for (int i = 0; i < width; i++) x |= (uint64_t)p[i] << (8 * i);
+    return x;
+}
+
+/* UTF-8 as CPython decodes it with "surrogatepass" (surrogates allowed): the number of characters, or
+ * -1 where the decoder would fail. */
+static Py_ssize_t pk_utf8_chars(const unsigned char *s, size_t n) {
+    Py_ssize_t chars = 0;
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = s[i];
+        size_t len;
+        uint32_t cp, min;
+        if (c < 0x80) { i++; chars++; continue; }
+        if (c >= 0xC2 && c <= 0xDF) { len = 2; cp = c & 0x1F; min = 0x80; }
+        else if (c >= 0xE0 && c <= 0xEF) { len = 3; cp = c & 0x0F; min = 0x800; }
+        else if (c >= 0xF0 && c <= 0xF4) { len = 4; cp = c & 0x07; min = 0x10000; }
+        else return -1;
+        if (i + len > n) return -1;
+        for (size_t k = 1; k < len; k++) {
+            if ((s[i + k] & 0xC0) != 0x80) return -1;
+            cp = (cp << 6) | (s[i + k] & 0x3F);
+        }
+        if (cp < min || cp > 0x10FFFF) return -1;
+        i += len; chars++;
+    }
+    return chars;
+}
+
+/* The kind a length-prefixed opcode pushes for its `n` argument bytes at `p`; -1 where the C unpickler fails. */
+static int pk_sized(unsigned char op, const unsigned char *p, size_t n) {
+    switch (op) {
+    case 0x8C: case 0x58: case 0x8D: {  /* SHORT_BINUNICODE, BINUNICODE, BINUNICODE8 */
+        Py_ssize_t chars = pk_utf8_chars(p, n);
+        if (chars < 0) return -1;
+        return chars <= PK_MAX_KEY_CHARS ? PK_KEY : PK_LONG_STR;
+    }
+    case 0x55: case 0x54:  /* SHORT_BINSTRING, BINSTRING: ASCII */
+        for (size_t i = 0; i < n; i++) if (p[i] >= 0x80) return -1;
+        return n <= PK_MAX_KEY_CHARS ? PK_KEY : PK_LONG_STR;
+    case 0x43: case 0x42: case 0x8E: return n <= PK_MAX_KEY_CHARS ? PK_KEY : PK_LONG_BYTES;
+    case 0x96: return PK_BYTEARRAY;
+    default: {  /* LONG1, LONG4: little-endian two's complement */
+        if (n == 0) return PK_KEY;
+        int negative = p[n - 1] >= 0x80;
+        if (n > 8) {  /* fits 64 bits only if the rest is sign extension */
+            for (size_t i = 8; i < n; i++) if (p[i] != (negative ? 0xFF : 0x00)) return PK_BIG_INT;
+            if ((p[7] >= 0x80) != negative) return PK_BIG_INT;
+        }
+        size_t w = n < 8 ? n : 8;
+        uint64_t u = pk_le(p, (int)w);
+        if (negative && w < 8) u |= ~0ULL << (8 * w);
+        int64_t v = (int64_t)u;
+        return (v > -PK_HASH_MODULUS && v < PK_HASH_MODULUS) ? PK_KEY : PK_BIG_INT;
+    }
+    }
+}
+
+static PyObject *pickle_keys(PyObject *self, PyObject *arg) {
+    Py_buffer buf;
+    if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *d = buf.buf;
+    size_t n = (size_t)buf.len, pos = 0, at = 0;
+    /* Each item pushed takes an opcode byte and each memo index is at most n (larger: unmodelled),
+     * so both fit in n + 1 bytes; memo: kind + 1 per index, 0 for none. */
+    unsigned char *stack = PyMem_Malloc(n + 1), *memo = PyMem_Calloc(n + 1, 1);
+    Py_ssize_t *marks = NULL;
+    size_t sp = 0, nmarks = 0, marks_cap = 0, memo_len = 0, fence = 0;
+    int verdict = PK_UNMODELLED, kind = PK_KEY, failed = 0;
+    if (!stack || !memo) { PyErr_NoMemory(); failed = 1; goto out; }
+    while (pos < n) {
+        at = pos;
+        unsigned char op = d[pos++];
+        /* BINGET and LONG_BINGET are most of a snapshot's opcodes (shared strs and frames): tested
+         * first, outside the switch, whose one indirect jump mispredicts on their mix */
+        if ((op | 2) == 0x6A) {  /* without a branch on which of the two it is */
+            size_t long_get = op == 0x6A, width = 1 + 3 * long_get, idx;
+            if (PK_LIKELY(pos + 4 <= n)) {
+                uint32_t word;
+                memcpy(&word, d + pos, 4);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+                word = __builtin_bswap32(word);
+#endif
+                idx = word & (long_get ? 0xFFFFFFFFu : 0xFFu);
+            } else if (pos + width <= n) idx = (size_t)pk_le(d + pos, (int)width);
+            else goto out;
+            pos += width;
+            unsigned char got = PK_LIKELY(idx <= n) ? memo[idx] : 0;
+            if (PK_UNLIKELY(!got)) goto out;
+            stack[sp++] = got - 1;
+            continue;
+        }
+        switch (op) {
+        case 0x71: case 0x72: {  /* BINPUT, LONG_BINPUT */
+            int width = op == 0x71 ? 1 : 4;
+            if (pos + width > n) goto out;
+            uint64_t idx = pk_le(d + pos, width);
+            pos += width;
+            if (sp <= fence || idx > n) goto out;
+            if (!memo[idx]) memo_len++;
+            memo[idx] = stack[sp - 1] + 1;
+            break;
+        }
+        case 0x94:  /* MEMOIZE: at the count of entries stored (memo_len) */
+            if (sp <= fence || memo_len > n) goto out;
+            if (!memo[memo_len]) { memo[memo_len] = stack[sp - 1] + 1; memo_len++; }
+            else memo[memo_len] = stack[sp - 1] + 1;
+            break;
+        case 0x4E: case 0x88: case 0x89: stack[sp++] = PK_KEY; break;  /* NONE, NEWTRUE, NEWFALSE */
+        case 0x5D: stack[sp++] = PK_LIST; break;
+        case 0x7D: stack[sp++] = PK_DICT; break;
+        case 0x29: stack[sp++] = PK_TUPLE; break;
+        case 0x8F: stack[sp++] = PK_SET; break;
+        case 0x4B: pos += 1; stack[sp++] = PK_KEY; break;  /* BININT1 */
+        case 0x4D: pos += 2; stack[sp++] = PK_KEY; break;  /* BININT2 */
+        case 0x4A: pos += 4; stack[sp++] = PK_KEY; break;  /* BININT */
+        case 0x47: pos += 8; stack[sp++] = PK_FLOAT; break;  /* BINFLOAT */
+        case 0x8C: case 0x55: case 0x43: case 0x8A: case 0x58: case 0x54: case 0x42: case 0x8B:
+        case 0x8D: case 0x8E: case 0x96: {
+            int width = (op == 0x8C || op == 0x55 || op == 0x43 || op == 0x8A) ? 1
+                      : (op == 0x58 || op == 0x54 || op == 0x42 || op == 0x8B) ? 4 : 8;
+            if (pos + width > n) goto out;
+            uint64_t size = pk_le(d + pos, width);
+            pos += width;
+            if ((op == 0x54 || op == 0x8B) && (size & 0x80000000ULL)) goto out;  /* a negative count */
+            if (size > n - pos) goto out;
+            int k = pk_sized(op, d + pos, (size_t)size);
+            if (k < 0) goto out;
+            pos += (size_t)size;
+            stack[sp++] = (unsigned char)k;
+            break;
+        }
+        case 0x28:  /* MARK */
+            if (pk_grow(&marks, &marks_cap, nmarks + 1) < 0) { failed = 1; goto out; }
+            marks[nmarks++] = (Py_ssize_t)sp;
+            fence = sp;
+            break;
+        case 0x2E: verdict = PK_OK; goto out;  /* STOP */
+        case 0x32:  /* DUP */
+            if (sp <= fence) goto out;
+            stack[sp] = stack[sp - 1];
+            sp++;
+            break;
+        case 0x30:  /* POP: the mark, if nothing was pushed since it */
+            if (nmarks && (size_t)marks[nmarks - 1] == sp) {
+                nmarks--;
+                fence = nmarks ? (size_t)marks[nmarks - 1] : 0;
+            } else if (sp <= fence) goto out;
+            else sp--;
+            break;
+        case 0x85: case 0x86: case 0x87: {  /* TUPLE1..3 */
+            size_t count = op - 0x84;
+            if (sp < count || sp - count < fence) goto out;
+            sp -= count;
+            stack[sp++] = PK_TUPLE;
+            break;
+        }
+        case 0x61: case 0x73: {  /* APPEND, SETITEM */
+            size_t back = op == 0x61 ? 1 : 2;
+            if (sp < back + 1 || sp - back <= fence) goto out;
+            size_t x = sp - back;
+            if (stack[x - 1] != (op == 0x61 ? PK_LIST : PK_DICT)) goto out;  /* followed on lists and dicts only */
+            if (op == 0x73 && stack[x] != PK_KEY) { verdict = PK_REFUSED; kind = stack[x]; goto out; }
+            sp = x;
+            break;
+        }
+        case 0x31: case 0x74: case 0x6C: case 0x64: case 0x91: case 0x65: case 0x75: case 0x90: {
+            if (!nmarks) goto out;  /* POP_MARK, TUPLE, LIST, DICT, FROZENSET, APPENDS, SETITEMS, ADDITEMS */
+            size_t mark = (size_t)marks[--nmarks], count = sp - mark;
+            fence = nmarks ? (size_t)marks[nmarks - 1] : 0;
+            if (op == 0x65 || op == 0x75 || op == 0x90) {  /* the target below the mark: a list, dict, set */
+                unsigned char target = op == 0x65 ? PK_LIST : op == 0x75 ? PK_DICT : PK_SET;
+                if (mark <= fence || (count && (stack[mark - 1] != target || (op == 0x75 && count % 2)))) goto out;
+            } else if (op == 0x64 && count % 2) goto out;
+            if (op == 0x64 || op == 0x75 || op == 0x91 || op == 0x90) {
+                size_t step = (op == 0x64 || op == 0x75) ? 2 : 1;
+                for (size_t i = mark; i < sp; i += step)
+                    if (stack[i] != PK_KEY) { verdict = PK_REFUSED; kind = stack[i]; goto out; }
+            }
+            sp = mark;
+            if (op == 0x74) stack[sp++] = PK_TUPLE;
+            else if (op == 0x6C) stack[sp++] = PK_LIST;
+            else if (op == 0x64) stack[sp++] = PK_DICT;
+            else if (op == 0x91) stack[sp++] = PK_FROZENSET;
+            break;
+        }
+        case 0x80:  /* PROTO */
+            if (pos >= n || d[pos] > 5) goto out;
+            pos++;
+            break;
+        case 0x95: pos += 8; break;  /* FRAME: its bytes are the opcodes that follow */
+        default: goto out;  /* text opcodes, calls and objects, buffers, extensions, persistent ids, unknown */
+        }
+    }
+out:
+    PyMem_Free(stack); PyMem_Free(memo); PyMem_Free(marks);
+    PyBuffer_Release(&buf);
+    if (failed) return NULL;
+    if (verdict == PK_UNMODELLED) at = pos < n ? pos : n;
+    return Py_BuildValue("(inn)", verdict, (Py_ssize_t)at, (Py_ssize_t)kind);
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_O, "Read every event of a trace once, for rewind and run (see vram.replay.ccore)."},
     {"entries", walk_entries, METH_VARARGS, "Check and normalise a trace's entries (see vram.replay.loader)."},
     {"run", run, METH_VARARGS, "Replay a trace's events through the caching allocator (see vram.replay.ccore)."},
+    {"pickle_keys", pickle_keys, METH_O, "Check a pickle's dict keys and set members on its opcodes (see vram.replay.pickle_keys)."},
     {"rewind", rewind_walk, METH_VARARGS, "Walk a trace backwards from the final segments (see vram.replay.rewind)."},
     {NULL, NULL, 0, NULL},
 };

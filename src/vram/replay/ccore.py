@@ -42,7 +42,7 @@ from vram.allocator.block import Block, SortedKeys
 from vram.allocator.stats import ARRAY_STATS, COUNTERS
 from vram.devices.trace import TraceDevice
 
-from .safe_pickle import gc_paused
+from .gc_pause import gc_paused
 
 if TYPE_CHECKING:
     from vram.allocator.caching import CachingAllocator

@@ -28,11 +28,11 @@ from vram.units import format_size, parse_size
 
 from . import ccore, pool_search
 from .checks import Checks
+from .gc_pause import gc_paused
 from .loop import EventLoop, ReplayDevice, largest_free_block
 from .messages import SnapshotError, printable
 from .pool_replay import plan_pools
 from .rewind import rewind
-from .safe_pickle import gc_paused
 from .state import import_segments
 
 #: capacity of the replay GPU when none is given: large enough for any recording

@@ -8,13 +8,14 @@ opcode is refused):
   `MEMORY_BASE` (or + the RAM still available, if less). Real snapshots decode to about 5x
   their size; a memo bomb or millions of empty containers fail with a `SnapshotError` that
   says so, not with the kernel's OOM killer.
-* **No native recursion.** Hashing a tuple recurses in C without a depth check (CPython 3.11
-  ``tuplehash``), so a dict key or set member that is a tuple nested 200,000 deep (a 400 KB file)
-  overflows the C stack. The pure-Python unpickler checks every key and member before hashing
-  it (`_check_key`). The C unpickler cannot be told to, so it runs on a thread whose stack
-  holds the deepest tuple the file could build: each tuple costs one opcode byte (``TUPLE1..3``,
-  or ``MARK``...``TUPLE``), so counting those bytes bounds the depth (`_tuple_depth_bound`).
-  Files whose bound needs more than `MAX_STACK` go to the pure-Python unpickler.
+* **Keys that hash in bounded time.** A dict key or set member must be a short str or bytes, an
+  int below 2**61 - 1, a bool or None (`vram.replay.pickle_keys`: a tuple key can take minutes
+  to hash from a 200-byte file, or overflow the C stack; ints can be made to share one hash).
+  The pure-Python unpickler checks every key and member before hashing it (`check_key`). The C
+  unpickler cannot be told to, so the file's opcodes are checked first (`pickle_keys.scan`, in
+  C, in time linear in the file): a bad key is refused there, with its byte offset and opcode; a
+  file the scan does not follow exactly, or any file where the C core is not built, goes to the
+  pure-Python unpickler.
 * **Messages that say what is wrong with the file**: the pure-Python unpickler, which decides
   whenever the C one fails, names the byte offset and opcode (``corrupt pickle at byte 40:
   0xef is not a pickle opcode``, ``truncated: the file ends inside the pickle``).
@@ -22,40 +23,35 @@ opcode is refused):
 from __future__ import annotations
 
 import copyreg
-import gc
 import io
 import json
 import os
 import pickle
 import pickletools
 import struct
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
 from vram.devices.host import available_memory
 
+from . import pickle_keys
+from .gc_pause import gc_paused
 from .messages import Invalid, brief, one_line
+from .pickle_keys import check_key
 
 __all__ = ["MEMORY_BASE", "MEMORY_FACTOR", "OPCODE_BYTES", "available_memory", "decode_json", "decode_pickle",
            "gc_paused", "memory_cap"]
 
 MEMORY_FACTOR = 32  # decoded bytes per file byte allowed (real snapshots: ~5x, see the module doc)
 MEMORY_BASE = 384 << 20  # plus this, for small files and the interpreter's own arenas
-STACK_PER_LEVEL = 160  # C stack bytes per nested tuple when hashed (measured: ~56 on x86-64)
-STACK_BASE = 16 << 20
-MAX_STACK = 1 << 30
-MAX_KEY_DEPTH = 32  # tuples nested deeper than this are refused as dict keys / set members
+C_UNPICKLER = True  # False: every file goes to the pure-Python unpickler (tests)
 
 _REFUSED_OPCODES = ("REDUCE", "BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2",
                     "EXT4", "PERSID", "BINPERSID", "NEXT_BUFFER", "READONLY_BUFFER")
 _OPNAMES = {ord(op.code): op.name for op in pickletools.opcodes}
 _NO_ARG = frozenset(ord(op.code) for op in pickletools.opcodes if op.arg is None)
 OPCODE_BYTES = frozenset(_OPNAMES)
-_TUPLE_BYTES = bytes((0x85, 0x86, 0x87, ord("t"), ord("(")))  # TUPLE1..3, TUPLE, MARK
-_NOT_TUPLE_BYTES = bytes(b for b in range(256) if b not in _TUPLE_BYTES)
-_HASH_SAFE = (str, int, float, bool, type(None), bytes, frozenset)  # hashing does not recurse
 
 
 def _refuser(name: str) -> Any:
@@ -65,24 +61,9 @@ def _refuser(name: str) -> Any:
     return refuse
 
 
-def _check_key(key: Any) -> None:
-    """Refuse a dict key / set member whose hash would recurse deeply (see the module doc)."""
-    if type(key) in _HASH_SAFE:
-        return
-    if type(key) is not tuple:
-        raise pickle.UnpicklingError(f"unhashable dict key or set member (a {type(key).__name__})")
-    level, depth = [key], 0
-    while level:
-        depth += 1
-        if depth > MAX_KEY_DEPTH:
-            raise pickle.UnpicklingError(f"a dict key or set member is a tuple nested more than "
-                                         f"{MAX_KEY_DEPTH} deep (snapshot keys are strings)")
-        level = [x for t in level for x in t if type(x) is tuple]
-
-
 def _checked(items: list[Any], step: int) -> list[Any]:
     for k in range(0, len(items), step):
-        _check_key(items[k])
+        check_key(items[k])
     return items
 
 
@@ -98,6 +79,7 @@ class SafeUnpickler(pickle._Unpickler):
 
     stack: list[Any]
     metastack: list[Any]
+    memo: dict[int, Any]
 
     def __init__(self, stream: io.BytesIO) -> None:
         super().__init__(stream)
@@ -124,7 +106,7 @@ class SafeUnpickler(pickle._Unpickler):
     def load_setitem(self) -> None:
         stack = self.stack
         value, key = stack.pop(), stack.pop()
-        _check_key(key)
+        check_key(key)
         stack[-1][key] = value
 
     def load_setitems(self) -> None:
@@ -140,8 +122,20 @@ class SafeUnpickler(pickle._Unpickler):
             add(x)
 
     def load_frozenset(self) -> None:
-        self.append(frozenset(self._pop_mark(1)))
+        items = self._pop_mark(1)  # first: it puts back the stack that `append` must push onto
+        self.append(frozenset(items))
 
+    def load_put(self) -> None:
+        """PUT (protocol 0), its index in decimal: refused from 2**61 - 1 on, where ints can be
+        chosen to share one hash in the memo dict (see `vram.replay.pickle_keys`)."""
+        index = int(self.readline()[:-1])
+        if index < 0:
+            raise ValueError("negative PUT argument")
+        if index >= pickle_keys.HASH_MODULUS:
+            raise pickle.UnpicklingError("a PUT index of 2**61 - 1 or more (a memo index is a count of objects)")
+        self.memo[index] = self.stack[-1]
+
+    dispatch[pickle.PUT[0]] = load_put
     dispatch[pickle.DICT[0]] = load_dict
     dispatch[pickle.SETITEM[0]] = load_setitem
     dispatch[pickle.SETITEMS[0]] = load_setitems
@@ -222,27 +216,6 @@ class _MemoryCapped(Exception):
 
 
 @contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while the block runs, then restore it.
-
-    Decoding a snapshot creates millions of containers (a dict per trace event) and no garbage:
-    every allocation of a container counts towards CPython's next collection, and each full
-    collection walks every object created so far, so with the collector on ``pickle.load`` of a
-    1M-event snapshot spends about 3/4 of its time in the collector (measured: 2.95 s vs 0.67 s,
-    README "Speed"). A replay of it (a tuple per event, blocks) would then walk the same
-    millions of objects again. Memory use is unchanged; cycles a hostile file builds, and a
-    discarded allocator's linked blocks, are collected once the collector runs again.
-    """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-@contextmanager
 def memory_cap(nbytes: int) -> Iterator[str | None]:
     """Cap the address space, while the block runs, at the current one + `MEMORY_FACTOR` x
     `nbytes` + `MEMORY_BASE`, or + the RAM still available if that is less (a proportional cap
@@ -286,45 +259,28 @@ def _too_big(nbytes: int, exc: _MemoryCapped) -> Invalid:
                    "the file; real snapshots decode to about 5x their size)")
 
 
-def _tuple_depth_bound(data: bytes) -> int:
-    """An upper bound on how deep the file can nest tuples: one opcode byte per level."""
-    kept = data.translate(None, _NOT_TUPLE_BYTES)
-    return sum(kept.count(bytes((b,))) for b in _TUPLE_BYTES[:3]) + min(kept.count(b"t"), kept.count(b"("))
-
-
-def _c_load(data: bytes, stack: int) -> tuple[Any, int] | None:
-    """The C unpickler on a thread with a `stack`-byte stack; None if it fails in any way."""
-    out: list[Any] = []
-
-    def run() -> None:
-        stream = io.BytesIO(data)
-        try:
-            out.append((_capped(len(data), _FastSafeUnpickler(stream).load), stream.tell()))
-        except BaseException:  # noqa: BLE001 - any failure: the canonical pure-Python path decides
-            pass
-
-    old = threading.stack_size()
+def _c_load(data: bytes) -> tuple[Any, int] | None:
+    """The C unpickler (its keys checked by `pickle_keys.scan` first); None if it fails in any way."""
+    stream = io.BytesIO(data)
     try:
-        threading.stack_size(stack)
-        worker = threading.Thread(target=run, name="vram-unpickle", daemon=True)
-        worker.start()
-    except (RuntimeError, ValueError, MemoryError):
+        return _capped(len(data), _FastSafeUnpickler(stream).load), stream.tell()
+    except Exception:  # noqa: BLE001 - any failure: the canonical pure-Python path decides
         return None
-    finally:
-        threading.stack_size(old)
-    worker.join()
-    return out[0] if out else None
 
 
 def decode_pickle(data: bytes) -> Any:
     """A pickle to plain data (see the module doc); nothing may follow its STOP opcode."""
-    stack = -(-(STACK_BASE + STACK_PER_LEVEL * _tuple_depth_bound(data)) // (1 << 20)) << 20
     got = None
-    if stack <= MAX_STACK and not (copyreg._extension_registry  # type: ignore[attr-defined]
-                                   or copyreg._extension_cache):  # type: ignore[attr-defined]
-        got = _c_load(data, stack)
+    if C_UNPICKLER and not (copyreg._extension_registry  # type: ignore[attr-defined]
+                            or copyreg._extension_cache):  # type: ignore[attr-defined]
+        verdict, offset, kind = pickle_keys.scan(data) or (pickle_keys.UNMODELLED, 0, 0)
+        if verdict == pickle_keys.REFUSED:
+            raise Invalid(f"corrupt pickle at byte {offset:,} ({_OPNAMES[data[offset]]}): "
+                          f"{pickle_keys.refusal(pickle_keys.Kind(kind))}")
+        if verdict == pickle_keys.OK:
+            got = _c_load(data)
     if got is None:  # a refused opcode, a corrupt file, a memo index too large for the C
-        stream = io.BytesIO(data)  # unpickler's array, a huge file: the pure-Python path decides
+        stream = io.BytesIO(data)  # unpickler's array, opcodes the scan does not follow: the pure-Python path decides
         try:
             got = _capped(len(data), SafeUnpickler(stream).load), stream.tell()
         except _MemoryCapped as exc:
