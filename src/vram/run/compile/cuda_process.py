@@ -157,7 +157,7 @@ def _register_cuda_kernels(torch: Any, major: int, minor: int) -> None:
     `vram.run.compile.inductor_cuda.route_sdpa` routes it in the graph.)"""
     from torch.utils._pytree import tree_map
 
-    from vram.run.kernels.sdpa import sdpa_args, select_sdpa_backend
+    from vram.run.kernels.sdpa_choice import sdpa_args, select_sdpa_backend
 
     cpu = torch.device("cpu")
 
