@@ -56,6 +56,7 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
     ``requires_grad`` and whether each is a parameter; the ambient CUDA autocast and grad mode."""
     import pickle
 
+    from .graph_transport import graph_nodes
     from .inductor_cuda import retarget
 
     graph = torch.fx.Graph()
@@ -65,7 +66,7 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
     inputs = [(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), bool(t.requires_grad),
                isinstance(t, torch.nn.Parameter)) for t in example_inputs]
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-    return {"graph": pickle.dumps(copy), "code": copy.code, "inputs": inputs,
+    return {"graph": pickle.dumps(graph_nodes(copy.graph)), "code": copy.code, "inputs": inputs,
             "autocast": str(autocast).removeprefix("torch.") if autocast is not None else None,
             "grad": torch.is_grad_enabled(), "major": card["major"], "minor": card["minor"]}
 
@@ -81,7 +82,11 @@ def make_backend(client: CompileClient, notices: Notices) -> Callable[..., Any]:
         if not all(isinstance(t, torch.Tensor) for t in example_inputs):
             notices.say("a compiled graph with symbolic sizes (dynamic shapes) is not modelled: it runs eagerly")
             return gm.forward
-        request = graph_request(gm, example_inputs, client.card)
+        try:
+            request = graph_request(gm, example_inputs, client.card)
+        except ValueError as e:
+            notices.say(f"a compiled graph is not modelled ({e}): it runs eagerly")
+            return gm.forward
         try:
             answer = client.compile(request)
         except CompileUnavailable as e:
@@ -99,8 +104,21 @@ def make_backend(client: CompileClient, notices: Notices) -> Callable[..., Any]:
     return backend
 
 
+def _import_dynamo() -> None:
+    """``torch._dynamo`` imported as on a GPU: its tables of constant types name the real
+    ``torch.device`` (the run plays a stand-in class, `vram.run.cuda.stand_ins`)."""
+    stand_ins = torch.device, torch.Generator
+    torch.device, torch.Generator = torch._C.device, torch._C.Generator  # type: ignore[misc]
+    try:
+        from torch._dynamo import utils
+    finally:
+        torch.device, torch.Generator = stand_ins  # type: ignore[misc]
+    utils.common_constant_types.add(torch._C.device)  # in case it was imported earlier in the run
+
+
 def _untraced_mode_stack(put: Callable[[Any, str, Any], None], mode: Any) -> None:
     """Dynamo's tracer without the run's function mode (see the module docstring)."""
+    _import_dynamo()
     from torch._dynamo import convert_frame
 
     original = convert_frame.trace_frame
@@ -108,7 +126,12 @@ def _untraced_mode_stack(put: Callable[[Any, str, Any], None], mode: Any) -> Non
     def trace_frame(code: Any, globals_: Any, locals_: Any, builtins: Any, closure: Any, compiler_fn: Any,
                     tf_mode_stack: list[Any], *args: Any, **kwargs: Any) -> Any:
         kept = [m for m in tf_mode_stack if m is not mode]
-        output = original(code, globals_, locals_, builtins, closure, compiler_fn, kept, *args, **kwargs)
+        stand_ins = torch.device, torch.Generator
+        torch.device, torch.Generator = torch._C.device, torch._C.Generator  # Dynamo knows the real classes
+        try:
+            output = original(code, globals_, locals_, builtins, closure, compiler_fn, kept, *args, **kwargs)
+        finally:
+            torch.device, torch.Generator = stand_ins  # type: ignore[misc]
         if output.output_graph is not None:
             output.output_graph.torch_function_mode_stack = list(tf_mode_stack)  # guarded as it runs
         return output

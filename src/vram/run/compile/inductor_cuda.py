@@ -62,6 +62,9 @@ def _fused_call(backend: str, node: torch.fx.Node, p: dict[str, Any]) -> tuple[C
             "scale": p["scale"]}
     logsumexp = torch.is_grad_enabled() and any(t.requires_grad for t in (p["query"], p["key"], p["value"]))
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if backend == "cudnn":  # should_compute_logsumexp, as for the efficient kernel
+        return aten._scaled_dot_product_cudnn_attention.default, (q, k, v, mask, logsumexp, p["dropout_p"],
+                                                                  p["is_causal"], False), {"scale": p["scale"]}
     return aten._scaled_dot_product_efficient_attention.default, (q, k, v, mask, logsumexp, p["dropout_p"],
                                                                   p["is_causal"]), {"scale": p["scale"]}
 
@@ -80,9 +83,10 @@ def route_sdpa(gm: torch.fx.GraphModule, autocast_dtype: torch.dtype | None, maj
         chosen.append(backend)
         if backend == "math":
             continue
-        if backend == "cudnn" or p.get("enable_gqa") or p["query"].size(-1) % 8 or p["value"].size(-1) % 8:
-            raise NotModelled(f"scaled_dot_product_attention on the {backend} kernel with these shapes "
-                              "(cuDNN, GQA or head dims padded to a multiple of 8)")
+        if (p.get("enable_gqa") or p["query"].size(-1) % 8 or p["value"].size(-1) % 8
+                or (backend == "cudnn" and p["attn_mask"] is not None)):
+            raise NotModelled(f"scaled_dot_product_attention on the {backend} kernel with these arguments "
+                              "(GQA, head dims padded to a multiple of 8, or cuDNN with a mask)")
         target, call_args, call_kwargs = _fused_call(backend, node, p)
         with gm.graph.inserting_after(node):
             fused = gm.graph.call_function(target, call_args, call_kwargs)

@@ -47,20 +47,23 @@ def compile_request(request: dict[str, Any]) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+    from .graph_transport import graph_module
     from .inductor_cuda import NotModelled, compile_for_cuda, fake_inputs, route_sdpa
 
-    gm = pickle.loads(request["graph"])  # noqa: S301 - the parent vram run process, same user
+    gm = graph_module(pickle.loads(request["graph"]))  # noqa: S301 - the parent vram run process, same user
     inputs = [torch.nn.Parameter(torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device="meta"))
               if is_param else torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device="meta")
               .requires_grad_(requires_grad)
               for shape, stride, dtype, requires_grad, is_param in request["inputs"]]
     autocast = getattr(torch, request["autocast"]) if request["autocast"] else None
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs(inputs, mode))
     layout: dict[str, Any] = {}
     try:
-        backends = route_sdpa(gm, autocast, request["major"], request["minor"])
         with torch.set_grad_enabled(request["grad"]):
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs(inputs, mode))
+            backends = route_sdpa(gm, autocast, request["major"], request["minor"])
+            for node in gm.graph.nodes:  # the compile makes its own fake tensors, in its own mode
+                node.meta.pop("val", None)
             sources = compile_for_cuda(gm, inputs, autocast, layout)
     except NotModelled as e:
         return {"not_modelled": str(e)}
