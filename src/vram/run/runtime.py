@@ -284,8 +284,8 @@ def _install_patches(sim: SimState, function: Any) -> list[Callable[[], None]]:
         for prefix in _MODE_FRAMES:
             _history.SKIP_PREFIXES.remove(prefix)
 
-    return [restore_compile, restore_threads, restore_ipc, restore_warnings, restore_fast, restore_distributed, restore_prefixes,
-            restore_rng, restore_storages, restore_extras, restore]
+    return [restore_compile, restore_threads, restore_ipc, restore_warnings, restore_fast, restore_distributed,
+            restore_prefixes, restore_rng, restore_storages, restore_extras, restore]
 
 
 def _print_exception(e: BaseException, report: ValueReport) -> None:

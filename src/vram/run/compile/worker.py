@@ -41,11 +41,30 @@ def read_frame(stream: IO[bytes]) -> Any:
     return pickle.loads(data)  # noqa: S301 - the parent vram run process, same user
 
 
+class _ExampleValues:
+    """Each node's value on fake tensors, ``requires_grad`` kept, in ``meta["example_value"]`` as
+    Dynamo leaves it (``FakeTensorProp`` stores detached snapshots: no ``requires_grad``, which
+    SDPA's routing reads)."""
+
+    def __init__(self, gm: Any) -> None:
+        import torch
+
+        class Interpreter(torch.fx.Interpreter):
+            def run_node(self, node: Any) -> Any:
+                value = super().run_node(node)
+                node.meta["example_value"] = value
+                return value
+
+        self.interpreter = Interpreter(gm)
+
+    def run(self, *args: Any) -> Any:
+        return self.interpreter.run(*args)
+
+
 def compile_request(request: dict[str, Any]) -> dict[str, Any]:
     """Compile one graph (see the module docstring)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     from .graph_transport import graph_module
     from .inductor_cuda import NotModelled, compile_for_cuda, fake_inputs, route_sdpa
@@ -60,10 +79,11 @@ def compile_request(request: dict[str, Any]) -> dict[str, Any]:
     layout: dict[str, Any] = {}
     try:
         with torch.set_grad_enabled(request["grad"]):
-            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs(inputs, mode))
+            with mode:
+                _ExampleValues(gm).run(*fake_inputs(inputs, mode))
             backends = route_sdpa(gm, autocast, request["major"], request["minor"])
             for node in gm.graph.nodes:  # the compile makes its own fake tensors, in its own mode
-                node.meta.pop("val", None)
+                node.meta.pop("example_value", None)
             sources = compile_for_cuda(gm, inputs, autocast, layout)
     except NotModelled as e:
         return {"not_modelled": str(e)}
