@@ -30,8 +30,9 @@ class CompiledGraph:
         self.grad_outputs: list[bool] = layout["grad_outputs"]
         self.saved: tuple[int, int] | None = tuple(layout["saved"]) if layout["saved"] else None
         n = next(_NAMES)
-        self.forward = load_wrapper(sources[0], f"inductor_forward_{n}")
-        self.backward = load_wrapper(sources[1], f"inductor_backward_{n}") if len(sources) > 1 else None
+        kernels = answer.get("kernels", {})
+        self.forward = load_wrapper(sources[0], f"inductor_forward_{n}", kernels)
+        self.backward = load_wrapper(sources[1], f"inductor_backward_{n}", kernels) if len(sources) > 1 else None
 
     def __call__(self, *args: Any) -> Any:
         if self.backward is None or self.saved is None:

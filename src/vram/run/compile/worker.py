@@ -7,7 +7,7 @@ each: a Dynamo graph (a pickled ``GraphModule``, its devices already ``cuda:0``)
 inputs' metadata, the ambient CUDA autocast and grad mode. The answer is the generated wrappers'
 sources (forward, then backward when the graph trains), AOTAutograd's runtime layout of the
 forward's outputs (`inductor_cuda.runtime_layout`) and the SDPA kernels chosen, or the named
-reason it is not modelled. Anything the compile prints goes to stderr: stdout carries answers only.
+reason it is not modelled; and each Triton kernel's autotuning configs (`autotune.kernel_configs`). Anything the compile prints goes to stderr: stdout carries answers only.
 """
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ def compile_request(request: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from .autotune import kernel_configs
     from .graph_transport import graph_module
     from .inductor_cuda import NotModelled, compile_for_cuda, fake_inputs, route_sdpa
 
@@ -89,7 +90,8 @@ def compile_request(request: dict[str, Any]) -> dict[str, Any]:
         return {"not_modelled": str(e)}
     if layout.get("not_modelled"):
         return {"not_modelled": ", ".join(layout["not_modelled"])}
-    return {"sources": sources, "layout": layout, "backends": backends}
+    kernels = {name: info for source in sources for name, info in kernel_configs(source).items()}
+    return {"sources": sources, "layout": layout, "backends": backends, "kernels": kernels}
 
 
 def main(argv: list[str]) -> int:
