@@ -3,11 +3,12 @@ by `vram.run.compile.client` and reused for every graph Dynamo hands to ``torch.
 
 It makes itself a process where Inductor compiles for ``cuda`` (`cuda_process.prepare`, with the
 simulated card's properties), then answers requests read from stdin, one length-prefixed pickle
-each: a Dynamo graph (a pickled ``GraphModule``, its devices already ``cuda:0``), the example
+each: a Dynamo graph (its nodes, `graph_transport`, devices already ``cuda:0``), the example
 inputs' metadata, the ambient CUDA autocast and grad mode. The answer is the generated wrappers'
 sources (forward, then backward when the graph trains), AOTAutograd's runtime layout of the
-forward's outputs (`inductor_cuda.runtime_layout`) and the SDPA kernels chosen, or the named
-reason it is not modelled; and each Triton kernel's autotuning configs (`autotune.kernel_configs`). Anything the compile prints goes to stderr: stdout carries answers only.
+forward's outputs (`inductor_cuda.runtime_layout`), the SDPA kernels chosen and each Triton
+kernel's autotuning configs (`autotune.kernel_configs`); or the named reason it is not modelled.
+Anything the compile prints goes to stderr: stdout carries answers only.
 """
 from __future__ import annotations
 
