@@ -1,23 +1,62 @@
-"""``torch.compile`` under ``vram run``. The compiled program is not modelled
-yet: ``torch.compile`` returns the model unchanged and says once that memory is eager PyTorch's
-(docs/estimate-accuracy.md, "torch.compile": what blocks inductor's CUDA wrapper on a CPU build)."""
+"""``torch.compile`` under ``vram run``: Dynamo traces the script as on a GPU and each graph is
+compiled by Inductor for CUDA in a compile process (`vram.run.compile`), then run on the simulated
+GPU. Without triton (the ``compile`` extra), or for another backend, the program runs eagerly and
+says so once. What is not modelled (reduce-overhead's CUDA graph pools, max-autotune's kernel
+choice) is said once on stderr. The compiled GPT against the H200 recording:
+tests/test_compile_inductor.py."""
 from __future__ import annotations
+
+from importlib.util import find_spec
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from vram.run.compile import backend as compile_backend  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
 
+needs_triton = pytest.mark.skipif(find_spec("triton") is None, reason="needs triton (the 'compile' extra)")
 
-def test_compile_runs_eagerly_and_says_so_once(capsys: pytest.CaptureFixture[str]) -> None:
+
+@pytest.fixture
+def no_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compile_backend, "find_spec", lambda name: None if name == "triton" else find_spec(name))
+
+
+def test_compile_without_triton_runs_eagerly_and_says_so_once(no_triton: None,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     with simulated_cuda("24GiB"):
         m = torch.nn.Linear(8, 8).cuda()
         assert torch.compile(m) is m
         assert torch.compile(mode="max-autotune")(m) is m  # the decorator form
         m(torch.zeros(2, 8, device="cuda"))
     err = capsys.readouterr().err
-    assert err.count("torch.compile runs eagerly") == 1
+    assert err.count("torch.compile runs eagerly") == 1 and "triton is not installed" in err
+
+
+def test_another_backend_runs_eagerly_and_says_which(capsys: pytest.CaptureFixture[str]) -> None:
+    with simulated_cuda("24GiB"):
+        m = torch.nn.Linear(8, 8).cuda()
+        assert torch.compile(m, backend="aot_eager") is m
+    err = capsys.readouterr().err
+    if find_spec("triton") is not None:
+        assert "backend='aot_eager' is not modelled" in err
+
+
+@needs_triton
+def test_modes_not_modelled_are_named_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """reduce-overhead's CUDA graph trees and max-autotune's kernel choice: said when compiled
+    (nothing is traced until the first call), once each."""
+    with simulated_cuda("24GiB"):
+        m = torch.nn.Linear(8, 8).cuda()
+        compiled = torch.compile(m, mode="reduce-overhead")
+        assert compiled is not m and compiled._orig_mod is m
+        torch.compile(m, mode="reduce-overhead")
+        torch.compile(m, mode="max-autotune-no-cudagraphs")
+    err = capsys.readouterr().err
+    assert err.count("CUDA graph trees' private memory pool (reduce-overhead) is not modelled") == 1
+    assert err.count("max-autotune's kernel choice") == 1
+    assert torch.compile.__module__ == "torch"  # the run's patch is gone
 
 
 def test_dynamo_handler_table_builds_under_the_simulation() -> None:
@@ -40,7 +79,7 @@ def test_dynamo_handler_table_builds_under_the_simulation() -> None:
         assert torch.cuda._exchange_device(-1) == 0 and torch.cuda._maybe_exchange_device(-1) == 0
 
 
-def test_a_library_compiling_its_helpers_says_nothing(tmp_path, monkeypatch,
+def test_a_library_compiling_its_helpers_says_nothing(tmp_path, monkeypatch, no_triton: None,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """DeepSpeed and litgpt decorate helper functions with ``torch.compile`` when imported; the
     script never compiles its model, so the notice (about a compiled model's memory) is not said."""
@@ -56,3 +95,55 @@ def test_a_library_compiling_its_helpers_says_nothing(tmp_path, monkeypatch,
     with simulated_cuda("24GiB"):
         torch.compile(torch.nn.Linear(2, 2).cuda())   # a model, whoever compiles it
     assert capsys.readouterr().err.count("torch.compile runs eagerly") == 1
+
+
+def _graph_break_function(x: torch.Tensor) -> torch.Tensor:
+    y = (x * 2).sin()
+    torch._dynamo.graph_break()
+    return (y + 1).cos()
+
+
+def _graph_ops(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+@needs_triton
+@pytest.mark.slow  # a compile process and two graphs compiled: about a minute
+def test_compiled_graphs_are_dynamos_and_fuse_as_inductor_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the run, Dynamo traces the same graphs as on the CPU (the run's function mode is not
+    traced into: no graph break at every op), breaks where Dynamo breaks, and each graph runs as
+    Inductor's wrapper: the elementwise chain is one fused kernel writing one buffer, where eager
+    PyTorch keeps an intermediate alive."""
+    cpu_graphs: list[list[str]] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        cpu_graphs.append(_graph_ops(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(_graph_break_function, backend=capture)(torch.zeros(1024, 1024))
+    torch._dynamo.reset()
+    run_graphs: list[list[str]] = []
+    request = compile_backend.graph_request
+
+    def spy(gm: torch.fx.GraphModule, example_inputs: list, card: dict) -> dict:
+        run_graphs.append(_graph_ops(gm))
+        return request(gm, example_inputs, card)
+
+    monkeypatch.setattr(compile_backend, "graph_request", spy)
+    nbytes = 1024 * 1024 * 4
+    with simulated_cuda("H100"):
+        x = torch.zeros(1024, 1024, device="cuda")
+        compiled = torch.compile(_graph_break_function)
+        l2_flush = torch.cuda.get_device_properties(0).L2_cache_size
+        for first in (True, False):
+            torch.cuda.reset_peak_memory_stats()
+            out = compiled(x)
+            assert out.device.type == "cuda" and out.shape == x.shape
+            # each graph: one fused kernel, one output buffer; the first graph's output (y) lives
+            # until the second graph has read it: input, y and the result at the peak, and at each
+            # kernel's first launch the autotuning's L2-flush buffer (a pointwise kernel: 2 configs)
+            assert torch.cuda.max_memory_allocated() == 3 * nbytes + (l2_flush if first else 0)
+            del out
+            assert torch.cuda.memory_allocated() == nbytes
+    assert run_graphs == cpu_graphs and len(cpu_graphs) == 2

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +151,6 @@ def install(mode: Any, props: Any) -> Callable[[], None]:
     """Put the modelled ``torch.compile`` in place for a run whose function mode is `mode` on a card
     of properties `props`; returns what ends it (the patches, the compile process, Dynamo's caches
     of the graphs compiled for this run)."""
-    from importlib.util import find_spec
-
     import vram.frontend.memory as frontend
 
     from ..cuda.stand_ins import attribute_patches
