@@ -30,6 +30,8 @@ def test_compile_without_triton_runs_eagerly_and_says_so_once(no_triton: None,
         assert torch.compile(m) is m
         assert torch.compile(mode="max-autotune")(m) is m  # the decorator form
         m(torch.zeros(2, 8, device="cuda"))
+        f = torch.compile(lambda x: x * 2)
+        assert f(torch.ones(4, device="cuda")).is_cuda
     err = capsys.readouterr().err
     assert err.count("torch.compile runs eagerly") == 1 and "triton is not installed" in err
 
