@@ -134,7 +134,7 @@ def test_compiled_graphs_are_dynamos_and_fuse_as_inductor_does(monkeypatch: pyte
 
     monkeypatch.setattr(compile_backend, "graph_request", spy)
     nbytes = 1024 * 1024 * 4
-    with simulated_cuda("H100"):
+    with simulated_cuda("H100", device_count=2):
         x = torch.zeros(1024, 1024, device="cuda")
         compiled = torch.compile(_graph_break_function)
         l2_flush = torch.cuda.get_device_properties(0).L2_cache_size
@@ -148,4 +148,8 @@ def test_compiled_graphs_are_dynamos_and_fuse_as_inductor_does(monkeypatch: pyte
             assert torch.cuda.max_memory_allocated() == 3 * nbytes + (l2_flush if first else 0)
             del out
             assert torch.cuda.memory_allocated() == nbytes
-    assert run_graphs == cpu_graphs and len(cpu_graphs) == 2
+        # on the second GPU (Dynamo recompiles for the device): the wrapper's buffers are there too
+        out = compiled(torch.zeros(1024, 1024, device="cuda:1"))
+        assert out.device == torch.device("cuda", 1) and torch.cuda.memory_allocated(1) == nbytes
+        assert torch.cuda.memory_allocated(0) == nbytes
+    assert run_graphs[:2] == cpu_graphs and len(cpu_graphs) == 2

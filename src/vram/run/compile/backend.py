@@ -97,9 +97,14 @@ def make_backend(client: CompileClient, notices: Notices) -> Callable[..., Any]:
             reason = answer.get("not_modelled") or answer.get("error")
             notices.say(f"a compiled graph is not modelled ({reason}): it runs eagerly")
             return gm.forward
-        key = request["code"] + repr(request["inputs"]) + repr(request["autocast"]) + repr(request["grad"])
+        indices = {t.device.index or 0 for t in example_inputs}
+        if len(indices) > 1:
+            notices.say("a compiled graph with inputs on several GPUs is not modelled: it runs eagerly")
+            return gm.forward
+        index = indices.pop() if indices else torch.cuda.current_device()
+        key = request["code"] + repr((request["inputs"], request["autocast"], request["grad"], index))
         if key not in graphs:
-            graphs[key] = CompiledGraph(answer)
+            graphs[key] = CompiledGraph(answer, index)
         return graphs[key]
 
     return backend

@@ -20,11 +20,22 @@ from .wrapper_run import call, load_wrapper
 _NAMES = itertools.count()
 
 
-class CompiledGraph:
-    """The callable Dynamo's backend returns for one graph (`answer`: the compile process's)."""
+def on_device(source: str, index: int) -> str:
+    """A wrapper compiled for ``cuda:0`` (the compile process's one card) as Inductor writes it for
+    ``cuda:index``: its device guard, ``set_device``, streams and the devices it names."""
+    if index == 0:
+        return source
+    for call in ("torch.cuda._DeviceGuard", "torch.cuda.set_device", "get_raw_stream"):
+        source = source.replace(f"{call}(0)", f"{call}({index})")
+    return source.replace("device(type='cuda', index=0)", f"device(type='cuda', index={index})")
 
-    def __init__(self, answer: dict[str, Any]) -> None:
-        sources = answer["sources"]
+
+class CompiledGraph:
+    """The callable Dynamo's backend returns for one graph (`answer`: the compile process's) whose
+    tensors are on the simulated ``cuda:device_index``."""
+
+    def __init__(self, answer: dict[str, Any], device_index: int = 0) -> None:
+        sources = [on_device(source, device_index) for source in answer["sources"]]
         layout = answer["layout"]
         self.num_returns: int = layout["num_forward_returns"]
         self.grad_outputs: list[bool] = layout["grad_outputs"]
