@@ -25,8 +25,8 @@ def on_device(source: str, index: int) -> str:
     ``cuda:index``: its device guard, ``set_device``, streams and the devices it names."""
     if index == 0:
         return source
-    for call in ("torch.cuda._DeviceGuard", "torch.cuda.set_device", "get_raw_stream"):
-        source = source.replace(f"{call}(0)", f"{call}({index})")
+    for name in ("torch.cuda._DeviceGuard", "torch.cuda.set_device", "get_raw_stream"):
+        source = source.replace(f"{name}(0)", f"{name}({index})")
     return source.replace("device(type='cuda', index=0)", f"device(type='cuda', index={index})")
 
 
