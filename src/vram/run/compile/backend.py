@@ -97,6 +97,8 @@ def make_backend(client: CompileClient, notices: Notices) -> Callable[..., Any]:
             reason = answer.get("not_modelled") or answer.get("error")
             notices.say(f"a compiled graph is not modelled ({reason}): it runs eagerly")
             return gm.forward
+        for guess in answer.get("guessed", []):
+            notices.say(guess)
         indices = {t.device.index or 0 for t in example_inputs}
         if len(indices) > 1:
             notices.say("a compiled graph with inputs on several GPUs is not modelled: it runs eagerly")

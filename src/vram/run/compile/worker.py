@@ -77,6 +77,9 @@ def compile_request(request: dict[str, Any]) -> dict[str, Any]:
               .requires_grad_(requires_grad)
               for shape, stride, dtype, requires_grad, is_param in request["inputs"]]
     autocast = getattr(torch, request["autocast"]) if request["autocast"] else None
+    from .cuda_process import GUESSED
+
+    GUESSED.clear()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     layout: dict[str, Any] = {}
     try:
@@ -92,7 +95,8 @@ def compile_request(request: dict[str, Any]) -> dict[str, Any]:
     if layout.get("not_modelled"):
         return {"not_modelled": ", ".join(layout["not_modelled"])}
     kernels = {name: info for source in sources for name, info in kernel_configs(source).items()}
-    return {"sources": sources, "layout": layout, "backends": backends, "kernels": kernels}
+    return {"sources": sources, "layout": layout, "backends": backends, "kernels": kernels,
+            "guessed": sorted(GUESSED)}
 
 
 def main(argv: list[str]) -> int:
