@@ -153,3 +153,20 @@ def test_compiled_graphs_are_dynamos_and_fuse_as_inductor_does(monkeypatch: pyte
         assert out.device == torch.device("cuda", 1) and torch.cuda.memory_allocated(1) == nbytes
         assert torch.cuda.memory_allocated(0) == nbytes
     assert run_graphs[:2] == cpu_graphs and len(cpu_graphs) == 2
+
+
+@needs_triton
+@pytest.mark.slow  # a compile process and a CNN compiled: about a minute
+def test_a_choice_inductor_benchmarks_while_compiling_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    """pad_mm times the padded and unpadded matmul on the GPU when its rules leave the choice open
+    (a 14,400 x 10 linear: n not aligned, compute bound): the graph is compiled unpadded and the run
+    says so; BatchNorm's running statistics (inputs the graph mutates) stay in the compiled graph."""
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                            torch.nn.Flatten(), torch.nn.Linear(16 * 30 * 30, 10))
+    with simulated_cuda("H100"):
+        compiled = torch.compile(m.cuda())
+        out = compiled(torch.zeros(8, 3, 32, 32, device="cuda"))
+        assert type(out.grad_fn).__name__ == "_CompiledFunctionBackward"
+        out.sum().backward()
+    err = capsys.readouterr().err
+    assert err.count("pad_mm") == 1 and "not modelled (" not in err and "runs eagerly" not in err
