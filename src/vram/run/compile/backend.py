@@ -12,7 +12,9 @@ whole stack, as the compiled code runs with the mode on.
 What is not modelled is said once on stderr and runs eagerly or as default mode, named: another
 ``backend=``, ``mode="reduce-overhead"`` (CUDA graph trees' private pool: the graphs' memory is
 default mode's), ``max-autotune`` (autotuning's kernel choice: default mode's kernels), graphs
-with symbolic sizes, and what `inductor_cuda.runtime_layout` names.
+with symbolic sizes, CPU tensor inputs or inputs on several GPUs, what
+`inductor_cuda.runtime_layout` names, and choices Inductor benchmarks while compiling
+(`cuda_process.GUESSED`).
 """
 from __future__ import annotations
 
@@ -53,8 +55,9 @@ class Notices:
 
 def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dict[str, Any]) -> dict[str, Any]:
     """What the compile process needs for `gm` (`worker.compile_request`): a copy of the graph with
-    the simulated devices retargeted to ``cuda:0``, pickled; the inputs' sizes, strides, dtypes,
-    ``requires_grad`` and whether each is a parameter; the ambient CUDA autocast and grad mode."""
+    the simulated devices retargeted to ``cuda:0``, its nodes pickled (`graph_transport`); the
+    inputs' sizes, strides, dtypes, ``requires_grad`` and whether each is a parameter; the ambient
+    CUDA autocast and grad mode."""
     import pickle
 
     from .graph_transport import graph_nodes
@@ -83,6 +86,13 @@ def make_backend(client: CompileClient, notices: Notices) -> Callable[..., Any]:
         if not all(isinstance(t, torch.Tensor) for t in example_inputs):
             notices.say("a compiled graph with symbolic sizes (dynamic shapes) is not modelled: it runs eagerly")
             return gm.forward
+        if any(t.device.type != "vramsim" for t in example_inputs):
+            notices.say("a compiled graph with CPU tensors among its inputs is not modelled: it runs eagerly")
+            return gm.forward
+        indices = {t.device.index or 0 for t in example_inputs}
+        if len(indices) > 1:
+            notices.say("a compiled graph with inputs on several GPUs is not modelled: it runs eagerly")
+            return gm.forward
         try:
             request = graph_request(gm, example_inputs, client.card)
         except ValueError as e:
@@ -99,10 +109,6 @@ def make_backend(client: CompileClient, notices: Notices) -> Callable[..., Any]:
             return gm.forward
         for guess in answer.get("guessed", []):
             notices.say(guess)
-        indices = {t.device.index or 0 for t in example_inputs}
-        if len(indices) > 1:
-            notices.say("a compiled graph with inputs on several GPUs is not modelled: it runs eagerly")
-            return gm.forward
         index = indices.pop() if indices else torch.cuda.current_device()
         key = request["code"] + repr((request["inputs"], request["autocast"], request["grad"], index))
         if key not in graphs:
