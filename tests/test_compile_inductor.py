@@ -1,7 +1,9 @@
 """Inductor's CUDA wrappers, generated on a CPU build (`vram.run.compile`), against the wrappers a
 real H200 ran: ``compiled_gpt.py`` (``../shared/gpu-truth``: a 6-layer GPT, batch 8 x 512, bf16
-autocast, ``torch.compile`` default mode; recorded under torch 2.11), the wrappers' own
-allocations in the second step (no autotuning then), in order and size."""
+autocast, ``torch.compile`` default mode; recorded under torch 2.11): the wrappers' own
+allocations in the second step (no autotuning then), in order and size; and the whole program
+under ``vram run`` (the memory at every wrapper call's start and end, the backward's allocations,
+first-launch autotuning). The GPT cases compile for minutes: marked slow."""
 from __future__ import annotations
 
 import io
