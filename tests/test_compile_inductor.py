@@ -223,6 +223,23 @@ def _wrapper_calls(trace: list[dict]) -> list[dict]:
     return calls
 
 
+def _requested_peaks(trace: list[dict]) -> tuple[int, int]:
+    """The most bytes requested (not rounded to blocks) at once in step 0 (until the third wrapper
+    call, step 1's forward, starts) and in the whole run."""
+    allocated, step0, peak, calls, last = 0, 0, 0, 0, None
+    for event in trace:
+        if event["action"] not in ("alloc", "free_requested"):
+            continue
+        frame = next((f["filename"] for f in event["frames"] if f["name"] == "call" and (
+            "torchinductor" in f["filename"] or f["filename"].startswith("<inductor"))), None)
+        calls += frame is not None and frame != last
+        last = frame
+        allocated += event["size"] if event["action"] == "alloc" else -event["size"]
+        peak = max(peak, allocated)
+        step0 = peak if calls <= 2 else step0
+    return step0, peak
+
+
 @pytest.mark.slow  # vram run compiles the GPT in its compile process: minutes
 def test_compiled_gpt_under_vram_run_follows_the_h200_recording(tmp_path: Path) -> None:
     """``vram run`` of compiled_gpt.py: Dynamo's graph compiled for the H200 and run as
@@ -230,7 +247,8 @@ def test_compiled_gpt_under_vram_run_follows_the_h200_recording(tmp_path: Path) 
     bytes allocated are the recording's (the forward's outputs and saved tensors live until the
     backward wrapper frees them); the backward wrapper's allocations in steps 1 and 2, its extern
     kernels' included, are the recording's in order and size; the first forward autotunes as
-    many configs (one L2-flush buffer each) as the recording shows."""
+    many configs (one L2-flush buffer each) as the recording shows; the most bytes requested at
+    once, in step 0 and in the run, are the recording's."""
     if find_spec("triton") is None:
         pytest.skip("needs triton (the 'compile' extra)")
     if not (TRUTH / "compiled_gpt.py").exists():
@@ -243,8 +261,11 @@ def test_compiled_gpt_under_vram_run_follows_the_h200_recording(tmp_path: Path) 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "not modelled" not in done.stderr and "runs eagerly" not in done.stderr
     with open(snapshot, "rb") as f:
-        simulated = _wrapper_calls(pickle.load(f)["device_traces"][0])
-    real = _wrapper_calls(_recorded_trace())
+        simulated_trace = pickle.load(f)["device_traces"][0]
+    simulated, real = _wrapper_calls(simulated_trace), _wrapper_calls(_recorded_trace())
+    # the most bytes requested at once: step 0 (its autotuning included), then the run
+    assert _requested_peaks(simulated_trace) == _requested_peaks(_recorded_trace()) == (1_497_518_184,
+                                                                                         2_045_366_680)
     assert len(simulated) == len(real) == 6  # forward and backward, three steps
     assert [(c["start"], c["end"]) for c in simulated] == [(c["start"], c["end"]) for c in real]
     assert simulated[3]["sizes"] == real[3]["sizes"] and simulated[5]["sizes"] == real[5]["sizes"]
