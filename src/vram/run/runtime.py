@@ -74,6 +74,7 @@ from vram.allocator import history as _history
 from vram.devices.gpus import GpuPreset, resolve_gpu
 from vram.frontend import memory as _memory
 
+from .compile.backend import install as install_compile
 from .cuda.api import DeviceProperties, patch_torch_cuda
 from .cuda.compat import define_torchvision_ops, refuse_cuda_ipc
 from .cuda.patches import patch_torch_extras
@@ -276,14 +277,15 @@ def _install_patches(sim: SimState, function: Any) -> list[Callable[[], None]]:
                                   lambda t: sim.host.real(t) if sim.host.of(t) is not None else None)
     restore_warnings = _attributing_warnings()
     restore_threads = every_thread.install(function, lambda: sim.active)  # threads and finalizers
+    restore_compile = install_compile(function, sim.props[0])  # torch.compile: Inductor's CUDA wrappers
     _history.SKIP_PREFIXES.extend(_MODE_FRAMES)  # snapshot stacks without the modes' own frames
 
     def restore_prefixes() -> None:
         for prefix in _MODE_FRAMES:
             _history.SKIP_PREFIXES.remove(prefix)
 
-    return [restore_threads, restore_ipc, restore_warnings, restore_fast, restore_distributed, restore_prefixes,
-            restore_rng, restore_storages, restore_extras, restore]
+    return [restore_compile, restore_threads, restore_ipc, restore_warnings, restore_fast, restore_distributed,
+            restore_prefixes, restore_rng, restore_storages, restore_extras, restore]
 
 
 def _print_exception(e: BaseException, report: ValueReport) -> None:

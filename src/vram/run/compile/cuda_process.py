@@ -32,6 +32,15 @@ _SOURCE = Path(__file__).with_name("sim_cuda.cpp")
 #: ``sdp::SDPBackend`` values (aten/src/ATen/native/transformers/sdp_utils_cpp.h)
 SDP_BACKENDS = {"math": 0, "flash": 1, "efficient": 2, "cudnn": 3}
 _LIBS: list[Any] = []  # the loaded hooks library, and the CUDA kernel registrations
+#: choices Inductor makes by benchmarking on the GPU at compile time, met since the last clear:
+#: each made as named (the compile process reports them; the run says them)
+GUESSED: set[str] = set()
+PAD_MM = ("Inductor's padding of a matmul with unaligned sizes (pad_mm: padded and unpadded benchmarked "
+          "on the GPU while compiling) is not modelled: compiled unpadded")
+
+
+class _Benchmark(Exception):
+    """A compile-time benchmark was asked for (no GPU to time it)."""
 
 
 class CompileSetupError(RuntimeError):
@@ -137,6 +146,31 @@ def _patch_inductor(torch: Any, props: Any) -> None:
 
     AsyncCompile.triton = triton
     AsyncCompile.wait = lambda self, scope: None
+    _patch_pad_mm()
+
+
+def _patch_pad_mm() -> None:
+    """``pad_mm._should_pad`` decides by benchmarking both matmuls on the GPU when its cheaper
+    rules (torch/_inductor/fx_passes/pad_mm.py: alignment, ``force_shape_pad``, compute bound)
+    leave it open: then the matmul stays unpadded and `PAD_MM` is noted."""
+    from torch._inductor.fx_passes import pad_mm
+
+    original, get_do_bench = pad_mm._should_pad, pad_mm.get_do_bench
+
+    def refuse(*args: Any, **kwargs: Any) -> float:
+        raise _Benchmark
+
+    def should_pad(*args: Any, **kwargs: Any) -> bool:
+        pad_mm.get_do_bench = lambda: refuse
+        try:
+            return bool(original(*args, **kwargs))
+        except _Benchmark:
+            GUESSED.add(PAD_MM)
+            return False
+        finally:
+            pad_mm.get_do_bench = get_do_bench
+
+    pad_mm._should_pad = should_pad
 
 
 class UnbuiltKernel:
@@ -157,7 +191,7 @@ def _register_cuda_kernels(torch: Any, major: int, minor: int) -> None:
     `vram.run.compile.inductor_cuda.route_sdpa` routes it in the graph.)"""
     from torch.utils._pytree import tree_map
 
-    from vram.run.kernels.sdpa import sdpa_args, select_sdpa_backend
+    from vram.run.kernels.sdpa_choice import sdpa_args, select_sdpa_backend
 
     cpu = torch.device("cpu")
 

@@ -44,7 +44,7 @@ def retarget(gm: torch.fx.GraphModule, from_type: str) -> None:
 def _example(value: Any, autocast_dtype: torch.dtype | None) -> Any:
     """A node's example value as the CUDA kernel sees it: under autocast, SDPA's floating inputs
     are cast to the autocast dtype (SDPA is on autocast's lower-precision list)."""
-    example = value.meta.get("example_value") if isinstance(value, torch.fx.Node) else value
+    example = value.meta.get("example_value", value.meta.get("val")) if isinstance(value, torch.fx.Node) else value
     if not isinstance(example, torch.Tensor):
         return example
     dtype = autocast_dtype if autocast_dtype is not None and example.is_floating_point() else example.dtype
@@ -62,6 +62,9 @@ def _fused_call(backend: str, node: torch.fx.Node, p: dict[str, Any]) -> tuple[C
             "scale": p["scale"]}
     logsumexp = torch.is_grad_enabled() and any(t.requires_grad for t in (p["query"], p["key"], p["value"]))
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if backend == "cudnn":  # should_compute_logsumexp, as for the efficient kernel
+        return aten._scaled_dot_product_cudnn_attention.default, (q, k, v, mask, logsumexp, p["dropout_p"],
+                                                                  p["is_causal"], False), {"scale": p["scale"]}
     return aten._scaled_dot_product_efficient_attention.default, (q, k, v, mask, logsumexp, p["dropout_p"],
                                                                   p["is_causal"]), {"scale": p["scale"]}
 
@@ -80,9 +83,10 @@ def route_sdpa(gm: torch.fx.GraphModule, autocast_dtype: torch.dtype | None, maj
         chosen.append(backend)
         if backend == "math":
             continue
-        if backend == "cudnn" or p.get("enable_gqa") or p["query"].size(-1) % 8 or p["value"].size(-1) % 8:
-            raise NotModelled(f"scaled_dot_product_attention on the {backend} kernel with these shapes "
-                              "(cuDNN, GQA or head dims padded to a multiple of 8)")
+        if (p.get("enable_gqa") or p["query"].size(-1) % 8 or p["value"].size(-1) % 8
+                or (backend == "cudnn" and p["attn_mask"] is not None)):
+            raise NotModelled(f"scaled_dot_product_attention on the {backend} kernel with these arguments "
+                              "(GQA, head dims padded to a multiple of 8, or cuDNN with a mask)")
         target, call_args, call_kwargs = _fused_call(backend, node, p)
         with gm.graph.inserting_after(node):
             fused = gm.graph.call_function(target, call_args, call_kwargs)
@@ -106,13 +110,41 @@ def fake_inputs(example_inputs: Sequence[torch.Tensor], mode: Any) -> list[torch
     return fakes
 
 
+def runtime_layout(meta: Any) -> dict[str, Any]:
+    """What AOTAutograd's runtime does with the forward wrapper's outputs (its ``ViewAndMutationMeta``:
+    torch/_functorch/_aot_autograd/runtime_wrappers.py ``_AutogradSavedState.save_from_forward``,
+    ``_AutogradForwardEpilogue``): the user's outputs come first, then the tensors saved for the
+    backward; which outputs get a gradient (a tangent of the backward). What this runtime model
+    does not reproduce is named in ``not_modelled``."""
+    problems = []
+    if meta.num_mutated_inp_runtime_indices:
+        problems.append("inputs mutated in the graph")
+    if meta.num_outputs_aliased or meta.num_intermediate_bases:
+        problems.append("outputs that alias inputs or intermediates")
+    if meta.num_unsafe_view_outputs or meta.is_rng_op_functionalized or meta.tokens:
+        problems.append("unsafe views, functionalized RNG or effect tokens among the outputs")
+    if any(type(m).__name__ == "SubclassCreationMeta" for m in meta.subclass_inp_meta):
+        problems.append("tensor subclasses")
+    layout: dict[str, Any] = {"num_forward_returns": meta.num_forward_returns,
+                              "grad_outputs": [bool(info.requires_grad) for info in meta.output_info],
+                              "not_modelled": problems, "saved": None}
+    if meta.num_symints_saved_for_bw is not None:
+        if meta.num_symints_saved_for_bw or (meta.num_opaque_objects_saved_for_bw or 0):
+            problems.append("symbolic sizes or opaque objects saved for the backward")
+        saved = meta.tensors_saved_for_backwards_slice
+        layout["saved"] = (saved.start, saved.stop)
+    return layout
+
+
 def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor],
-                     autocast_dtype: torch.dtype | None = None) -> list[str]:
+                     autocast_dtype: torch.dtype | None = None, layout: dict[str, Any] | None = None) -> list[str]:
     """Inductor's wrappers for `gm` on CUDA, in the order Inductor generated them (forward first).
     `autocast_dtype`: the CUDA autocast the graph was traced under (Dynamo leaves an enclosing
-    ``torch.autocast`` out of the graph: it is ambient state, so it is entered here)."""
+    ``torch.autocast`` out of the graph: it is ambient state, so it is entered here). `layout`, if
+    given, receives `runtime_layout` of the forward (AOTAutograd's metadata, read as the forward
+    is compiled)."""
     from torch._inductor import codecache
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     sources: list[str] = []
@@ -123,11 +155,17 @@ def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Te
             sources.append(f.read())
         return load(key, path, *args, **kwargs)
 
+    def inner_compile(graph: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+        context = torch._guards.TracingContext.try_get()
+        if layout is not None and not kwargs.get("is_backward") and context is not None and context.fw_metadata:
+            layout.update(runtime_layout(context.fw_metadata))
+        return compile_fx_inner(graph, inputs, **kwargs)
+
     inputs = fake_inputs(example_inputs, FakeTensorMode())
     codecache.PyCodeCache.load_by_key_path = spy  # type: ignore[method-assign]
     try:
         with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            compile_fx(gm, inputs)
+            compile_fx(gm, inputs, inner_compile=inner_compile)
     finally:
         codecache.PyCodeCache.load_by_key_path = load  # type: ignore[method-assign]
     return [s for s in sources if "def call(" in s]

@@ -2,7 +2,8 @@
 
 The wrapper's module is executed as Inductor's ``PyCodeCache`` would load it, with three things
 answered for the simulation: its Triton kernels are never built and launch as no-ops
-(``AsyncCompile.triton``; a Triton kernel allocates nothing of its own), ``empty_strided_cuda``
+(``AsyncCompile.triton``; a Triton kernel allocates nothing of its own; given the kernels' configs,
+the first launch autotunes as on a GPU: `autotune.AutotunedKernel`), ``empty_strided_cuda``
 is ``torch.empty_strided(..., device="cuda")`` (the simulated GPU's allocation, as
 ``_empty_strided_cuda`` is the caching allocator's on a GPU), and ``get_raw_stream`` answers the
 default stream. Its extern kernels (``extern_kernels.mm(..., out=)``, ``torch.ops.aten.*``) run
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .autotune import AutotunedKernel
 from .cuda_process import UnbuiltKernel
 
 
@@ -23,14 +25,18 @@ def _empty_strided_cuda(size: Any, stride: Any, dtype: torch.dtype) -> torch.Ten
     return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
 
 
-def load_wrapper(source: str, name: str = "inductor_wrapper") -> types.ModuleType:
-    """The wrapper module of `source`, ready to ``call`` on the simulated GPU."""
+def load_wrapper(source: str, name: str = "inductor_wrapper",
+                 kernels: dict[str, dict[str, Any]] | None = None) -> types.ModuleType:
+    """The wrapper module of `source`, ready to ``call`` on the simulated GPU. With `kernels`
+    (`autotune.kernel_configs` of this source), each kernel's first launch autotunes as on a GPU."""
     from torch._inductor.async_compile import AsyncCompile
 
     saved = AsyncCompile.triton, AsyncCompile.wait
     had_stream = hasattr(torch._C, "_cuda_getCurrentRawStream")
 
     def triton(self: Any, kernel_name: str, source_code: str, device_str: str = "cuda", **kwargs: Any) -> Any:
+        if kernels is not None:
+            return AutotunedKernel(kernel_name, kernels.get(kernel_name))
         return UnbuiltKernel(kernel_name, source_code)
 
     module = types.ModuleType(name)

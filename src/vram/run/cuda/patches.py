@@ -4,7 +4,6 @@ GPU build. Every patch is an attribute swap (`vram.run.cuda.stand_ins.attribute_
 by the restore function `patch_torch_extras` returns."""
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +24,7 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     * ``Module.to(index)``, host/simulated shallow-copy compatibility (`_patch_modules`);
     * ``Tensor.record_stream``, ``UntypedStorage.resize_`` (`_patch_storages`);
     * the autograd engine and saved-tensor hooks under the function mode (`_patch_autograd`);
-    * ``torch.compile`` (`_patch_compile`); pinned memory and the profiler (`_patch_host_side`).
+    * pinned memory and the profiler (`_patch_host_side`). (``torch.compile``: `vram.run.compile.backend`.)
     """
     from torch.overrides import _get_current_function_mode_stack
 
@@ -34,7 +33,6 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     _patch_modules(put, simulated)
     _patch_storages(put, simulated, resize, function_mode)
     _patch_autograd(put, function_mode)
-    _patch_compile(put)
     _patch_host_side(put, lambda: function_mode in _get_current_function_mode_stack())
     return restore
 
@@ -178,26 +176,6 @@ def _patch_autograd(put: Put, function_mode: Any) -> None:
     put(torch.autograd, "_engine_run_backward", engine)
     put(autograd_graph, "_engine_run_backward", engine)
     put(autograd_graph.saved_tensors_hooks, "__init__", hooks_init)
-
-
-def _patch_compile(put: Put) -> None:
-    """``torch.compile`` returns the function or module unchanged and says so once on stderr: the
-    run is eager, and so is its memory (a compiled graph fuses ops and usually needs less)."""
-    told: list[bool] = []
-
-    def compile(model: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - torch.compile's name
-        caller = sys._getframe(1).f_code.co_filename
-        library = any(f"{os.sep}{d}{os.sep}" in caller for d in ("site-packages", "dist-packages"))
-        # a library compiling its own helper functions (at import, as DeepSpeed's and litgpt's do) is not
-        # a compiled model: said only for a module, or for what the script itself compiles
-        if not told and (isinstance(model, torch.nn.Module) or not library):
-            told.append(True)
-            sys.stdout.flush()
-            sys.stderr.write("vram run: torch.compile runs eagerly on the simulated GPU, so memory is "
-                             "eager PyTorch's (a compiled graph fuses ops and usually needs less)\n")
-        return model if model is not None else (lambda m: m)
-
-    put(torch, "compile", compile)
 
 
 def _patch_host_side(put: Put, on_mode_stack: Callable[[], bool]) -> None:

@@ -1,0 +1,214 @@
+"""``torch.compile`` under ``vram run``: Dynamo traces the script's code as on a GPU, and each graph
+it hands to the backend is compiled by Inductor for ``cuda`` in the compile process
+(`client.CompileClient`) and run on the simulated GPU (`compiled_graph.CompiledGraph`). Graph
+breaks, guards and recompiles are Dynamo's own.
+
+The run's function mode (which plays ``cuda`` to the script) is on the torch-function mode stack
+while the script runs. Dynamo would trace *into* it (its ``__torch_function__`` is Python) and
+break the graph at every op, so the tracer is given the stack without it
+(``convert_frame.trace_frame``'s ``tf_mode_stack``), while the guard on the mode stack keeps the
+whole stack, as the compiled code runs with the mode on.
+
+What is not modelled is said once on stderr and runs eagerly or as default mode, named: another
+``backend=``, ``mode="reduce-overhead"`` (CUDA graph trees' private pool: the graphs' memory is
+default mode's), ``max-autotune`` (autotuning's kernel choice: default mode's kernels), graphs
+with symbolic sizes, CPU tensor inputs or inputs on several GPUs, what
+`inductor_cuda.runtime_layout` names, and choices Inductor benchmarks while compiling
+(`cuda_process.GUESSED`).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .client import CompileClient, CompileUnavailable
+
+_REAL_COMPILE = torch.compile  # this module is imported before any run patches it
+_MODES = {
+    "reduce-overhead": "CUDA graph trees' private memory pool (reduce-overhead) is not modelled: "
+                       "the compiled graphs' memory is default mode's",
+    "max-autotune": "max-autotune's kernel choice (Triton templates benchmarked against cuBLAS) and its CUDA "
+                    "graphs are not modelled: the compiled graphs' memory is default mode's",
+    "max-autotune-no-cudagraphs": "max-autotune's kernel choice (Triton templates benchmarked against cuBLAS) is "
+                                  "not modelled: the compiled graphs' memory is default mode's",
+}
+
+
+class Notices:
+    """Each notice said once per run, on stderr."""
+
+    def __init__(self) -> None:
+        self.said: set[str] = set()
+
+    def say(self, text: str) -> None:
+        if text not in self.said:
+            self.said.add(text)
+            sys.stdout.flush()
+            sys.stderr.write(f"vram run: {text}\n")
+
+
+def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dict[str, Any]) -> dict[str, Any]:
+    """What the compile process needs for `gm` (`worker.compile_request`): a copy of the graph with
+    the simulated devices retargeted to ``cuda:0``, its nodes pickled (`graph_transport`); the
+    inputs' sizes, strides, dtypes, ``requires_grad`` and whether each is a parameter; the ambient
+    CUDA autocast and grad mode."""
+    import pickle
+
+    from .graph_transport import graph_nodes
+    from .inductor_cuda import retarget
+
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = torch.fx.GraphModule(gm, graph)
+    retarget(copy, "vramsim")
+    inputs = [(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), bool(t.requires_grad),
+               isinstance(t, torch.nn.Parameter)) for t in example_inputs]
+    autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    return {"graph": pickle.dumps(graph_nodes(copy.graph)), "code": copy.code, "inputs": inputs,
+            "autocast": str(autocast).removeprefix("torch.") if autocast is not None else None,
+            "grad": torch.is_grad_enabled(), "major": card["major"], "minor": card["minor"]}
+
+
+def make_backend(client: CompileClient, notices: Notices) -> Callable[..., Any]:
+    """The Dynamo backend: each graph compiled in the compile process, else run as traced (eagerly),
+    with the reason said."""
+    from .compiled_graph import CompiledGraph
+
+    graphs: dict[str, CompiledGraph] = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        if not all(isinstance(t, torch.Tensor) for t in example_inputs):
+            notices.say("a compiled graph with symbolic sizes (dynamic shapes) is not modelled: it runs eagerly")
+            return gm.forward
+        if any(t.device.type != "vramsim" for t in example_inputs):
+            notices.say("a compiled graph with CPU tensors among its inputs is not modelled: it runs eagerly")
+            return gm.forward
+        indices = {t.device.index or 0 for t in example_inputs}
+        if len(indices) > 1:
+            notices.say("a compiled graph with inputs on several GPUs is not modelled: it runs eagerly")
+            return gm.forward
+        try:
+            request = graph_request(gm, example_inputs, client.card)
+        except ValueError as e:
+            notices.say(f"a compiled graph is not modelled ({e}): it runs eagerly")
+            return gm.forward
+        try:
+            answer = client.compile(request)
+        except CompileUnavailable as e:
+            notices.say(f"torch.compile runs eagerly on the simulated GPU ({e}), so memory is eager PyTorch's")
+            return gm.forward
+        if "sources" not in answer:
+            reason = answer.get("not_modelled") or answer.get("error")
+            notices.say(f"a compiled graph is not modelled ({reason}): it runs eagerly")
+            return gm.forward
+        for guess in answer.get("guessed", []):
+            notices.say(guess)
+        index = indices.pop() if indices else torch.cuda.current_device()
+        key = request["code"] + repr((request["inputs"], request["autocast"], request["grad"], index))
+        if key not in graphs:
+            graphs[key] = CompiledGraph(answer, index)
+        return graphs[key]
+
+    return backend
+
+
+def _import_dynamo() -> None:
+    """``torch._dynamo`` imported as on a GPU: its tables of constant types name the real
+    ``torch.device`` (the run plays a stand-in class, `vram.run.cuda.stand_ins`)."""
+    stand_ins = torch.device, torch.Generator
+    torch.device, torch.Generator = torch._C.device, torch._C.Generator  # type: ignore[misc]
+    try:
+        from torch._dynamo import utils
+    finally:
+        torch.device, torch.Generator = stand_ins  # type: ignore[misc]
+    utils.common_constant_types.add(torch._C.device)  # in case it was imported earlier in the run
+
+
+def _untraced_mode_stack(put: Callable[[Any, str, Any], None], mode: Any) -> None:
+    """Dynamo's tracer without the run's function mode (see the module docstring)."""
+    _import_dynamo()
+    from torch._dynamo import convert_frame
+
+    original = convert_frame.trace_frame
+
+    def trace_frame(code: Any, globals_: Any, locals_: Any, builtins: Any, closure: Any, compiler_fn: Any,
+                    tf_mode_stack: list[Any], *args: Any, **kwargs: Any) -> Any:
+        kept = [m for m in tf_mode_stack if m is not mode]
+        stand_ins = torch.device, torch.Generator
+        torch.device, torch.Generator = torch._C.device, torch._C.Generator  # Dynamo knows the real classes
+        try:
+            output = original(code, globals_, locals_, builtins, closure, compiler_fn, kept, *args, **kwargs)
+        finally:
+            torch.device, torch.Generator = stand_ins  # type: ignore[misc]
+        if output.output_graph is not None:
+            output.output_graph.torch_function_mode_stack = list(tf_mode_stack)  # guarded as it runs
+        return output
+
+    put(convert_frame, "trace_frame", trace_frame)
+    # the simulation's own frames (the mode, the stand-ins), entered from code Dynamo runs eagerly,
+    # are not the script's: Dynamo leaves them alone, as it does torch's (trace_rules.SKIP_DIRS)
+    from torch._dynamo import trace_rules
+
+    skipped = [*trace_rules.SKIP_DIRS, str(Path(__file__).parents[2]) + os.sep]
+    put(trace_rules, "SKIP_DIRS", skipped)
+    trace_rules._recompile_re()
+
+
+def install(mode: Any, props: Any) -> Callable[[], None]:
+    """Put the modelled ``torch.compile`` in place for a run whose function mode is `mode` on a card
+    of properties `props`; returns what ends it (the patches, the compile process, Dynamo's caches
+    of the graphs compiled for this run)."""
+    import vram.frontend.memory as frontend
+
+    from ..cuda.stand_ins import attribute_patches
+
+    put, restore = attribute_patches()
+    card = {"major": props.major, "minor": props.minor, "name": props.name, "total_memory": props.total_memory,
+            "multi_processor_count": props.multi_processor_count, "l2_cache_size": props.L2_cache_size}
+    real_compile = _REAL_COMPILE
+    client, notices = CompileClient(card), Notices()
+    ready: list[Callable[..., Any]] = []
+
+    def compile(model: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - torch.compile's name
+        caller = sys._getframe(1).f_code.co_filename
+        library = any(f"{os.sep}{d}{os.sep}" in caller for d in ("site-packages", "dist-packages"))
+        said = isinstance(model, torch.nn.Module) or not library  # a library's helpers: not a compiled model
+        backend = kwargs.pop("backend", "inductor")
+        reason = ("triton is not installed (pip install 'vram[compile]')" if find_spec("triton") is None else
+                  None if backend == "inductor" else f"backend={backend!r} is not modelled")
+        if reason is not None:
+            if said:
+                notices.say(f"torch.compile runs eagerly on the simulated GPU ({reason}), so memory is eager "
+                            "PyTorch's (a compiled graph fuses ops and usually needs less)")
+            return model if model is not None else (lambda m: m)
+        if kwargs.get("mode") in _MODES:
+            notices.say(_MODES[kwargs["mode"]])
+        if kwargs.pop("options", None):
+            notices.say("torch.compile's options= are not modelled: the compiled graphs are default mode's")
+        kwargs.pop("mode", None)
+        if not ready:
+            _untraced_mode_stack(put, mode)
+            put(frontend.Stream, "device", property(lambda s: torch.device("cuda", s.device_index)))
+            ready.append(make_backend(client, notices))
+        return real_compile(model, backend=ready[0], **kwargs) if model is not None else (
+            lambda m: real_compile(m, backend=ready[0], **kwargs))
+
+    put(torch, "compile", compile)
+
+    def end() -> None:
+        restore()
+        if ready:
+            from torch._dynamo import trace_rules
+
+            trace_rules._recompile_re()
+        client.close()
+        if ready:
+            torch._dynamo.reset()
+
+    return end

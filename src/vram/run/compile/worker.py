@@ -1,0 +1,130 @@
+"""The compile process: ``python -m vram.run.compile.worker CARD_JSON``, started once per ``vram run``
+by `vram.run.compile.client` and reused for every graph Dynamo hands to ``torch.compile``'s backend.
+
+It makes itself a process where Inductor compiles for ``cuda`` (`cuda_process.prepare`, with the
+simulated card's properties), then answers requests read from stdin, one length-prefixed pickle
+each: a Dynamo graph (its nodes, `graph_transport`, devices already ``cuda:0``), the example
+inputs' metadata, the ambient CUDA autocast and grad mode. The answer is the generated wrappers'
+sources (forward, then backward when the graph trains), AOTAutograd's runtime layout of the
+forward's outputs (`inductor_cuda.runtime_layout`), the SDPA kernels chosen and each Triton
+kernel's autotuning configs (`autotune.kernel_configs`); or the named reason it is not modelled.
+Anything the compile prints goes to stderr: stdout carries answers only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import sys
+import traceback
+from typing import IO, Any
+
+_HEADER = struct.Struct("<Q")
+
+
+def write_frame(stream: IO[bytes], value: Any) -> None:
+    """One length-prefixed pickle."""
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def read_frame(stream: IO[bytes]) -> Any:
+    """The next length-prefixed pickle; EOFError when the other side closed."""
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EOFError
+    (size,) = _HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)  # noqa: S301 - the parent vram run process, same user
+
+
+class _ExampleValues:
+    """Each node's value on fake tensors, ``requires_grad`` kept, in ``meta["example_value"]`` as
+    Dynamo leaves it (``FakeTensorProp`` stores detached snapshots: no ``requires_grad``, which
+    SDPA's routing reads)."""
+
+    def __init__(self, gm: Any) -> None:
+        import torch
+
+        class Interpreter(torch.fx.Interpreter):
+            def run_node(self, node: Any) -> Any:
+                value = super().run_node(node)
+                node.meta["example_value"] = value
+                return value
+
+        self.interpreter = Interpreter(gm)
+
+    def run(self, *args: Any) -> Any:
+        return self.interpreter.run(*args)
+
+
+def compile_request(request: dict[str, Any]) -> dict[str, Any]:
+    """Compile one graph (see the module docstring)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .autotune import kernel_configs
+    from .graph_transport import graph_module
+    from .inductor_cuda import NotModelled, compile_for_cuda, fake_inputs, route_sdpa
+
+    gm = graph_module(pickle.loads(request["graph"]))  # noqa: S301 - the parent vram run process, same user
+    inputs = [torch.nn.Parameter(torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device="meta"))
+              if is_param else torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device="meta")
+              .requires_grad_(requires_grad)
+              for shape, stride, dtype, requires_grad, is_param in request["inputs"]]
+    autocast = getattr(torch, request["autocast"]) if request["autocast"] else None
+    from .cuda_process import GUESSED
+
+    GUESSED.clear()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    layout: dict[str, Any] = {}
+    try:
+        with torch.set_grad_enabled(request["grad"]):
+            with mode:
+                _ExampleValues(gm).run(*fake_inputs(inputs, mode))
+            backends = route_sdpa(gm, autocast, request["major"], request["minor"])
+            for node in gm.graph.nodes:  # the compile makes its own fake tensors, in its own mode
+                node.meta.pop("example_value", None)
+            sources = compile_for_cuda(gm, inputs, autocast, layout)
+    except NotModelled as e:
+        return {"not_modelled": str(e)}
+    if layout.get("not_modelled"):
+        return {"not_modelled": ", ".join(layout["not_modelled"])}
+    kernels = {name: info for source in sources for name, info in kernel_configs(source).items()}
+    return {"sources": sources, "layout": layout, "backends": backends, "kernels": kernels,
+            "guessed": sorted(GUESSED)}
+
+
+def main(argv: list[str]) -> int:
+    card = json.loads(argv[0])
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # what the compile prints goes to stderr
+    sys.stdout = sys.stderr
+    from . import cuda_process
+
+    requests = sys.stdin.buffer
+    try:
+        cuda_process.prepare(**card)
+    except Exception as e:  # the parent says why, once, and runs eagerly
+        write_frame(answers, {"setup_error": f"{type(e).__name__}: {e}"})
+        return 1
+    write_frame(answers, {"ready": True})
+    while True:
+        try:
+            request = read_frame(requests)
+        except EOFError:
+            return 0
+        try:
+            answer = compile_request(request)
+        except Exception as e:
+            traceback.print_exc()
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        write_frame(answers, answer)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
