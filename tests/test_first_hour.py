@@ -348,3 +348,26 @@ def test_the_placeholder_report_is_not_a_paragraph_about_generate() -> None:
                                                                    "expression": "loss.item()"})()
     text = report.render()
     assert "loss.item()" in text and "generate()" not in text and "Mamba" not in text
+
+
+def test_long_work_off_a_terminal_prints_plain_lines(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Off a terminal (a log, CI, a notebook) progress is a plain line after 5 s, then at most one
+    every 10 s, and the last; work that ends sooner prints nothing."""
+    from vram.cli import progress
+
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
+    quick = progress.Progress("explaining", unit="replays")
+    for done in range(1, 11):
+        clock[0] += 0.4
+        quick(done, 10)
+    assert capsys.readouterr().err == ""
+    clock[0] = 0.0
+    slow = progress.Progress("explaining", unit="replays")
+    for done in range(1, 31):
+        clock[0] += 1.0
+        slow(done, 30)
+    assert capsys.readouterr().err.splitlines() == [
+        "explaining: 16% (5/30 replays, 5 s)", "explaining: 50% (15/30 replays, 15 s)",
+        "explaining: 83% (25/30 replays, 25 s)", "explaining: 100% (30/30 replays, 30 s)"]
