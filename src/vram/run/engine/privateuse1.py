@@ -30,7 +30,7 @@ from vram.run.memory.storages import ChargedStorage, SimState
 from vram.run.values import known
 from vram.run.values.placeholders import describe, needs_data, value_error
 
-from . import formulas, lazy, native, views
+from . import formulas, lazy, meta_cache, native, views
 from .cuda_ops import cuda_kernel_ops
 from .dlpack import new_storage
 from .function_mode import FunctionMode
@@ -265,10 +265,17 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
         return args[1]
     if op in _SET_SOURCE:  # onto another simulated storage: the CPU kernel, which allocates nothing
         return op._op_dk(_CPU, *args, **kwargs)
-    margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
     computed, computed_assumed = None, False
+    key = meta_cache.key(op, args, kwargs, NAME)
+    seen = meta_cache.lookup(key)
+    if seen is not None:
+        margs, mkwargs, out = seen
+    else:
+        margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
     try:
-        out = _grouped_mm.CUDA_META.get(op, op)(*margs, **mkwargs)  # CUDA's output where the meta kernel's differs
+        if seen is None:
+            out = _grouped_mm.CUDA_META.get(op, op)(*margs, **mkwargs)  # CUDA's output where the meta kernel's differs
+            meta_cache.remember(key, margs, mkwargs, out)
     except (RuntimeError, NotImplementedError) as e:
         if not needs_data(e):
             raise
