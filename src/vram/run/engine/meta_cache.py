@@ -13,7 +13,9 @@ the op ran the first time (an in-place op's input as the op left it), which the 
 A call is remembered only when all of it is known here: an aten op that draws no random numbers,
 simulated dense tensors, and arguments of plain types (numbers, strings, dtypes, devices, lists
 of these). A host or meta tensor (a meta kernel may read a CPU tensor's values), a generator or
-anything else sends the call to its meta kernel each time; so does a call that raised.
+anything else sends the call to its meta kernel each time; so does a call that raised. A
+warning a meta kernel gives (``out=`` resized) comes the first time only. `tests/test_meta_cache.py`
+compares a training step's allocations with and without it.
 """
 from __future__ import annotations
 
