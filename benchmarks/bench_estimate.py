@@ -1,30 +1,34 @@
 """`vram.estimate` speed on a GPT-2-small-sized training step.
 
-Run: ``python3 benchmarks/bench_estimate.py`` (``--profile`` adds a cProfile listing, ``--batch`` /
-``--seq`` change the step). One process, one thread (``torch.set_num_threads(1)``); pin it to a
-core with ``taskset -c 0`` to measure "one core". Prints:
+Run: ``python3 benchmarks/bench_estimate.py`` (``--profile`` adds a cProfile listing, with the
+backward on the calling thread where cProfile sees it; ``--rounds`` sets the split's rounds;
+``--batch`` / ``--seq`` change the step). One process, one thread (``torch.set_num_threads(1)``);
+times are CPU seconds of the process (``time.process_time``, the autograd engine's device thread
+included), since the machine is shared. Prints:
 
 1. cold: the first `estimate` in a fresh process — includes one-time imports torch makes on first
-   use of meta kernels (``torch._dynamo``, ``torch._refs``), about a second;
+   use of meta kernels (``torch._dynamo``, ``torch._refs``) and the first run of each distinct
+   op's meta kernel;
 2. warm: `estimate` again (fp32 + AdamW, bf16 autocast + AdamW, + activation checkpointing): the
    cost of an estimate in a process that has already run one (best of 3);
-3. where the time goes, for the fp32 step (3 iterations): the same step on plain ``meta`` tensors
-   with no simulation (torch's own shape inference — roughly the floor; SDPA takes its math path
-   there, a few more ops than the simulated CUDA kernel), under ``simulated_cuda`` without
-   `estimate`'s tracking (+ the two modes and the allocator), and `estimate` (+ tracking, model
-   build and the report's bookkeeping).
+3. where the time goes, for the fp32 step (3 iterations), in alternating rounds: the same step on
+   plain ``meta`` tensors with no simulation (torch's own shape inference; SDPA takes its math
+   path there, a few more ops than the simulated CUDA kernel), under ``simulated_cuda`` without
+   `estimate`'s tracking, `estimate`, and `estimate` with every op's meta kernel run
+   (`vram.run.engine.meta_cache` off: the baseline), with the ratios.
 
-Measured (Python 3.11.7, torch 2.13.0 CPU, one core of the 2-core CI-sized machine, idle): cold
-1.88 s (of which ~1.25 s is ``import torch._dynamo``, which torch does on the first dispatch to a
-Python meta kernel); warm fp32 0.70 s, bf16 0.77 s, bf16 + checkpoint 1.03 s; the split 0.54 s
-plain meta / 0.63 s simulated / 0.70 s estimate. Under cProfile about half of all time is torch's
-Python meta kernels and decompositions (``torch._prims_common``, ``torch._refs``, symbolic-shape
-helpers), ~9 % pytree flattening, ~7 % `vram.run.runtime`'s modes, ~7 % the allocator, ~1 % tracking.
-Re-measured 2026-11-21 on the same kind of machine, busier, alternating with the previous
-session's code: this code cold 2.01–3.07 s, warm fp32 0.80–0.87 s, bf16 0.87–0.99 s, bf16 +
-checkpoint 1.18–1.49 s; the previous code cold 2.19–2.27 s, warm 0.73–0.83 s — run-to-run noise of
-the machine, no regression. The cold excess over 2 s is torch's one-time dynamo import (which the
-optimizer's ``zero_grad``, wrapped by ``torch._disable_dynamo``, triggers on a GPU run too).
+Measured 2026-11-27 (Python 3.11.7, torch 2.13.0 CPU, the 2-core machine under a load average of
+8–12 from other jobs), fresh processes alternating the code before remembered meta runs
+(b20a316) and after, the same script, A B A B: warm fp32 4.67 / 5.11 s before, 2.25 / 2.28 s
+after (0.46x); bf16 6.53 / 5.74 -> 2.49 / 3.07 s; bf16 + checkpoint 8.28 / 8.13 -> 4.23 / 3.43 s;
+cold 8.45 / 8.83 -> 5.98 / 5.84 s. The split: estimate / plain meta 2.39x / 2.26x before, 0.72x /
+0.90x after; estimate / every meta kernel run (same process) 0.36x / 0.45x. Plain meta itself
+took 2.2–2.5 s at that load (0.54 s idle in the earlier measurement on the meta engine), so
+1 s is not measurable in absolute terms there; at the idle machine's 0.54 s the ratio puts a warm
+estimate near 0.4–0.5 s. Before, about half of all time was torch's Python meta kernels, which
+torch 2.13 registers at the Meta key over the C++ structured ones (``activate_meta``); a call
+seen before now skips them, and what remains is the engine's own per-op Python (details and the
+exactness check: benchmarks/README.md).
 
 The model (`gpt2_small`) is GPT-2 small as nanoGPT writes it: 12 layers, d_model 768, 12 heads,
 vocabulary 50,257, 1,024 positions, tied embedding / LM head, causal SDPA, tanh GELU (124.4 M
