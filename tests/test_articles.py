@@ -401,6 +401,7 @@ def gpt2_xl_checkpoint() -> Iterator[str]:
         yield path
 
 
+@pytest.mark.slow
 def test_raschka_sequential_weight_loading(gpt2_xl_checkpoint: str) -> None:
     printed = []
     with simulated_cuda(**A100_80):
@@ -420,6 +421,7 @@ def test_raschka_sequential_weight_loading(gpt2_xl_checkpoint: str) -> None:
     assert f"{sum(t.nbytes for t in state_dict.values()) / 1024**3:.1f}" == "6.3"
 
 
+@pytest.mark.slow
 def test_raschka_load_state_dict_to_device(gpt2_xl_checkpoint: str) -> None:
     with simulated_cuda(**A100_80):
         device = torch.device("cuda")

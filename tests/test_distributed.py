@@ -245,6 +245,7 @@ def test_launcher_runs_each_rank_and_summarises(tmp_path: Path) -> None:
     assert not (tmp_path / "snap.pickle").exists()
 
 
+@pytest.mark.slow
 def test_launcher_simulates_only_the_ranks_asked_for(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.replace('"snap.pickle"', '"one.pickle"').split("if dist.get_rank() == 1")[0])

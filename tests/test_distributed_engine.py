@@ -70,6 +70,7 @@ def test_a_ddp_rank_takes_the_gpus_formulas(single: dict[str, int]) -> None:
     assert re.search(r"^\s+1\s+0\s+cuda:1\s+" + f"{single['peak'] + FULL:,}", r.stdout, re.M)
 
 
+@pytest.mark.slow
 def test_the_meta_engine_stays_selectable_and_takes_the_subclass_formulas(single: dict[str, int]) -> None:
     r = _vram("--backend", "meta", "--nproc-per-node", "2", "--ranks", "1", str(PROGRAM))
     assert r.returncode == 0, r.stdout + r.stderr

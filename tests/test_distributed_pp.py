@@ -50,7 +50,8 @@ def _peaks(stdout: str) -> dict[tuple[int, str], int]:
     return peaks
 
 
-@pytest.mark.parametrize("how, stages", [((), 2), (("--tracer",), 2), ((), 4)],
+@pytest.mark.parametrize("how, stages", [pytest.param((), 2, marks=pytest.mark.slow), (("--tracer",), 2),
+                                         pytest.param((), 4, marks=pytest.mark.slow)],
                          ids=["PipelineStage", "pipeline", "4-stages"])
 def test_1f1b_holds_fewer_microbatches_than_gpipe_by_the_schedules_rules(how: tuple[str, ...], stages: int) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
@@ -103,6 +104,7 @@ else:
 """
 
 
+@pytest.mark.slow
 def test_a_waiting_receiver_gets_its_sender_started_beyond_jobs(tmp_path: Path) -> None:
     script = tmp_path / "p2p.py"
     script.write_text(P2P_SCRIPT)

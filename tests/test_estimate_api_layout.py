@@ -27,6 +27,7 @@ def programs(monkeypatch: pytest.MonkeyPatch) -> Any:
     return tiny_stack
 
 
+@pytest.mark.slow
 def test_fsdp_layout_from_python_equals_the_run_by_hand(programs: Any) -> None:
     got = vram.estimate(programs.stack, torch.Size([64, 256]), layout={"fsdp": 2})
     assert got.layout == Layout(fsdp=2) and sorted(got.coords) == [0, 1]

@@ -63,7 +63,7 @@ def tracker(mode: str, nproc: int) -> int:
 
 
 @pytest.mark.parametrize("mode, flags, nproc", [
-    ("fsdp", ["--fsdp", "2"], 2), ("hsdp", ["--ddp", "2", "--fsdp", "2"], 4)], ids=["fsdp2", "hsdp-2x2"])
+    ("fsdp", ["--fsdp", "2"], 2), pytest.param("hsdp", ["--ddp", "2", "--fsdp", "2"], 4, marks=pytest.mark.slow)], ids=["fsdp2", "hsdp-2x2"])
 def test_fsdp_estimate_equals_the_run_by_hand_and_fsdp_mem_tracker(mode: str, flags: list[str], nproc: int) -> None:
     got = estimate(*INPUT, *flags)
     assert got["layout"]["world_size"] == nproc
@@ -89,7 +89,7 @@ TP = ["--tp-plan", "tiny_stack:tp_plan"]
 
 
 @pytest.mark.parametrize("mode, flags, nproc", [
-    ("tp", ["--tp", "2", *TP], 2), ("fsdp_tp", ["--fsdp", "2", "--tp", "2", *TP], 4)], ids=["tp2", "fsdp2-x-tp2"])
+    ("tp", ["--tp", "2", *TP], 2), pytest.param("fsdp_tp", ["--fsdp", "2", "--tp", "2", *TP], 4, marks=pytest.mark.slow)], ids=["tp2", "fsdp2-x-tp2"])
 def test_tp_estimate_equals_the_run_by_hand_and_mem_tracker(mode: str, flags: list[str], nproc: int) -> None:
     """Colwise/Rowwise ``parallelize_module`` (and FSDP2 over it on a (dp_shard, tp) mesh): the
     estimate, the loop by hand and MemTracker (TP) or FSDPMemTracker (FSDP over TP) agree on every
@@ -108,6 +108,7 @@ def test_tp_estimate_equals_the_run_by_hand_and_mem_tracker(mode: str, flags: li
     assert est["categories"]["parameters"] == 4 * sum(-(-4 * n // dp // 512) * 512 for n in block)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_estimate_equals_the_run_by_hand() -> None:
     """``tiny_stack.sp_plan`` (SequenceParallel norms, Colwise from the gathered sequence, Rowwise
     reduce-scattered back) over ``norm_stack``: the estimate equals the loop by hand on both ranks.
@@ -123,6 +124,7 @@ def test_sequence_parallel_estimate_equals_the_run_by_hand() -> None:
     assert got["estimates"]["0"]["categories"]["parameters"] == 4 * sum(4 * n for n in block)
 
 
+@pytest.mark.slow
 def test_pp_estimate_equals_the_run_by_hand() -> None:
     """``pipeline()`` split at the blocks, one stage per rank, 4 micro-batches of 128: each stage's
     peaks equal the schedule written by hand, for both schedules. 1F1B's first stage holds fewer
@@ -139,6 +141,7 @@ def test_pp_estimate_equals_the_run_by_hand() -> None:
     assert peaks["1F1B"] < peaks["GPipe"]
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(reason="on the one engine, batch 1 of this FSDP2 stack peaks at 247,463,936 B reserved per rank, "
                           "which with NCCL's 484 MiB exceeds the 700 MiB card, so the search finds no batch; where "
                           "that peak comes from is not yet explained", strict=True)
@@ -172,6 +175,7 @@ def test_pp_refuses_a_model_without_a_top_level_module_list() -> None:
     assert "cannot be split" in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, flags, batch, extra", [
     ("ddp", ["--ddp", "2"], 1024, []),
     ("fsdp", ["--fsdp", "2"], 1024, []),

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from vram.run.kernels import blas as _cublas
 from vram.run.kernels import cudnn as _cudnn
@@ -30,7 +30,7 @@ from vram.run.memory.storages import ChargedStorage, SimState
 from vram.run.values import known
 from vram.run.values.placeholders import describe, needs_data, value_error
 
-from . import formulas, lazy, native, views
+from . import formulas, lazy, meta_cache, native, op_info, views
 from .cuda_ops import cuda_kernel_ops
 from .dlpack import new_storage
 from .function_mode import FunctionMode
@@ -234,11 +234,12 @@ def _on_meta(t: Any) -> Any:
     return t
 
 
-def _device(args: Any, kwargs: dict[str, Any]) -> int:
-    for a in list(args) + list(kwargs.values()):
-        for t in a if isinstance(a, (list, tuple)) else (a,):
-            if isinstance(t, torch.Tensor) and t.device.type == NAME:
-                return known.engine_index(t.device.index or 0)
+def _device(inputs: list[torch.Tensor], kwargs: dict[str, Any]) -> int:
+    """The simulated GPU an op runs on: its first simulated tensor's, else its ``device``, else
+    the current one."""
+    for t in inputs:
+        if t.device.type == NAME:
+            return known.engine_index(t.device.index or 0)
     from vram.frontend import memory as _memory
 
     d = kwargs.get("device")
@@ -265,10 +266,17 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
         return args[1]
     if op in _SET_SOURCE:  # onto another simulated storage: the CPU kernel, which allocates nothing
         return op._op_dk(_CPU, *args, **kwargs)
-    margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
     computed, computed_assumed = None, False
+    key = meta_cache.key(op, args, kwargs, NAME)
+    seen = meta_cache.lookup(key)
+    if seen is not None:
+        margs, mkwargs, out = seen
+    else:
+        margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
     try:
-        out = _grouped_mm.CUDA_META.get(op, op)(*margs, **mkwargs)  # CUDA's output where the meta kernel's differs
+        if seen is None:
+            out = _grouped_mm.CUDA_META.get(op, op)(*margs, **mkwargs)  # CUDA's output where the meta kernel's differs
+            meta_cache.remember(key, margs, mkwargs, out)
     except (RuntimeError, NotImplementedError) as e:
         if not needs_data(e):
             raise
@@ -278,34 +286,31 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
             what = describe(sim.call) if sim.call is not None else f"{op}"
             raise value_error(what, f"{op} has no meta kernel" if "no fake impl" in str(e) else "") from None
         out = known.meta_outputs(computed)
-    name = op.overloadpacket.__name__
+    info = op_info.of(op)
+    name = info.name
     out = _cudnn.cudnn_batch_norm_outputs(name, margs, out)
     single = not isinstance(out, tuple)
     outs = [out] if single else list(out)
     if _sparse.sparse_layout(outs):
         raise NotImplementedError(_sparse.sparse_message(describe(sim.call) if sim.call is not None else f"{op}"))
-    schema = op._schema
-    values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
     results: list[Any] = list(outs)
-    for i, (ret, o) in enumerate(zip(schema.returns, outs)):
-        alias = ret.alias_info
+    for i, (alias, o) in enumerate(zip(info.returns, outs)):
         if alias is None or not isinstance(o, (torch.Tensor, list)):
             continue
-        src = next(v for a, v in zip(schema.arguments, values)
-                   if a.alias_info is not None and set(a.alias_info.before_set) & set(alias.before_set))
+        src = info.source(i, args, kwargs)
         if alias.is_write:
             results[i] = src
         elif isinstance(o, list):
             results[i] = [views.view_of(src, m) for m in o]
         else:
             results[i] = views.view_of(src, o)
-    idx = _device(args, kwargs)
-    _charge(sim, op, name, idx, margs, mkwargs, outs, results)
+    inputs = op_info.tensors(args, kwargs)
+    idx = _device(inputs, kwargs)
+    _charge(sim, info, idx, margs, mkwargs, outs, results)
     for i, o in enumerate(outs):  # outputs the kernel's plan leaves out live on the host (SDPA's
         if results[i] is o and isinstance(o, torch.Tensor):  # philox seed and offset)
             results[i] = torch.zeros(o.shape, dtype=o.dtype)
     final = results[0] if single else tuple(results)
-    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     known.propagate(sim, op, args, kwargs, final, inputs, computed, computed_assumed)
     return final
 
@@ -339,16 +344,17 @@ def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> Non
     dst.copy_(value)
 
 
-def _charge(sim: BackendState, op: Any, name: str, idx: int, margs: Any, mkwargs: Any, outs: list[Any],
+def _charge(sim: BackendState, info: op_info.OpInfo, idx: int, margs: Any, mkwargs: Any, outs: list[Any],
             results: list[Any]) -> None:
+    name = info.name
     props = sim.props[idx]
     plan = _plan.op_plan(name, margs, outs, props.multi_processor_count, props.max_threads_per_multi_processor,
                       (props.major, props.minor))
-    returns = op._schema.returns
+    returns = info.returns
 
     def on_out(arg: int) -> None:
         if arg < len(outs) and arg < len(returns):  # a void op (``_amp_foreach_*_``) has none
-            _materialise(sim, returns[arg].alias_info, outs, results, arg, idx)
+            _materialise(sim, returns[arg], outs, results, arg, idx)
 
     sim.run_plan(idx, plan, name in _cublas.CUBLAS_OPS, on_out, lambda: _blas(sim, idx, name, margs, mkwargs, results))
 
