@@ -112,7 +112,8 @@ def _figures(out: str) -> dict[str, dict[int, int]]:
 @pytest.mark.parametrize("args, nproc, ranks", [
     ((), 2, [0, 1]),
     pytest.param(("--checkpoint",), 2, [0, 1], marks=pytest.mark.slow),
-    pytest.param(("--fsdp", "2"), 4, [0, 3], marks=pytest.mark.slow),        # mesh (dp=2, tp=2): ranks 0 and 3 differ in both coordinates
+    # mesh (dp=2, tp=2): ranks 0 and 3 differ in both coordinates
+    pytest.param(("--fsdp", "2"), 4, [0, 3], marks=pytest.mark.slow),
 ], ids=["tp-sp", "tp-sp-checkpoint", "fsdp2-x-tp"])
 def test_tp_sp_transformer_step_matches_mem_tracker(args: tuple[str, ...], nproc: int, ranks: list[int]) -> None:
     tracker = _figures(_run([sys.executable, str(PROGRAMS / "tp_transformer.py"), "--tracker", *args]))

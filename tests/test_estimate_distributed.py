@@ -63,7 +63,8 @@ def tracker(mode: str, nproc: int) -> int:
 
 
 @pytest.mark.parametrize("mode, flags, nproc", [
-    ("fsdp", ["--fsdp", "2"], 2), pytest.param("hsdp", ["--ddp", "2", "--fsdp", "2"], 4, marks=pytest.mark.slow)], ids=["fsdp2", "hsdp-2x2"])
+    ("fsdp", ["--fsdp", "2"], 2),
+    pytest.param("hsdp", ["--ddp", "2", "--fsdp", "2"], 4, marks=pytest.mark.slow)], ids=["fsdp2", "hsdp-2x2"])
 def test_fsdp_estimate_equals_the_run_by_hand_and_fsdp_mem_tracker(mode: str, flags: list[str], nproc: int) -> None:
     got = estimate(*INPUT, *flags)
     assert got["layout"]["world_size"] == nproc
@@ -89,7 +90,8 @@ TP = ["--tp-plan", "tiny_stack:tp_plan"]
 
 
 @pytest.mark.parametrize("mode, flags, nproc", [
-    ("tp", ["--tp", "2", *TP], 2), pytest.param("fsdp_tp", ["--fsdp", "2", "--tp", "2", *TP], 4, marks=pytest.mark.slow)], ids=["tp2", "fsdp2-x-tp2"])
+    ("tp", ["--tp", "2", *TP], 2),
+    pytest.param("fsdp_tp", ["--fsdp", "2", "--tp", "2", *TP], 4, marks=pytest.mark.slow)], ids=["tp2", "fsdp2-x-tp2"])
 def test_tp_estimate_equals_the_run_by_hand_and_mem_tracker(mode: str, flags: list[str], nproc: int) -> None:
     """Colwise/Rowwise ``parallelize_module`` (and FSDP2 over it on a (dp_shard, tp) mesh): the
     estimate, the loop by hand and MemTracker (TP) or FSDPMemTracker (FSDP over TP) agree on every
