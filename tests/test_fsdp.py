@@ -47,7 +47,7 @@ def vram_peaks(script: str, *args: str, nproc: int = 2) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("args, extra", [
-    ((), 0), (("--no-reshard", "--foreach"), 0), (("--bf16",), 0),
+    ((), 0), pytest.param(("--no-reshard", "--foreach"), 0, marks=pytest.mark.slow), (("--bf16",), 0),
     # Activation checkpointing: the recomputed forward's addmm runs on the autograd thread, whose
     # cuBLAS handle gets its own cuBLASLt workspace (1 MiB, CUBLASLT_WORKSPACE_SIZE's default;
     # the warm-up's backward made none: it has no addmm). No tracker sees workspaces.
@@ -79,9 +79,9 @@ W, X = 4 * MiB, 32 * KiB     # one unsharded 1024x1024 float32 weight; the 8x102
     # post-forward frees the last AG (_fsdp_state.py).
     ((), W + 2 * W + X, (W + 3 * X, W + 3 * W + 2 * X)),
     # reshard_after_forward=False: layer 0's weight stays through layer 1's copy-out and after
-    (("--no-reshard",), W + 2 * W + X, (W + 2 * W + 3 * X, W + 4 * W + 2 * X)),
+    pytest.param(("--no-reshard",), W + 2 * W + X, (W + 2 * W + 3 * X, W + 4 * W + 2 * X), marks=pytest.mark.slow),
     # set_modules_to_forward_prefetch: layer 1's AG is allocated before layer 0 runs
-    (("--prefetch",), W + 3 * W + X, (W + 3 * X, W + 3 * W + 2 * X)),
+    pytest.param(("--prefetch",), W + 3 * W + X, (W + 3 * X, W + 3 * W + 2 * X), marks=pytest.mark.slow),
     # CPUOffloadPolicy: shards live on the host; all-gather inputs are H2D copies freed before
     # layer 1's copy-out
     (("--offload",), 2 * W + X, (3 * X, 3 * W + 2 * X)),
