@@ -61,6 +61,7 @@ def _probe(setting: str | None) -> tuple[bool, str, str]:
     return active, digest, proc.stderr
 
 
+@pytest.mark.slow  # the mypyc build takes about 5 minutes of CPU
 def test_compiled_allocator_matches_pure_python_byte_for_byte(build: Path) -> None:
     pure = _run([str(WORKLOADS)], None)
     compiled = _run([str(WORKLOADS)], str(build))
@@ -77,6 +78,7 @@ def _copy(build: Path, dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.slow  # the mypyc build takes about 5 minutes of CPU
 def test_not_asked_for_not_used(build: Path) -> None:
     active, _, err = _probe(None)
     assert not active and err == ""
@@ -84,6 +86,7 @@ def test_not_asked_for_not_used(build: Path) -> None:
     assert not active and err == ""
 
 
+@pytest.mark.slow  # the mypyc build takes about 5 minutes of CPU
 @pytest.mark.parametrize("damage, why", [
     ("missing", "no compiled build in"),
     ("sources", "the sources changed since the build in"),
