@@ -51,7 +51,7 @@ def vram_peaks(script: str, *args: str, nproc: int = 2) -> dict[int, int]:
     # Activation checkpointing: the recomputed forward's addmm runs on the autograd thread, whose
     # cuBLAS handle gets its own cuBLASLt workspace (1 MiB, CUBLASLT_WORKSPACE_SIZE's default;
     # the warm-up's backward made none: it has no addmm). No tracker sees workspaces.
-    (("--ac",), 1 << 20),
+    pytest.param(("--ac",), 1 << 20, marks=pytest.mark.slow),
 ], ids=["default", "no-reshard-foreach", "bf16", "activation-checkpointing"])
 def test_fsdp2_peak_matches_fsdp_mem_tracker(args: tuple[str, ...], extra: int) -> None:
     tracker = int(re.findall(r"^peak (\d+)$", _run([sys.executable, str(PROGRAMS / "fsdp2_mlp.py"), "--tracker",

@@ -27,11 +27,11 @@ pytest.importorskip("torch.distributed.fsdp")
 @pytest.mark.parametrize("args, steps", [
     (("--wrap",), 3),
     (("--wrap", "--strategy", "SHARD_GRAD_OP"), 3),
-    (("--wrap", "--strategy", "NO_SHARD"), 3),
+    pytest.param(("--wrap", "--strategy", "NO_SHARD"), 3, marks=pytest.mark.slow),
     pytest.param(("--wrap", "--bf16"), 3, marks=pytest.mark.slow),
     pytest.param(("--wrap", "--no-limit", "--backward-prefetch", "BACKWARD_POST", "--forward-prefetch"), 3,
                  marks=pytest.mark.slow),
-    (("--wrap", "--orig"), 6),
+    pytest.param(("--wrap", "--orig"), 6, marks=pytest.mark.slow),
     pytest.param(("--wrap", "--orig", "--bf16", "--strategy", "SHARD_GRAD_OP"), 6, marks=pytest.mark.slow),
     # One FlatParameter for the whole model: rank 0's half is block 0 and block 1's first weight
     # and part of its bias (6 original parameters); without use_orig_params, one counter.
