@@ -26,14 +26,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _BOOTSTRAP = "_bootstrap_inner"
-_C: Any = torch._C  # its torch-function-state functions have no stubs
+_C: Any = torch._C  # the function-mode stack and state (some without stubs)
 _ENABLED = _C._TorchFunctionState.ENABLED
 _pushed = threading.local()  # per collecting thread: the modes pushed at "start", popped at "stop"
 
 
 def on_stack(mode: TorchFunctionMode) -> bool:
     """Is `mode` on this thread's torch function mode stack?"""
-    return any(torch._C._get_function_stack_at(i) is mode for i in range(torch._C._len_torch_function_stack()))
+    return any(_C._get_function_stack_at(i) is mode for i in range(_C._len_torch_function_stack()))
 
 
 def install(mode: TorchFunctionMode, running: Callable[[], bool]) -> Callable[[], None]:
@@ -57,12 +57,12 @@ def install(mode: TorchFunctionMode, running: Callable[[], bool]) -> Callable[[]
             _C._set_torch_function_state(_ENABLED)  # off for the handler's own calls
             push = not on_stack(mode)
             if push:
-                torch._C._push_on_torch_function_stack(mode)
+                _C._push_on_torch_function_stack(mode)
             stack.append((state, push))
         elif stack and (entry := stack.pop()) is not None:
             state, push = entry
-            if push and torch._C._len_torch_function_stack():
-                torch._C._pop_torch_function_stack()
+            if push and _C._len_torch_function_stack():
+                _C._pop_torch_function_stack()
             _C._set_torch_function_state(state)
 
     setattr(threading.Thread, _BOOTSTRAP, bootstrap_inner)
