@@ -59,7 +59,7 @@ B = 64
 
 @pytest.fixture(scope="module")
 def adam() -> EstimateResult:
-    return estimate(mlp(), torch.empty(B, 1024))
+    return estimate(mlp(), torch.empty(B, 1024), context=0)  # no CUDA context: peak_device_used = reserved
 
 
 def test_mlp_adam_parameters_gradients_state(adam: EstimateResult) -> None:
@@ -247,12 +247,22 @@ def test_factory_that_moves_to_cuda_itself() -> None:
 def test_context_and_oom() -> None:
     r = estimate(mlp(), torch.empty(B, 1024), gpu="24GiB", context="500MiB")
     assert r.peak_device_used == r.peak_reserved + 500 * MiB and r.fits
-    small = estimate(mlp(), torch.empty(B, 1024), gpu="128MiB")
+    small = estimate(mlp(), torch.empty(B, 1024), gpu="128MiB", context=0)
     # 3 x params + workspaces alone exceed 128 MiB: OOM, and the figures are what the step needs
     assert not small.fits and small.oom is not None
     assert small.oom["message"].startswith("CUDA out of memory.")
     assert small.peak_device_used > 128 * MiB
     assert small.categories["parameters"] == PARAMS
+
+
+def test_the_default_context_is_the_measured_one() -> None:
+    # context.txt (H200, CUDA 13.0): 774,701,056 B used after a first matmul, 56,623,104 B of it
+    # reserved by PyTorch: the rest is the context, as `vram estimate`'s --context default
+    r = estimate(mlp(), torch.empty(B, 1024), gpu="24GiB", optimizer="sgd")
+    assert r.context == 774_701_056 - 56_623_104
+    assert r.peak_device_used == r.peak_reserved + 774_701_056 - 56_623_104
+    with pytest.raises(ValueError, match="exceed total_memory: 718,077,952 B of CUDA context"):
+        estimate(mlp(), torch.empty(B, 1024), gpu="128MiB")
 
 
 def test_max_batch_is_the_exact_boundary() -> None:
@@ -263,20 +273,20 @@ def test_max_batch_is_the_exact_boundary() -> None:
         return torch.empty(b, 256, device="meta")
 
     n = 4096
-    # a GPU exactly as large as batch n needs (its reserved peak): n fits by definition, and batch
-    # 2n's live tensors alone (allocated, before any cache) are larger than that GPU
-    gpu = estimate(model, make(n), optimizer="sgd").peak_device_used
-    assert estimate(model, make(2 * n), optimizer="sgd").peak_allocated > gpu
-    assert fits(model, make(n), gpu=gpu, optimizer="sgd")
-    assert not fits(model, make(2 * n), gpu=gpu, optimizer="sgd")
+    # a GPU exactly as large as batch n needs (its reserved peak; no CUDA context): n fits by
+    # definition, and batch 2n's live tensors alone (allocated, before any cache) are larger than that GPU
+    gpu = estimate(model, make(n), optimizer="sgd", context=0).peak_device_used
+    assert estimate(model, make(2 * n), optimizer="sgd", context=0).peak_allocated > gpu
+    assert fits(model, make(n), gpu=gpu, optimizer="sgd", context=0)
+    assert not fits(model, make(2 * n), gpu=gpu, optimizer="sgd", context=0)
     out = io.StringIO()
-    best = max_batch(model, make, gpu=gpu, optimizer="sgd", progress=out)
+    best = max_batch(model, make, gpu=gpu, optimizer="sgd", context=0, progress=out)
     assert n <= best < 2 * n
     # guided by each run's room: fewer runs than doubling to 8192 and bisecting down to it (26)
     assert len(out.getvalue().splitlines()) <= 20
-    assert fits(model, make(best), gpu=gpu, optimizer="sgd")
-    assert not fits(model, make(best + 1), gpu=gpu, optimizer="sgd")
-    assert max_batch(model, make, gpu=64 * MiB) == 0            # 2 cuBLAS workspaces: 64 MiB
+    assert fits(model, make(best), gpu=gpu, optimizer="sgd", context=0)
+    assert not fits(model, make(best + 1), gpu=gpu, optimizer="sgd", context=0)
+    assert max_batch(model, make, gpu=64 * MiB, context=0) == 0  # 2 cuBLAS workspaces: 64 MiB
 
 
 def test_report_and_json(adam: EstimateResult) -> None:
@@ -384,7 +394,7 @@ def test_cli_max_batch(model_file: str, capsys: pytest.CaptureFixture[str]) -> N
     best = obj["max_batch"]
     assert best > 8 and obj["estimate"]["fits"] and obj["estimate"]["inputs"] == [f"{best}x256 float32"]
     model = lambda: nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))  # noqa: E731
-    assert not fits(model, torch.empty(best + 1, 256), gpu="200MiB", optimizer="sgd")
+    assert not fits(model, torch.empty(best + 1, 256), gpu="200MiB", context=0, optimizer="sgd")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -116,17 +116,12 @@ def _pools(alloc: Any) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: (r["pool"], r["stream"]))
 
 
-def _state(ex: Explanation, snap: Mapping[str, Any], stop: int, gpu: int | None, context: int | str) -> None:
-    """Fill in the allocation and fragmentation figures at the state before event `stop`."""
-    state = replay(snap, device=ex.device, stop_at=stop, gpu=gpu, context=context)
-    alloc = state.allocator
-    assert alloc is not None
-    ex.allocated = alloc.stats.allocated_bytes[0].current
-    ex.reserved = alloc.stats.reserved_bytes[0].current
-    trace = (snap.get("device_traces") or [[]] * (ex.device + 1))[ex.device]
-    known = allocation_stacks(snap, trace, stop, ex.device)
+def consumers(snap: Mapping[str, Any], device: int, stop: int, alloc: Any) -> list[dict[str, Any]]:
+    """The live blocks of `alloc` (the state of a replay under the recorded config before event
+    `stop`) grouped by the user's innermost frame of the request that made each, largest first."""
+    trace = (snap.get("device_traces") or [[]] * (device + 1))[device]
+    known = allocation_stacks(snap, trace, stop, device)
     groups: dict[str, list[int]] = {}
-    pending = [0, 0]
     for block in alloc.all_blocks():
         if block.allocated:
             frames = known.get(block.ptr)
@@ -135,13 +130,21 @@ def _state(ex: Explanation, snap: Mapping[str, Any], stop: int, gpu: int | None,
             g = groups.setdefault(label, [0, 0])
             g[0] += block.size
             g[1] += 1
-        elif block.event_count > 0:
-            pending[0] += block.size
-            pending[1] += 1
-    ex.top_consumers = [{"frame": k, "bytes": v[0], "blocks": v[1]}
-                        for k, v in sorted(groups.items(), key=lambda kv: (-kv[1][0], kv[0]))[:TOP]]
+    return [{"frame": k, "bytes": v[0], "blocks": v[1]}
+            for k, v in sorted(groups.items(), key=lambda kv: (-kv[1][0], kv[0]))[:TOP]]
+
+
+def _state(ex: Explanation, snap: Mapping[str, Any], stop: int, gpu: int | None, context: int | str) -> None:
+    """Fill in the allocation and fragmentation figures at the state before event `stop`."""
+    state = replay(snap, device=ex.device, stop_at=stop, gpu=gpu, context=context)
+    alloc = state.allocator
+    assert alloc is not None
+    ex.allocated = alloc.stats.allocated_bytes[0].current
+    ex.reserved = alloc.stats.reserved_bytes[0].current
+    ex.top_consumers = consumers(snap, ex.device, stop, alloc)
+    pending = [b.size for b in alloc.all_blocks() if not b.allocated and b.event_count > 0]
     ex.free_by_pool = _pools(alloc)
-    ex.pending_frees = {"bytes": pending[0], "blocks": pending[1]}
+    ex.pending_frees = {"bytes": sum(pending), "blocks": len(pending)}
     at = ex.at
     if at["kind"] == "oom":
         rounded = round_size(at["size"], alloc.config.roundup_power2_divisions)

@@ -78,7 +78,7 @@ def explanation_html(ex: Any) -> str:
             f"<p>fixes (each replayed through the whole recording):</p><ul>{fixes}</ul></div>")
 
 
-def _rows(result: Any, top: int) -> list[tuple[int, str, str, str, str, str]]:
+def ranked_rows(result: Any, top: int) -> list[tuple[int, str, str, str, str, str]]:
     """The `top` ranked rows, and the default config's wherever it ranks (it is always shown):
     (rank, peak reserved, against the default, OOM, cudaMalloc calls, config)."""
     # the default config, or (when it could not be replayed: see the notes) the first row
@@ -117,7 +117,7 @@ def tune_text(result: Any, top: int = 15) -> str:
                if b.gpu is None else f"{b.gpu:,} B" if isinstance(b.gpu, int) else b.gpu)
         lines.append(f"{_shown(p)}: GPU {gpu} ({_shown(b.why)})")
     lines.append(f"\n{'rank':>4}  {'peak reserved':>14}  {'vs default':>11}  {'OOM':<4} {'cudaMalloc':>10}  config")
-    for k, peak, delta, oom, mallocs, conf in _rows(result, top):
+    for k, peak, delta, oom, mallocs, conf in ranked_rows(result, top):
         lines.append(f"{k:>4}  {peak:>14}  {delta:>11}  {oom:<4} {mallocs:>10}  {conf}")
     lines += [f"note: {_shown(note, 400)}" for note in result.notes]
     best = result.best
@@ -141,7 +141,7 @@ def tune_repr(result: Any) -> str:
 def tune_html(result: Any, top: int = 15) -> str:
     """A notebook's view of a tuning: the ranked configs and the line to paste."""
     rows = "".join(f"<tr><td>{row[0]}</td>" + "".join(f"<td>{escape(c)}</td>" for c in row[1:5])
-                   + f"<td><code>{escape(row[5])}</code></td></tr>" for row in _rows(result, top))
+                   + f"<td><code>{escape(row[5])}</code></td></tr>" for row in ranked_rows(result, top))
     answer = (f"<p>best: <code>{escape(paste_line(result.best['conf']))}</code></p>" if result.best is not None
               else "".join(f"<p>{escape(line)}</p>" for line in _no_fit(result)))
     return (f"<div><table><tr><th>rank</th><th>peak reserved</th><th>vs default</th><th>OOM</th>"

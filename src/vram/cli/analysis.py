@@ -148,9 +148,16 @@ def _tune(args: argparse.Namespace, paths: list[str]) -> int:
 
     if not paths:
         raise ValueError("nothing to tune: give snapshots, or '-- script.py args'")
+    if args.html is not None and len(paths) > 1:
+        raise ValueError("--html takes one snapshot")
     result = tune(paths, gpu=args.gpu, context=args.context,
                   devices=[args.device] * len(paths) if args.device is not None else None,
                   workers=args.jobs, cluster=args.cluster, progress=_progress("tuning"))
+    if args.html is not None:
+        from .html import tune_report
+
+        tune_report(args.html, result, args.device, args.top)
+        print(f"wrote {args.html}", file=sys.stderr)
     print(json.dumps(result.to_json()) if args.json else tune_text(result, args.top))
     return 1 if result.best is None else 0  # EXIT_CODES: 1 is "every config runs out of memory"
 
@@ -183,6 +190,8 @@ def add_parsers(sub: Any, gpu_help: str) -> None:
     p.add_argument("--gpu", help=gpu_help + " (default: from a recorded OOM, else unlimited)")
     p.add_argument("--context", default=None, help=REPLAY_CONTEXT_HELP)
     p.add_argument("--top", type=positive, default=15, help="rows shown (default 15)")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report: the best config's "
+                   "replay (memory over time, segments and live tensors at its peak) and the ranked configs")
     p.add_argument("--jobs", type=positive, default=None, help=JOBS_HELP)
     p.add_argument("--cluster", default=None, help=CLUSTER_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")

@@ -28,6 +28,7 @@ from .defaults import (
     replay_context,
 )
 from .examples import epilog, overview
+from .html import replay_html
 from .progress import Progress as _Progress
 from .reports import label as _label
 from .reports import replay_report, side_names, trace_extent, try_alloc
@@ -66,8 +67,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from vram.replay.engine import device_count, recorded_devices
 
     if len(args.snapshot) > 1:
-        if args.alloc:
-            raise ValueError("--alloc takes one snapshot")
+        if args.alloc or args.html:
+            raise ValueError(f"{'--alloc' if args.alloc else '--html'} takes one snapshot")
         from .analysis import cmd_replay_fleet
         return cmd_replay_fleet(args)
     path = args.snapshot[0]
@@ -94,6 +95,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 objs[-1]["alloc_trial"] = trials[k]
         header = f"device {device}: " if len(devices) > 1 else ""
         reports.append(header + replay_report(path, snap, results, trials))
+    if args.html is not None:
+        replay_html(args, path, cap)
     if args.json:  # one shape for one run and for several: every run in "runs", the first also on top
         print(json.dumps({**objs[0], "runs": objs}))
         return 0
@@ -290,6 +293,7 @@ def _add_replay_parser(sub: Any) -> None:
                         "smaller GPU with expandable segments)")
     p.add_argument("--verify", action="store_true", help="compare event by event with the recording")
     p.add_argument("--alloc", metavar="SIZE", help="after the replay, try allocating SIZE (e.g. 2GiB)")
+    p.add_argument("--html", metavar="FILE", help="also write an HTML report of the replay (one snapshot, one --conf)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--no-cycle-skip", action="store_true",
                    help="replay every event even where a period provably repeats (same results; "

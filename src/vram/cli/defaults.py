@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from vram.devices.gpus import CUDA_CONTEXT
+
 DEFAULT_GPU = "80GiB"
 #: CUDA context after the first cuBLAS kernel, H200 / driver 580 / CUDA 13.0 / torch 2.11 (module doc)
-DEFAULT_CONTEXT = "718077952"
+DEFAULT_CONTEXT = str(CUDA_CONTEXT)
 CONTEXT_HELP = ("CUDA context bytes, counted against the GPU as nvidia-smi shows them besides PyTorch's reserved "
                 "memory (default 718077952 = 684.8 MiB, measured on an H200 with CUDA 13.0 after the first "
                 "cuBLAS kernel; 0 leaves it out)")

@@ -20,7 +20,15 @@ from dataclasses import dataclass, replace
 
 from vram.units import SizeOverflow, parse_size, shown_value
 
-__all__ = ["GpuPreset", "GPU_PRESETS", "gpu_preset", "gpu_memory", "parse_arch", "resolve_gpu"]
+__all__ = ["CUDA_CONTEXT", "GpuPreset", "GPU_PRESETS", "gpu_preset", "gpu_memory", "parse_arch", "resolve_gpu"]
+
+#: The CUDA context's device memory, which nvidia-smi shows besides PyTorch's reserved memory and
+#: which a program cannot allocate: 718,077,952 B (684.8 MiB) measured on an NVIDIA H200 (driver
+#: 580.159.04, CUDA 13.0, torch 2.11.0+cu130; shared/gpu-truth/h200-2026-11-27/context.txt): device
+#: memory used after a first matmul 774,701,056 B, less ``memory_reserved()`` 56,623,104 B. It is the
+#: default of every "will it fit" answer (``vram run``/``estimate`` and `vram.estimate`); it depends
+#: on the driver, CUDA and the kernels loaded (552,402,944 B right after ``torch.cuda.init()``).
+CUDA_CONTEXT = 718_077_952
 
 
 @dataclass(frozen=True)

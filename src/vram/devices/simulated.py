@@ -193,7 +193,8 @@ class SimulatedDevice:
         else:
             others = [OtherProcess(int(p), parse_size(u, "other process memory")) for p, u in other_processes]
         if ctx + sum(o.used for o in others) > total:
-            raise ValueError("context and other processes' memory exceed total_memory")
+            raise ValueError(f"context and other processes' memory exceed total_memory: {ctx:,} B of CUDA context + "
+                             f"{sum(o.used for o in others):,} B > {total:,} B (a context of 0 leaves it out)")
         if event_completion not in ("immediate", "on_sync"):
             raise ValueError(f"event_completion must be 'immediate' or 'on_sync', got {event_completion!r}")
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vram.devices.gpus import GpuPreset, resolve_gpu
+from vram.devices.gpus import CUDA_CONTEXT, GpuPreset, resolve_gpu
 from vram.frontend import memory as _memory
 from vram.run.distributed.nccl import NcclOutOfMemoryError
 from vram.run.runtime import active_sim, simulated_cuda
@@ -261,7 +261,7 @@ def _summarise(run: _Run, gpu: int, context: int, others: int) -> dict[str, Any]
 def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any, Any], None] | None = None,
              optimizer: Any = "adam", loss: Callable[[Any], torch.Tensor] | None = None,
              amp: str | None = None, checkpoint: Any = False, grad_accum: int = 1, iterations: int = 3,
-             gpu: int | str = "80GiB", context: int | str = 0, conf: str | None = None,
+             gpu: int | str = "80GiB", context: int | str = CUDA_CONTEXT, conf: str | None = None,
              arch: str | None = None, parallel: Any = None) -> EstimateResult:
     """Predict the GPU memory of a training step by running `iterations` steps on a simulated GPU.
 
@@ -278,7 +278,8 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
     after each step). `checkpoint`: True applies ``torch.utils.checkpoint`` (non-reentrant) to each
     element of the model's outermost ``nn.ModuleList``s, or, when it has none, to each direct child;
     a module class (or tuple of classes) checkpoints every instance instead. `gpu`, `context`
-    (the CUDA context nvidia-smi adds), `conf` (``PYTORCH_CUDA_ALLOC_CONF``; None: the
+    (the CUDA context nvidia-smi adds, by default `vram.devices.gpus.CUDA_CONTEXT` as measured on an
+    H200, like ``vram estimate``; 0 leaves it out), `conf` (``PYTORCH_CUDA_ALLOC_CONF``; None: the
     environment's) and `arch` (compute capability, e.g. "8.0": cuBLAS's workspace size) describe
     the GPU; `gpu` is a size ("24GiB") or a card ("A100-80GB", see `vram.devices.gpus`).
     `parallel`: one rank of a multi-GPU layout (`vram.estimate.layout.RankPlan`; see `_run`).
@@ -318,7 +319,7 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
                           inputs=describe_inputs(example_inputs), **fields)
 
 
-def fits(model: Any, example_inputs: Any, *, gpu: int | str = "80GiB", context: int | str = 0,
+def fits(model: Any, example_inputs: Any, *, gpu: int | str = "80GiB", context: int | str = CUDA_CONTEXT,
          arch: str | None = None, **kwargs: Any) -> bool:
     """Whether `estimate`'s steps run on `gpu` without OOM (one simulated run, no report)."""
     return _probe(model, example_inputs, gpu=gpu, context=context, arch=arch, **kwargs).fits
@@ -343,8 +344,8 @@ def _probe(model: Any, example_inputs: Any, *, gpu: int | str, context: int | st
 
 
 def max_batch(model: Any, make_inputs: Callable[[int], Any], *, gpu: int | str = "80GiB",
-              context: int | str = 0, arch: str | None = None, limit: int = 1 << 20, progress: Any = None,
-              **kwargs: Any) -> int:
+              context: int | str = CUDA_CONTEXT, arch: str | None = None, limit: int = 1 << 20,
+              progress: Any = None, **kwargs: Any) -> int:
     """The largest batch size b for which ``make_inputs(b)`` trains `iterations` steps without OOM.
 
     Real simulated runs (`fits`), no extrapolation: the answer fits and the batch after it does
