@@ -91,7 +91,8 @@ def test_reports_render_in_a_headless_browser(oom_recording: Path, tmp_path: Pat
     """The browser parses the page as written (its DOM keeps both pictures, their marks and the
     tables) and draws it: the screenshot is a PNG of the window's size."""
     work = oom_recording
-    assert _vram("replay", "oom.pickle", "--gpu", "16GiB", "--context", "0", "--html", "b.html", cwd=work).returncode == 0
+    r = _vram("replay", "oom.pickle", "--gpu", "16GiB", "--context", "0", "--html", "b.html", cwd=work)
+    assert r.returncode == 0, r.stderr
     browser: Any = _browser()
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--user-data-dir={tmp_path}"]
     url = (work / "b.html").as_uri()

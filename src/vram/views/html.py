@@ -18,11 +18,14 @@ from .plot import STATE_COLOURS, segment_rows
 #: points per line in the memory chart: longer traces keep each bucket's maximum (peaks stay visible)
 MAX_POINTS = 1200
 WIDTH, HEIGHT, PAD = 900, 260, 56
+#: room left of the memory chart for its byte labels ("1024.00 MiB")
+LEFT = 88
 ROW_HEIGHT = 6
 
 _CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222;max-width:980px}
 h1{font-size:20px}h2{font-size:16px;margin-top:28px}table{border-collapse:collapse}
-td,th{padding:2px 10px 2px 0;text-align:left;vertical-align:top}td.n{text-align:right;white-space:nowrap}
+td,th{padding:2px 10px 2px 0;text-align:left;vertical-align:top}th{white-space:nowrap}
+td.n{text-align:right;white-space:nowrap}
 .bar{background:#1f77b4;height:10px}.legend span{display:inline-block;width:12px;height:12px;margin:0 4px 0 12px;
 vertical-align:middle}code{font-size:13px}svg text{font:11px system-ui,sans-serif;fill:#444}"""
 
@@ -47,21 +50,21 @@ def memory_svg(allocated: Sequence[int], reserved: Sequence[int], marks: Sequenc
     (bytes PyTorch could have) a horizontal line."""
     n = max(len(reserved), 1)
     top = max([*reserved, *allocated, limit or 0, 1])
-    w, h = WIDTH - 2 * PAD, HEIGHT - 2 * PAD
+    w, h = WIDTH - LEFT - PAD, HEIGHT - 2 * PAD
 
     def x(event: int) -> float:
-        return PAD + w * event / max(n - 1, 1)
+        return LEFT + w * event / max(n - 1, 1)
 
     def y(value: int) -> float:
         return PAD + h - h * value / top
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" role="img" '
              f'aria-label="memory over the trace">',
-             f'<rect x="{PAD}" y="{PAD}" width="{w}" height="{h}" fill="#fafafa" stroke="#ccc"/>']
+             f'<rect x="{LEFT}" y="{PAD}" width="{w}" height="{h}" fill="#fafafa" stroke="#ccc"/>']
     for k in range(5):
         v = top * k // 4
-        parts.append(f'<line x1="{PAD}" x2="{PAD + w}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#e5e5e5"/>'
-                     f'<text x="{PAD - 4}" y="{y(v) + 4:.1f}" text-anchor="end">{escape(format_size(v))}</text>')
+        parts.append(f'<line x1="{LEFT}" x2="{LEFT + w}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#e5e5e5"/>'
+                     f'<text x="{LEFT - 4}" y="{y(v) + 4:.1f}" text-anchor="end">{escape(format_size(v))}</text>')
     alloc_pts = _downsample(allocated)
     if alloc_pts:
         poly = " ".join(f"{x(e):.1f},{y(v):.1f}" for e, v in alloc_pts)
@@ -73,13 +76,13 @@ def memory_svg(allocated: Sequence[int], reserved: Sequence[int], marks: Sequenc
         parts.append(f'<polyline points="{poly}" fill="none" stroke="#1f77b4" stroke-width="1.6">'
                      f'<title>reserved</title></polyline>')
     if limit:
-        parts.append(f'<line x1="{PAD}" x2="{PAD + w}" y1="{y(limit):.1f}" y2="{y(limit):.1f}" stroke="#d62728" '
+        parts.append(f'<line x1="{LEFT}" x2="{LEFT + w}" y1="{y(limit):.1f}" y2="{y(limit):.1f}" stroke="#d62728" '
                      f'stroke-dasharray="2,3"><title>the GPU: {escape(format_size(limit))}</title></line>')
     for event, label, colour in marks:
         parts.append(f'<line x1="{x(event):.1f}" x2="{x(event):.1f}" y1="{PAD}" y2="{PAD + h}" stroke="{colour}" '
                      f'stroke-width="1.5" stroke-dasharray="4,3"><title>{escape(label)}</title></line>'
                      f'<text x="{x(event) + 3:.1f}" y="{PAD - 6}" fill="{colour}">{escape(label)}</text>')
-    parts.append(f'<text x="{PAD + w / 2:.0f}" y="{HEIGHT - 14}" text-anchor="middle">trace event (0 .. '
+    parts.append(f'<text x="{LEFT + w / 2:.0f}" y="{HEIGHT - 14}" text-anchor="middle">trace event (0 .. '
                  f'{n - 1:,})</text></svg>')
     return "".join(parts)
 
