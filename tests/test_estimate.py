@@ -265,6 +265,27 @@ def test_the_default_context_is_the_measured_one() -> None:
         estimate(mlp(), torch.empty(B, 1024), gpu="128MiB")
 
 
+def test_smallest_card_frees_the_cache_as_the_allocator_would() -> None:
+    """Two 30 MiB blocks, one freed, then 40 MiB: each request over 10 MiB gets a segment of its
+    own size (spec §6) and a 40 MiB request cannot use the cached 30 MiB block, so the run reserves
+    100 MiB at its peak; on a 70 MiB card the allocator frees that unused cached segment and retries
+    (spec §9), so 70 MiB is the smallest card, and 68 MiB is too small for 30 + 40 live."""
+    import vram
+    from vram.estimate.engine import smallest_card
+    from vram.frontend import memory as m
+
+    vram.simulate(total_memory="1GiB")
+    m._record_memory_history("all", context=None)
+    a, _ = m.caching_allocator_alloc(30 * MiB), m.caching_allocator_alloc(30 * MiB)
+    m.caching_allocator_delete(a)
+    m.caching_allocator_alloc(40 * MiB)
+    assert m.max_memory_reserved() == 100 * MiB
+    snap = m._snapshot()
+    assert smallest_card(snap, 0, 0, 1 << 30) == 70 * MiB
+    assert smallest_card(snap, 8 * MiB, 0, 1 << 30) == 78 * MiB    # the context comes on top
+    assert smallest_card(snap, 0, 0, 68 * MiB) is None
+
+
 def test_max_batch_is_the_exact_boundary() -> None:
     def model() -> nn.Module:
         return nn.Sequential(nn.Linear(256, 4096), nn.ReLU(), nn.Linear(4096, 256))

@@ -371,3 +371,23 @@ def test_long_work_off_a_terminal_prints_plain_lines(monkeypatch: pytest.MonkeyP
     assert capsys.readouterr().err.splitlines() == [
         "explaining: 16% (5/30 replays, 5 s)", "explaining: 50% (15/30 replays, 15 s)",
         "explaining: 83% (25/30 replays, 25 s)", "explaining: 100% (30/30 replays, 30 s)"]
+
+
+def test_python_api_counts_the_context_as_the_commands_do(oom_run: Any) -> None:
+    """On a given GPU the commands count the measured CUDA context (context.txt) unless told
+    otherwise; `vram.replay`, `vram.explain` and `vram.tune` answer the same."""
+    import vram
+
+    work, _ = oom_run
+    path = str(work / "oom.pickle")
+    cli = json.loads(_vram("replay", path, "--gpu", "32GiB", "--json").stdout)
+    r = vram.replay(path, gpu="32GiB")
+    assert r.peak_device_used - r.peak_reserved == MEASURED_CONTEXT
+    assert cli["peak_device_used"] == r.peak_device_used
+    own = vram.replay(path)  # on the recording's own GPU its recorded free memory already leaves the context out
+    assert own.peak_device_used == own.peak_reserved == 12 * GiB
+    # 18 GiB of live tensors: on a card of 18 GiB + the context they fit, on 18 GiB itself they do not
+    fits = vram.tune(path, gpu=18 * GiB + MEASURED_CONTEXT, workers=1)
+    assert fits.best is not None and fits.best["peak_reserved"] == 18 * GiB
+    assert vram.tune(path, gpu=18 * GiB, workers=1).best is None
+    assert vram.explain(path, gpu=18 * GiB, workers=1, fixes=False).at["kind"] == "oom"

@@ -112,20 +112,25 @@ def __getattr__(name: str) -> object:
 def explain(path: str | _os.PathLike[str], **kwargs: object) -> object:
     """``vram explain PATH`` from Python: why the recording at `path` ran out of memory (or what
     its reserved peak is made of), with fixes checked by replay. Keywords: ``device``, ``gpu``,
-    ``context``, ``workers``. Returns a `vram.analysis.explain.Explanation` (``print()`` it for
-    the command's report; a notebook shows it as HTML)."""
+    ``context`` (as the command's: the measured CUDA context with a ``gpu``, else 0), ``workers``.
+    Returns a `vram.analysis.explain.Explanation` (``print()`` it for the command's report; a
+    notebook shows it as HTML)."""
     from .analysis.explain import explain as _explain
+    from .devices.gpus import context_on
 
+    kwargs["context"] = context_on(kwargs.get("gpu"), kwargs.get("context"))  # type: ignore[arg-type]
     return _explain(_os.fspath(path), **kwargs)  # type: ignore[arg-type]
 
 
 def tune(paths: str | _os.PathLike[str] | list[str], **kwargs: object) -> object:
     """``vram tune PATH...`` from Python: allocator settings ranked by peak reserved without OOM,
-    each replayed through the recording(s). Keywords: ``gpu``, ``context``, ``devices``,
+    each replayed through the recording(s). Keywords: ``gpu``, ``context`` (as ``explain``'s), ``devices``,
     ``workers``. Returns a `vram.analysis.tune.TuneResult` (``.best["conf"]``; ``print()`` it for
     the command's table)."""
     from .analysis.tune import tune as _tune
+    from .devices.gpus import context_on
 
+    kwargs["context"] = context_on(kwargs.get("gpu"), kwargs.get("context"))  # type: ignore[arg-type]
     many = [paths] if isinstance(paths, (str, _os.PathLike)) else list(paths)
     return _tune([_os.fspath(p) for p in many], **kwargs)  # type: ignore[arg-type]
 

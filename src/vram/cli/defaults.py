@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vram.devices.gpus import CUDA_CONTEXT
+from vram.devices.gpus import CUDA_CONTEXT, context_on
 
 DEFAULT_GPU = "80GiB"
 #: CUDA context after the first cuBLAS kernel, H200 / driver 580 / CUDA 13.0 / torch 2.11 (module doc)
@@ -60,6 +60,4 @@ def joined_conf(confs: Sequence[str] | str | None) -> str | None:
 
 def replay_context(gpu: str | None, context: str | None) -> str:
     """The ``--context`` of a replayed recording: as given, else the default with ``--gpu``, else 0."""
-    if context is not None:
-        return context
-    return DEFAULT_CONTEXT if gpu is not None else "0"
+    return str(context_on(gpu, context))

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 
 from vram.units import SizeOverflow, parse_size, shown_value
 
-__all__ = ["CUDA_CONTEXT", "GpuPreset", "GPU_PRESETS", "gpu_preset", "gpu_memory", "parse_arch", "resolve_gpu"]
+__all__ = ["CUDA_CONTEXT", "context_on", "GpuPreset", "GPU_PRESETS", "gpu_preset", "gpu_memory", "parse_arch",
+           "resolve_gpu"]
 
 #: The CUDA context's device memory, which nvidia-smi shows besides PyTorch's reserved memory and
 #: which a program cannot allocate: 718,077,952 B (684.8 MiB) measured on an NVIDIA H200 (driver
@@ -29,6 +30,14 @@ __all__ = ["CUDA_CONTEXT", "GpuPreset", "GPU_PRESETS", "gpu_preset", "gpu_memory
 #: default of every "will it fit" answer (``vram run``/``estimate`` and `vram.estimate`); it depends
 #: on the driver, CUDA and the kernels loaded (552,402,944 B right after ``torch.cuda.init()``).
 CUDA_CONTEXT = 718_077_952
+
+
+def context_on(gpu: object, context: int | str | None) -> int | str:
+    """The CUDA context counted when replaying a recording: `context` as given, else `CUDA_CONTEXT`
+    on a given GPU, else 0 (on the recording's own GPU its free memory already leaves it out)."""
+    if context is not None:
+        return context
+    return CUDA_CONTEXT if gpu is not None else 0
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,9 @@ class _Run:
     seconds: float
     resident: int = 0
     peak_allocated: int = 0  #: on the tracked GPU, over the whole run
+    peak_reserved: int = 0
+    #: ``torch.cuda.memory._snapshot()`` at the end of a run made with ``record`` (history from its start)
+    snapshot: dict[str, Any] | None = None
 
 
 @contextmanager
@@ -145,13 +148,14 @@ def _checked_run(step: Any, amp: Any, loss: Any, grad_accum: int, iterations: in
 
 def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: Any, amp: Any,
          checkpoint: Any, grad_accum: int, iterations: int, gpu: GpuPreset, context: int, conf: str | None,
-         keep: bool = True, parallel: Any = None) -> _Run:
+         keep: bool = True, parallel: Any = None, record: bool = False) -> _Run:
     """Run the steps on a simulated GPU; OOM ends the run (recorded), other errors propagate.
 
     `parallel` (`vram.estimate.layout.RankPlan`, one rank of a multi-GPU layout): the simulation
     has its ``devices`` GPUs and the tracked one is its ``device``; ``enter()`` starts the process
     group, ``place(model, tracker)`` replaces ``model.to("cuda")`` (sharding, wrapping), and its
-    ``step``, when set, replaces the default step (pipeline schedules).
+    ``step``, when set, replaces the default step (pipeline schedules). `record`: the allocation
+    history from the first request, without stacks, is kept in the result's ``snapshot``.
     """
     amp_dtype = _checked_run(step, amp, loss, grad_accum, iterations)
     t0 = time.perf_counter()
@@ -160,6 +164,8 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
     devices = 1 if parallel is None else parallel.devices
     with _own_gpu(), simulated_cuda(gpu=gpu, context=context, conf=conf, device_count=devices):
         sim = active_sim()
+        if record:
+            _memory._record_memory_history("all", context=None)
         if parallel is not None:
             parallel.enter()
             step = parallel.step if parallel.step is not None else step
@@ -213,11 +219,13 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
                        "message": str(e)}
             resident = tr.stat_a.current
             peak_allocated = _memory.max_memory_allocated(0 if parallel is None else parallel.device)
+            peak_reserved = _memory.max_memory_reserved(0 if parallel is None else parallel.device)
+            snapshot = _memory._snapshot() if record else None
             for h in hooks:
                 h.remove()
         finally:
             uninstall()
-    return _Run(tr if keep else None, oom, time.perf_counter() - t0, resident, peak_allocated)
+    return _Run(tr if keep else None, oom, time.perf_counter() - t0, resident, peak_allocated, peak_reserved, snapshot)
 
 
 def _summarise(run: _Run, gpu: int, context: int, others: int) -> dict[str, Any]:
@@ -327,9 +335,11 @@ def fits(model: Any, example_inputs: Any, *, gpu: int | str = "80GiB", context: 
 
 def _probe(model: Any, example_inputs: Any, *, gpu: int | str, context: int | str, arch: str | None,
            **kwargs: Any) -> Probe:
-    """`fits`, with the room a fitting run left: the card's memory less the context and the run's
-    peak allocated memory (`vram.estimate.search.Probe`; not reserved memory, which stops growing
-    once the allocator frees its cache and retries near the card's size)."""
+    """`fits`, with the room a fitting run left: the card's memory less the smallest card on which
+    the run's recorded requests replay without an OOM (`smallest_card`; `vram.estimate.search.Probe`).
+    Not the card less peak allocated or reserved memory: fragmentation and the cache make the first
+    optimistic, and reserved memory stops growing once the allocator frees its cache and retries
+    near the card's size."""
     kw = dict(step=None, optimizer="adam", loss=None, amp=None, checkpoint=False, grad_accum=1,
               iterations=3, conf=None, parallel=None)
     unknown = set(kwargs) - set(kw)
@@ -337,10 +347,37 @@ def _probe(model: Any, example_inputs: Any, *, gpu: int | str, context: int | st
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     kw.update(kwargs)
     card, ctx = resolve_gpu(gpu, arch), parse_size(context, "context")
-    run = _run(model, example_inputs, gpu=card, context=ctx, keep=False, **kw)  # type: ignore[arg-type]
+    run = _run(model, example_inputs, gpu=card, context=ctx, keep=False, record=True, **kw)  # type: ignore[arg-type]
     if run.oom is not None:
         return Probe(False)
-    return Probe(True, card.total_memory - ctx - run.peak_allocated)
+    assert run.snapshot is not None
+    # every cudaMalloc of the run succeeds on a card of the context + its peak reserved: the same run
+    need = smallest_card(run.snapshot, ctx, ctx + run.peak_allocated, min(ctx + run.peak_reserved, card.total_memory))
+    return Probe(True, None if need is None else card.total_memory - need, run.peak_allocated)
+
+
+def smallest_card(snapshot: dict[str, Any], context: int, low: int, high: int) -> int | None:
+    """The smallest GPU (bytes, to 2 MiB) in [`low`, `high`] on which the run recorded in `snapshot`
+    (its whole allocation history) replays without an OOM, found by bisection: the same requests
+    on a smaller card, with the allocator's frees of cached blocks and retries near its size
+    (`vram.replay`). None when it does not replay within `high`. Exact for a program whose requests
+    do not depend on the card's free memory; only a guide for `max_batch`, whose answers are runs."""
+    from vram.replay.engine import replay
+
+    def fits(gpu: int) -> bool:
+        return replay(snapshot, gpu=gpu, context=context).ooms == 0
+
+    step = 2 << 20
+    if not fits(high):
+        return None
+    # below `low` (the context and the peak allocated bytes, resident at once) nothing fits
+    lo, hi = low // step - 1, high // step
+    if hi * step < high and not fits(hi * step):
+        return high
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid * step) else (mid, hi)
+    return hi * step
 
 
 def max_batch(model: Any, make_inputs: Callable[[int], Any], *, gpu: int | str = "80GiB",

@@ -1,8 +1,9 @@
 """The largest batch that fits, found with real simulated runs (`search_largest`).
 
 Each probe is a whole simulated run of the batch (`engine.fits`): whether it fits is never
-extrapolated. What a fitting run leaves unused at its peak (`Probe.room`: the card less its peak
-allocated memory) only *guides* which batch to run next: memory grows about linearly with the
+extrapolated. What a fitting run leaves unused (`Probe.room`: the card less the smallest card on
+which its recorded requests replay, `engine.smallest_card`) only *guides* which batch to run next:
+memory grows about linearly with the
 batch (activations, gradients of them), so the batch at which the room runs out is predicted from
 the two largest fitting runs, tried, and the bracket around the answer closed from both sides.
 Rounding (blocks, 2 and 20 MiB segments) and fragmentation make the guess optimistic, so it is
@@ -31,6 +32,9 @@ class Probe:
 
     fits: bool
     room: int | None = None
+    #: the run's peak allocated bytes: their growth with the batch is the slope of the line (bytes
+    #: per sample, smooth where the room moves in steps of segments); None: the rooms' own slope
+    allocated: int | None = None
 
     def __bool__(self) -> bool:
         return self.fits
@@ -40,18 +44,22 @@ def _as_probe(result: Any) -> Probe:
     return result if isinstance(result, Probe) else Probe(bool(result))
 
 
-def _predict(points: dict[int, int], lo: int) -> int | None:
-    """The batch where the room of the line through the two largest fitting batches runs out."""
-    if len(points) < 2:
+def _predict(points: dict[int, Probe], lo: int) -> int | None:
+    """The batch where the room left at `lo` runs out, at the bytes per sample of the two largest
+    fitting batches (their peak allocated bytes' growth where known, else their rooms')."""
+    if len(points) < 2 or lo not in points:
         return None
     a, b = sorted(points)[-2:]
-    slope = (points[a] - points[b]) / (b - a)  # bytes of room each extra sample takes
+    pa, pb = points[a], points[b]
+    slope = (pa.room - pb.room) / (b - a)  # type: ignore[operator]
+    if pa.allocated is not None and pb.allocated is not None:
+        slope = max(slope, (pb.allocated - pa.allocated) / (b - a))
     if slope <= 0:
         return None
-    return lo + int(points[lo] // slope) if lo in points else None
+    return lo + int(points[lo].room // slope)  # type: ignore[operator]
 
 
-def _next(points: dict[int, int], lo: int, hi: int | None, limit: int, guided: int) -> tuple[int, bool]:
+def _next(points: dict[int, Probe], lo: int, hi: int | None, limit: int, guided: int) -> tuple[int, bool]:
     """The batch to run next and whether it is a guess (not a doubling or a bisection)."""
     guess = _predict(points, lo) if guided < GUESSES else None
     if hi is None:
@@ -74,14 +82,14 @@ def search_largest(ok: Callable[[int], Any], limit: int = 1 << 20, progress: Any
     if not first:
         return 0
     lo, hi, guided = 1, None, 0
-    points = {1: first.room} if first.room is not None else {}
+    points = {1: first} if first.room is not None else {}
     while lo < limit and (hi is None or hi - lo > 1):
         b, guess = _next(points, lo, hi, limit, guided)
         probe = _as_probe(ok(b))
         if probe:
             lo = b
             if probe.room is not None:
-                points[b] = probe.room
+                points[b] = probe
         else:
             hi = b
         guided += guess

@@ -19,10 +19,15 @@ __all__ = ["replay"]
 def replay(snapshot: Any, **kwargs: Any) -> Any:
     """`vram.replay.engine.replay` of `snapshot`: a path (``str`` or ``os.PathLike``: a PyTorch pickle,
     legacy pickle, JSON snapshot or RMM CSV, read by `vram.replay.loader.load_snapshot`) or a
-    loaded snapshot dict. Keywords as the engine's: ``gpu``, ``context``, ``conf``, ``verify``,
-    ``device``, ``stop_at``, ``timeline``. Returns a `vram.replay.engine.ReplayResult`."""
+    loaded snapshot dict. Keywords as the engine's: ``gpu``, ``context`` (as ``vram replay``'s
+    ``--context``: by default the measured `vram.devices.gpus.CUDA_CONTEXT` with a ``gpu``, else 0),
+    ``conf``, ``verify``, ``device``, ``stop_at``, ``timeline``. Returns a
+    `vram.replay.engine.ReplayResult`."""
+    from vram.devices.gpus import context_on
+
     from .engine import replay as _replay
 
+    kwargs["context"] = context_on(kwargs.get("gpu"), kwargs.get("context"))
     if isinstance(snapshot, (str, os.PathLike)):
         from .loader import load_snapshot
 
