@@ -34,9 +34,9 @@ import torch
 
 from .cudnn_sm90 import BN_WORKSPACE, CONV_WORKSPACE, MEASURED_ON
 
-ESTIMATED = ("cuDNN workspaces vram's sm90 table (measured on an H200, torch 2.11) does not hold: charged "
-             "0 B; cuDNN sizes each by the engine its heuristics pick (Conv_v8.cpp run_conv_plan, "
-             "cudnn/BatchNorm.cpp), which a CPU machine cannot ask")
+ESTIMATED = ("cuDNN workspaces (convolution, batch norm) of shapes not in vram's sm90 table (measured on an "
+             "H200, torch 2.11), estimated at 0 B: cuDNN sizes each by the engine its heuristics pick "
+             "(Conv_v8.cpp run_conv_plan, cudnn/BatchNorm.cpp), which a CPU machine cannot ask")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
