@@ -64,6 +64,43 @@ def test_workspace_follows_the_output_and_is_freed_on_return() -> None:
                                                              ("free_completed", STEM_WS)]
 
 
+def test_an_input_not_in_the_weights_layout_is_copied_for_the_call() -> None:
+    """``_convolution`` passes ``input.contiguous(backend_memory_format)`` to ``cudnn_convolution``,
+    which then allocates the output: a contiguous input and a channels_last weight cost a copy of
+    the input, freed when the call returns."""
+    with simulated_cuda(gpu="H200"):
+        x = torch.empty(4, 16, 32, 32, device="cuda")
+        w = torch.empty(8, 16, 3, 3, device="cuda", memory_format=CL)
+        torch.cuda.memory._record_memory_history()
+        y = torch.nn.functional.conv2d(x, w)
+        ev = [e for e in _events(torch.cuda.memory._snapshot()) if e[0] != "segment_alloc"]
+        xb = 4 * 16 * 32 * 32 * 4
+        assert ev == [("alloc", xb), ("alloc", y.numel() * 4), ("free_completed", xb)]
+
+
+def test_backward_copies_in_cudnn_convolution_backwards_order() -> None:
+    """``convolution_backward`` (Cudnn): ``input.contiguous(fmt)`` when grad_weight is wanted;
+    ``cudnn_convolution_backward``: ``grad_output.to(input.suggest_memory_format())``; backward-data:
+    grad_input, then the weight and grad_output copies, dying when it returns (grad_output's
+    first); backward-filter: grad_output and input copies, then grad_weight; then the ``.to`` copy,
+    then the input copy die."""
+    from vram.run.kernels.cudnn_conv import conv_plan
+
+    g = torch.empty(2, 8, 6, 6, device="meta")                       # contiguous grad_output
+    x = torch.empty(2, 4, 8, 8, device="meta")                       # contiguous input
+    w = torch.empty(8, 4, 3, 3, device="meta", memory_format=CL)     # channels_last weight
+    outs = [torch.empty(2, 4, 8, 8, device="meta"), torch.empty(8, 4, 3, 3, device="meta"), None]
+    plan = [s for s in conv_plan("convolution_backward", (g, x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+                                                           [True, True, False]), outs, (8, 6)) if s[0] != "note"]
+    xb, gb = x.numel() * 4, g.numel() * 4
+    assert plan == [("tmp", xb),                          # 0: input.contiguous(channels_last)
+                    ("tmp", gb),                          # 1: grad_output.to(channels_last)
+                    ("out", 0),                           # grad_input (channels_last: grad_output's)
+                    ("cudnn", (plan[3][1][0], 0)), ("free", 2),   # workspace (estimated: sm86)
+                    ("out", 1), ("cudnn", (plan[6][1][0], 0)), ("free", 3),
+                    ("free", 1), ("free", 0), ("out", 2)]
+
+
 def test_a_workspace_that_does_not_fit_is_a_survived_oom() -> None:
     """``try_configs`` catches ``c10::OutOfMemoryError`` and runs the next engine config (modelled
     as needing no workspace); the allocator's OOM path has counted ``num_ooms`` and recorded the

@@ -10,7 +10,8 @@ Paths are relative to ``aten/src/ATen/native``:
 * **Output layout** (``cudnn/ConvShared.cpp``): ``cudnn_conv_suggest_memory_format(input, weight)`` =
   channels_last when either is channels_last (``ChannelsLast3d`` for 5-D), else contiguous; the
   backward's ``grad_input`` takes (grad_output, weight)'s, ``grad_weight`` (input, grad_output)'s.
-  The meta kernels answer contiguous, so `CUDA_META` restrides their outputs.
+  The meta kernels answer contiguous, so `CUDA_META` restrides their outputs. Operands not in the
+  layout are copied first (``.contiguous(memory_format)``; `_forward`, `_backward` give the order).
 * **Workspace** (``cudnn/Conv_v8.cpp`` ``run_single_conv``, benchmark off): each call allocates
   ``plan.getWorkspaceSize()`` after its output and frees it on return; the backward runs
   backward-data (after ``grad_input``) then backward-filter (after ``grad_weight``). The size is
@@ -111,13 +112,14 @@ def _spatial(v: Any, n: int) -> tuple[int, ...]:
     return v * n if len(v) == 1 else v
 
 
-def conv_key(operation: str, x: torch.Tensor, w: torch.Tensor, stride: Any, padding: Any,
-             dilation: Any, groups: int) -> tuple[object, ...]:
-    """The table key of one cuDNN call; a 1-D convolution as the 2-D one cuDNN runs."""
+def conv_key(operation: str, x: torch.Tensor, w: torch.Tensor, fmt: torch.memory_format, stride: Any,
+             padding: Any, dilation: Any, groups: int) -> tuple[object, ...]:
+    """The table key of one cuDNN call run in layout `fmt`; a 1-D convolution as the 2-D one cuDNN
+    runs."""
     n = w.dim() - 2
     xs, ws = tuple(x.shape), tuple(w.shape)
     st, pd, dl = _spatial(stride, n), _spatial(padding, n), _spatial(dilation, n)
-    layout = _layout_name(conv_layout(x, w))
+    layout = _layout_name(fmt)
     if x.dim() == 3:  # view4d: [N, C, L] -> [N, C, 1, L]; the parameters gain a leading 1 / 0 / 1
         xs, ws = (*xs[:2], 1, xs[2]), (*ws[:2], 1, ws[2])
         st, pd, dl = (1, *st), (0, *pd), (1, *dl)
@@ -131,26 +133,94 @@ def _workspace(table: dict[tuple[object, ...], int], key: tuple[object, ...],
     return table.get(key)
 
 
-def _step(table: dict[tuple[object, ...], int], key: tuple[object, ...], cc: tuple[int, int],
-          tmp: int) -> list[tuple[str, Any]]:
-    """Steps of one cuDNN call: its workspace (known or estimated), freed on return."""
-    nbytes = _workspace(table, key, cc)
-    steps: list[tuple[str, Any]] = [("cudnn", (key, nbytes or 0)), ("free", tmp)]
-    return steps if nbytes is not None else [("note", ESTIMATED), *steps]
+class _Steps:
+    """A plan under construction: named temporaries (operand copies, workspaces) and their frees."""
+
+    def __init__(self, cc: tuple[int, int]) -> None:
+        self.steps: list[tuple[str, Any]] = []
+        self.index: dict[str, int] = {}
+        self.count = 0
+        self.cc = cc
+
+    def _held(self, name: str) -> None:
+        self.index[name] = self.count
+        self.count += 1
+
+    def copy(self, name: str, t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
+        """``t.contiguous(fmt)``: a new tensor when `t` is not already laid out so."""
+        if t.is_contiguous(memory_format=fmt) or t.numel() == 0:
+            return t
+        self._held(name)
+        self.steps.append(("tmp", t.numel() * t.element_size()))
+        return t.contiguous(memory_format=fmt)
+
+    def workspace(self, table: dict[tuple[object, ...], int], key: tuple[object, ...]) -> None:
+        """One cuDNN call's workspace (known or estimated), freed when the call returns."""
+        nbytes = _workspace(table, key, self.cc)
+        if nbytes is None:
+            self.steps.append(("note", ESTIMATED))
+        self._held("workspace")
+        self.steps += [("cudnn", (key, nbytes or 0)), ("free", self.index.pop("workspace"))]
+
+    def free(self, *names: str) -> None:
+        for name in names:
+            if name in self.index:
+                self.steps.append(("free", self.index.pop(name)))
+
+
+def _forward(x: torch.Tensor, w: torch.Tensor, conv: tuple[Any, ...], plan: _Steps) -> None:
+    """``_convolution`` → ``cudnn_convolution`` → ``cudnn_convolution_forward_out``: the input in
+    the layout (``input.contiguous(backend_memory_format)``), the output, the weight in the layout,
+    the workspace; the weight copy dies when ``forward_out`` returns, the input's after."""
+    fmt = conv_layout(x, w)
+    plan.copy("input", x, fmt)
+    plan.steps.append(("out", 0))
+    plan.copy("weight", w, fmt)
+    plan.workspace(CONV_WORKSPACE, conv_key("forward", x, w, fmt, *conv))
+    plan.free("weight", "input")
+
+
+def _backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, conv: tuple[Any, ...], mask: Any,
+              plan: _Steps) -> None:
+    """``convolution_backward`` (Cudnn) → ``cudnn_convolution_backward``: the input in the layout
+    when grad_weight is wanted, ``grad_output.to(input.suggest_memory_format())``; backward-data
+    (``grad_input``, then weight and grad_output in (grad_output, weight)'s layout, the workspace)
+    and backward-filter (grad_output and input in (input, grad_output)'s layout, ``grad_weight``,
+    the workspace), each call's copies dying when it returns (``ConvShared.cpp``)."""
+    if mask[1]:
+        x = plan.copy("input", x, conv_layout(x, w))
+    go = g if suggest_memory_format(g) == suggest_memory_format(x) else \
+        plan.copy("grad_output", g, suggest_memory_format(x))
+    if mask[0]:
+        fmt = conv_layout(go, w)
+        plan.steps.append(("out", 0))
+        plan.copy("data_weight", w, fmt)
+        plan.copy("data_grad_output", go, fmt)
+        plan.workspace(CONV_WORKSPACE, conv_key("backward_data", x, w, fmt, *conv))
+        plan.free("data_grad_output", "data_weight")
+    if mask[1]:
+        fmt = conv_layout(x, go)
+        plan.copy("filter_grad_output", go, fmt)
+        plan.copy("filter_input", x, fmt)
+        plan.steps.append(("out", 1))
+        plan.workspace(CONV_WORKSPACE, conv_key("backward_filter", x, w, fmt, *conv))
+        plan.free("filter_input", "filter_grad_output")
+    plan.free("grad_output", "input")
 
 
 def conv_plan(name: str, args: tuple[Any, ...], outs: list[Any],
               cc: tuple[int, int]) -> list[tuple[str, Any]] | None:
-    """``convolution`` / ``convolution_backward`` on cuDNN: outputs and workspaces in CUDA's order
-    (`module docstring`); None for other ops and for convolutions cuDNN does not run."""
+    """``convolution`` / ``convolution_backward`` on cuDNN: operand copies, outputs and workspaces
+    in CUDA's order (`module docstring`); None for other ops and for convolutions cuDNN does not run."""
+    plan = _Steps(cc)
     if name == "convolution" and len(args) >= 9:
         x, w, _, stride, padding, dilation, transposed, _, groups = args[:9]
         if not on_cudnn(x, w, transposed, groups):
             return None
         if transposed:
             return [("out", 0), ("note", ESTIMATED)]
-        return [("out", 0), *_step(CONV_WORKSPACE, conv_key("forward", x, w, stride, padding, dilation, groups),
-                                   cc, 0)]
+        _forward(x, w, (stride, padding, dilation, groups), plan)
+        return plan.steps
     if name != "convolution_backward" or len(args) < 11:
         return None
     g, x, w, _, stride, padding, dilation, transposed, _, groups, mask = args[:11]
@@ -158,14 +228,8 @@ def conv_plan(name: str, args: tuple[Any, ...], outs: list[Any],
         return None
     if transposed:
         return [*(("out", i) for i in range(len(outs))), ("note", ESTIMATED)]
-    plan: list[tuple[str, Any]] = []
-    tmps = 0
-    for i, operation in ((0, "backward_data"), (1, "backward_filter")):
-        if i < len(outs) and mask[i]:
-            plan.append(("out", i))
-            plan += _step(CONV_WORKSPACE, conv_key(operation, x, w, stride, padding, dilation, groups), cc, tmps)
-            tmps += 1
-    return plan + [("out", i) for i in range(2, len(outs))]
+    _backward(g, x, w, (stride, padding, dilation, groups), mask, plan)
+    return plan.steps + [("out", i) for i in range(2, len(outs))]
 
 
 def bn_plan(name: str, x: torch.Tensor, weight: torch.Tensor, outs: list[Any],
@@ -175,4 +239,7 @@ def bn_plan(name: str, x: torch.Tensor, weight: torch.Tensor, outs: list[Any],
     direction = "backward" if name.endswith("backward") else "forward"
     key = (direction, str(x.dtype).split(".")[-1], str(weight.dtype).split(".")[-1],
            _layout_name(suggest_memory_format(x)), tuple(x.shape))
-    return [*(("out", i) for i in range(len(outs))), *_step(BN_WORKSPACE, key, cc, 0)]
+    plan = _Steps(cc)
+    plan.steps += [("out", i) for i in range(len(outs))]
+    plan.workspace(BN_WORKSPACE, key)
+    return plan.steps
