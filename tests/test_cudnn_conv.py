@@ -48,6 +48,10 @@ def test_output_takes_channels_last_when_input_or_weight_has_it() -> None:
         assert seen[0].is_contiguous(memory_format=CL) and not seen[0].is_contiguous()
         plain = torch.nn.functional.conv2d(x.detach(), w.detach().contiguous())
         assert plain.is_contiguous()
+        # cudnn_convolution_transpose_backward_input, the transposed forward: the same rule
+        wt = torch.randn(3, 8, 3, 3, device="cuda").to(memory_format=CL)
+        up = torch.nn.functional.conv_transpose2d(x.detach(), wt)
+        assert up.is_contiguous(memory_format=CL) and not up.is_contiguous()
 
 
 def test_workspace_follows_the_output_and_is_freed_on_return() -> None:

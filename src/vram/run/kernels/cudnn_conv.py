@@ -9,7 +9,8 @@ Paths are relative to ``aten/src/ATen/native``:
   (``use_cudnn_depthwise``; contiguous ones may take the native depthwise kernel: not charged).
 * **Output layout** (``cudnn/ConvShared.cpp``): ``cudnn_conv_suggest_memory_format(input, weight)`` =
   channels_last when either is channels_last (``ChannelsLast3d`` for 5-D), else contiguous; the
-  backward's ``grad_input`` takes (grad_output, weight)'s, ``grad_weight`` (input, grad_output)'s.
+  backward's ``grad_input`` takes (grad_output, weight)'s, ``grad_weight`` (input, grad_output)'s;
+  transposed convolutions (``cudnn_convolution_transpose*``) follow the same rule.
   The meta kernels answer contiguous, so `CUDA_META` restrides their outputs. Operands not in the
   layout are copied first (``.contiguous(memory_format)``; `_forward`, `_backward` give the order).
 * **Workspace** (``cudnn/Conv_v8.cpp`` ``run_single_conv``, benchmark off): each call allocates
@@ -82,16 +83,14 @@ def _restride(t: Any, fmt: torch.memory_format) -> Any:
 def _convolution(*args: Any, **kwargs: Any) -> Any:
     out = torch.ops.aten.convolution.default(*args, **kwargs)
     x, w, _, _, _, _, transposed, _, groups = args[:9]
-    if not transposed and on_cudnn(x, w, transposed, groups):
-        return _restride(out, conv_layout(x, w))
-    return out
+    return _restride(out, conv_layout(x, w)) if on_cudnn(x, w, transposed, groups) else out
 
 
 def _convolution_backward(*args: Any, **kwargs: Any) -> Any:
     grads = torch.ops.aten.convolution_backward.default(*args, **kwargs)
     g, x, w = args[:3]
     transposed, groups = args[7], args[9]
-    if transposed or not on_cudnn(x, w, transposed, groups):
+    if not on_cudnn(x, w, transposed, groups):
         return grads
     gi, gw, gb = grads
     return _restride(gi, conv_layout(g, w)), _restride(gw, conv_layout(x, g)), gb
