@@ -29,6 +29,8 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   cuDNN at run time: measured on sm90 in `vram.run.kernels.cudnn_sm90`, other calls estimated at 0 B
   and named at the end of a run), and the survivable OOM of a workspace, in
   `vram.run.kernels.cudnn_conv` (`cudnn_plan`; `CUDA_META` restrides convolution outputs).
+* **torch.fft** (cuFFT): operand copies and clones in ``SpectralOps.cpp``'s order; the plan
+  workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
   before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
 * **_grouped_mm** (mixture-of-experts layers): the CUDA kernel's output layout and dtypes, which
@@ -61,6 +63,7 @@ from . import sdpa as _sdpa
 from .blas import bmm_plan, mm_plan, non_overlapping_and_dense
 from .cudnn import cudnn_plan
 from .cudnn_conv import CUDA_META as _CONV_META
+from .cufft import fft_plan
 from .grouped_mm import CUDA_META as _GROUPED_MM_META
 from .grouped_mm import grouped_mm_plan
 
@@ -82,6 +85,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     plan = _sdpa.op_plan(name, args, outs, sms, cc)
     if plan is None:
         plan = cudnn_plan(name, args, outs, cc)
+    if plan is None:
+        plan = fft_plan(name, args, outs)
     if plan is None:
         plan = grouped_mm_plan(name, args, outs, cc)
     if plan is None:
