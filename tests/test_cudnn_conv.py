@@ -143,6 +143,17 @@ def test_a_cached_plan_whose_workspace_no_longer_fits_ooms_twice() -> None:
         del y, filler
 
 
+def test_a_batch_norm_workspace_that_does_not_fit_is_fatal() -> None:
+    """``cudnn_batch_norm`` takes its workspace with ``at::empty`` and catches nothing: the H200's
+    2,590,364-byte workspace for [64, 64, 112, 112] (a 20 MiB segment) does not fit beside the
+    98 MiB input, the 98 MiB output and the statistics' 2 MiB small segment on 200 MiB."""
+    with simulated_cuda(gpu="200MiB"):
+        bn = torch.nn.BatchNorm2d(64).cuda()
+        x = torch.empty(64, 64, 112, 112, device="cuda", dtype=torch.half, memory_format=CL)
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 20.00 MiB"):
+            bn(x)
+
+
 def test_a_convolution_outside_the_table_is_charged_nothing_and_named() -> None:
     from vram.run.runtime import active_sim
 

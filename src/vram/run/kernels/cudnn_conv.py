@@ -27,6 +27,7 @@ Paths are relative to ``aten/src/ATen/native``:
   carries this out.
 * **Batch norm** (``cudnn/BatchNorm.cpp``): training allocates the output, the saved statistics, then
   the workspace (freed on return); the backward grad_input, grad_weight, grad_bias, then its workspace.
+  Its workspace is a plain ``at::empty``: an OOM there is not caught.
 """
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ import torch
 
 from .cudnn_sm90 import BN_WORKSPACE, CONV_WORKSPACE, MEASURED_ON
 
-ESTIMATED = ("cuDNN workspaces (convolution, batch norm) of shapes not in vram's sm90 table (measured on an "
-             "H200, torch 2.11), estimated at 0 B: cuDNN sizes each by the engine its heuristics pick "
-             "(Conv_v8.cpp run_conv_plan, cudnn/BatchNorm.cpp), which a CPU machine cannot ask")
+ESTIMATED = ("cuDNN workspaces (convolution, batch norm) of calls not in vram's sm90 table (measured on an "
+             "H200, torch 2.11, cudnn.benchmark and cudnn.deterministic off), estimated at 0 B: cuDNN sizes "
+             "each by the engine its heuristics pick (Conv_v8.cpp run_conv_plan, cudnn/BatchNorm.cpp), "
+             "which a CPU machine cannot ask")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -153,13 +155,19 @@ class _Steps:
         self.steps.append(("tmp", t.numel() * t.element_size()))
         return t.contiguous(memory_format=fmt)
 
-    def workspace(self, table: dict[tuple[object, ...], int], key: tuple[object, ...]) -> None:
-        """One cuDNN call's workspace (known or estimated), freed when the call returns."""
+    def workspace(self, table: dict[tuple[object, ...], int], key: tuple[object, ...],
+                  survivable: bool = True) -> None:
+        """One cuDNN call's workspace (known or estimated), freed when the call returns: a
+        convolution's survives an OOM (``("cudnn", ...)``), batch norm's (``at::empty``) does not."""
         nbytes = _workspace(table, key, self.cc)
         if nbytes is None:
             self.steps.append(("note", ESTIMATED))
-        self._held("workspace")
-        self.steps += [("cudnn", (key, nbytes or 0)), ("free", self.index.pop("workspace"))]
+        if survivable:
+            self._held("workspace")
+            self.steps += [("cudnn", (key, nbytes or 0)), ("free", self.index.pop("workspace"))]
+        elif nbytes:
+            self._held("workspace")
+            self.steps += [("tmp", nbytes), ("free", self.index.pop("workspace"))]
 
     def free(self, *names: str) -> None:
         for name in names:
@@ -240,5 +248,5 @@ def bn_plan(name: str, x: torch.Tensor, weight: torch.Tensor, outs: list[Any],
            _layout_name(suggest_memory_format(x)), tuple(x.shape))
     plan = _Steps(cc)
     plan.steps += [("out", i) for i in range(len(outs))]
-    plan.workspace(BN_WORKSPACE, key)
+    plan.workspace(BN_WORKSPACE, key, survivable=False)
     return plan.steps
