@@ -13,6 +13,10 @@ resnet18, batch 64, channels_last, float16 autocast + GradScaler, two training s
 the op's outputs in that recording (matched to the program's convolution and batch-norm calls in
 order); both steps asked the same sizes. 0 is a measured zero: no allocation (``allocate(0)``
 records none). ``torch.backends.cudnn.benchmark`` and ``deterministic`` were off.
+
+vram applies the tables to every sm90 card (H100 and H200 both have 132 SMs in their SXM form);
+cuDNN's instant heuristics choose by the device's properties and cuDNN's own release, so another
+card or release may choose another engine.
 """
 from __future__ import annotations
 
