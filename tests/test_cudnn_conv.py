@@ -48,6 +48,14 @@ def test_output_takes_channels_last_when_input_or_weight_has_it() -> None:
         assert seen[0].is_contiguous(memory_format=CL) and not seen[0].is_contiguous()
         plain = torch.nn.functional.conv2d(x.detach(), w.detach().contiguous())
         assert plain.is_contiguous()
+        # a contiguous incoming gradient is first made the input's layout (grad_output.to(
+        # input.suggest_memory_format())), so grad_input is channels_last with a contiguous weight
+        xc = torch.randn(2, 3, 16, 16, device="cuda").to(memory_format=CL).requires_grad_()
+        seen.clear()
+        xc.register_hook(seen.append)
+        yc = torch.nn.functional.conv2d(xc, w.detach().contiguous())
+        yc.backward(torch.ones(yc.shape, device="cuda"))
+        assert seen[0].is_contiguous(memory_format=CL) and not seen[0].is_contiguous()
         # cudnn_convolution_transpose_backward_input, the transposed forward: the same rule
         wt = torch.randn(3, 8, 3, 3, device="cuda").to(memory_format=CL)
         up = torch.nn.functional.conv_transpose2d(x.detach(), wt)

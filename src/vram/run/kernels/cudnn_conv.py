@@ -77,7 +77,8 @@ def on_cudnn(x: Any, w: Any, transposed: bool, groups: int) -> bool:
 
 
 def _restride(t: Any, fmt: torch.memory_format) -> Any:
-    if not isinstance(t, torch.Tensor) or fmt == torch.contiguous_format or t.dim() not in (4, 5):
+    """`t` laid out in `fmt` (on meta: no memory)."""
+    if not isinstance(t, torch.Tensor) or t.dim() not in (4, 5):
         return t
     return t.contiguous(memory_format=fmt)
 
@@ -95,7 +96,11 @@ def _convolution_backward(*args: Any, **kwargs: Any) -> Any:
     if not on_cudnn(x, w, transposed, groups):
         return grads
     gi, gw, gb = grads
-    return _restride(gi, conv_layout(g, w)), _restride(gw, conv_layout(x, g)), gb
+    mask = args[10]
+    if mask[1]:  # convolution_backward: input.contiguous(backend_memory_format)
+        x = _restride(x, conv_layout(x, w))
+    go = g if suggest_memory_format(g) == suggest_memory_format(x) else _restride(g, suggest_memory_format(x))
+    return _restride(gi, conv_layout(go, w)), _restride(gw, conv_layout(x, go)), gb
 
 
 #: convolution ops whose meta kernel's output layout is not cuDNN's -> cuDNN's, on meta
