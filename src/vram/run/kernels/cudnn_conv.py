@@ -134,7 +134,10 @@ def conv_key(operation: str, x: torch.Tensor, w: torch.Tensor, fmt: torch.memory
 
 def _workspace(table: dict[tuple[object, ...], int], key: tuple[object, ...],
                cc: tuple[int, int]) -> int | None:
-    if cc not in MEASURED_ON or torch.backends.cudnn.benchmark or torch.backends.cudnn.deterministic:
+    """The measured size, or None: another architecture, ``cudnn.benchmark`` (the find path), or
+    deterministic engines only (``deterministicCuDNN() || deterministicAlgorithms()``)."""
+    deterministic = torch.backends.cudnn.deterministic or torch.are_deterministic_algorithms_enabled()
+    if cc not in MEASURED_ON or torch.backends.cudnn.benchmark or deterministic:
         return None
     return table.get(key)
 
