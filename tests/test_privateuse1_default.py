@@ -210,8 +210,9 @@ def test_vram_run_names_cudnn_scratch_it_leaves_out(tmp_path, capsys) -> None:  
                       "    m(torch.randn(2, 3, 16, 16, device='cuda'))\n")
     assert run_script(str(script), [], gpu="24GiB") == 0
     err = capsys.readouterr().err
-    assert "3 call(s) with cuDNN convolution workspaces" in err  # forward, backward, eval forward
-    assert "2 call(s) with cuDNN batch-norm workspaces" in err   # training forward and backward only
+    # convolution forward, backward (grad_weight only), eval forward; batch norm in training forward
+    # and backward (inference has no workspace): shapes the measured sm90 table does not hold
+    assert "5 call(s) with cuDNN workspaces (convolution, batch norm) of calls not in" in err
 
 
 @pytest.mark.parametrize("backend", ["privateuse1", "meta"])

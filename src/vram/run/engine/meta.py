@@ -16,7 +16,6 @@ from torch.utils._pytree import tree_leaves
 from vram.frontend import memory as _memory
 from vram.run.kernels import blas as _blas
 from vram.run.kernels import cudnn as _cudnn
-from vram.run.kernels import grouped_mm as _grouped_mm
 from vram.run.kernels import plan as _plan
 from vram.run.memory.lazy_host import seeded
 from vram.run.memory.storages import SimState
@@ -73,7 +72,7 @@ class DispatchMode(TorchDispatchMode):
             host.ledger.settle()  # the CPU generator is about to be used: pay the deferred draws
         computed, computed_assumed = None, False
         try:
-            run = _grouped_mm.CUDA_META.get(func, func)  # a meta kernel that is not the CUDA kernel: CUDA's
+            run = _plan.CUDA_META.get(func, func)  # a meta kernel that is not the CUDA kernel: CUDA's
             out = run(*host.on_meta(args), **host.on_meta(kwargs)) if lazy else run(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
             if needs_data(e) and any(sim.block_of(t) for t in inputs):

@@ -22,7 +22,6 @@ from torch.utils._pytree import tree_map
 
 from vram.run.kernels import blas as _cublas
 from vram.run.kernels import cudnn as _cudnn
-from vram.run.kernels import grouped_mm as _grouped_mm
 from vram.run.kernels import plan as _plan
 from vram.run.kernels import sparse as _sparse
 from vram.run.memory.storage_api import raw_device
@@ -275,7 +274,7 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
         margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
     try:
         if seen is None:
-            out = _grouped_mm.CUDA_META.get(op, op)(*margs, **mkwargs)  # CUDA's output where the meta kernel's differs
+            out = _plan.CUDA_META.get(op, op)(*margs, **mkwargs)  # CUDA's output where the meta kernel's differs
             meta_cache.remember(key, margs, mkwargs, out)
     except (RuntimeError, NotImplementedError) as e:
         if not needs_data(e):

@@ -6,12 +6,15 @@ carries out on the simulated allocator.
 - `plan`: `op_plan`, the table from an aten op to its plan (losses, ``_foreach_norm``, scalar
   bases), the uncharged-scratch notes, Python-level functions seen whole.
 - `blas`: cuBLAS and cuBLASLt: the per-handle workspaces, the operand copies of mm/bmm.
-- `norms`: cuDNN batch norm in training (its reserve space, which outputs it makes).
+- `cudnn`: cuDNN batch norm (which backend runs, which outputs it makes), cuDNN's plans, RNN refusal.
+- `cudnn_conv`: cuDNN convolutions and training batch norm: output layout, workspaces, the survivable
+  workspace OOM; `cudnn_sm90`: the workspaces measured on an H200.
 - `autocast`: CUDA autocast's cast policy (lower precision, float32, promote, banned).
 - `reductions`: the staging buffers and semaphores of ``Reduce.cuh``'s reductions.
 - `scratch`: embedding backward's sort path, layer-norm / RMS-norm backward's partial sums.
 - `sdpa`: ``scaled_dot_product_attention``: which backend ``sdp_utils.cpp`` picks, what it
   allocates forward and backward.
+- `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named).
 - `grouped_mm`: ``torch._grouped_mm`` as ``GroupedBlas.cpp`` runs it.
 - `fastpath`: ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` inference fast paths.
 

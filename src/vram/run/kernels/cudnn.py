@@ -1,9 +1,7 @@
 """cuDNN on the simulated GPU: batch norm in training (which backend runs, which outputs it makes),
-the scratch cuDNN sizes at run time (convolution workspaces, batch-norm workspace and reserve
-space: named, not charged), and cuDNN's recurrent layers (refused).
-
-Where cuDNN decides a size at run time (``cudnnGet*WorkspaceSize``), a CPU machine cannot ask it:
-such calls are counted by `uncharged_scratch` and named at the end of a run (`uncharged_note`).
+the plans of cuDNN convolutions and batch norm (`cudnn_plan`: their workspaces, from
+`vram.run.kernels.cudnn_conv`), the end-of-run note for scratch left uncharged (`uncharged_note`), and
+cuDNN's recurrent layers (refused).
 """
 from __future__ import annotations
 
@@ -11,12 +9,8 @@ from typing import Any
 
 import torch
 
-_CONV = ("cuDNN convolution workspaces: cuDNN picks each at run time, up to max(free device memory, the "
-         "largest cached free block) (Conv_v8.cpp get_available_workspace, CUDACachingAllocator cacheInfo), "
-         "and PyTorch frees it when the call returns")
-_BN = ("cuDNN batch-norm workspaces and reserve space (training): sized by cuDNN "
-       "(cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize / ...TrainingExReserveSpaceSize, "
-       "cudnn/BatchNorm.cpp), which a CPU machine cannot ask")
+from . import cudnn_conv as _conv
+
 #: batch-norm ops on a CPU build of torch -> the indices of their ``training``/``train`` flag (None:
 #: always training) and of ``eps``; backward ops take ``grad_out`` first
 _BN_ARGS = {"native_batch_norm": (5, 7), "_batch_norm_with_update": (None, 6),
@@ -34,22 +28,23 @@ def cudnn_batch_norm(x: torch.Tensor, weight: Any, training: bool, eps: float) -
     return x.dim() >= 3 and x.shape[0] <= (880801 if training else 65535) and eps >= 1e-5
 
 
-def uncharged_scratch(name: str, args: tuple[Any, ...]) -> str | None:
-    """What a CUDA kernel takes from the caching allocator in a size only the GPU's library knows
-    (or vram does not model yet), or None: every convolution (cuDNN), batch norm in training when
-    cuDNN runs it (`cudnn_batch_norm`; inference has no workspace); cub's temporary storage is named
-    by the plans of `vram.run.kernels.scratch`. `vram run` counts such calls and says so at the end
-    (`uncharged_note`), charging nothing."""
-    if name in ("convolution", "_convolution", "convolution_backward"):
-        return _CONV
-    if name not in _BN_ARGS:
-        return None
+def cudnn_plan(name: str, args: tuple[Any, ...], outs: list[Any],
+               cc: tuple[int, int]) -> list[tuple[str, Any]] | None:
+    """The plan of a convolution cuDNN runs (`vram.run.kernels.cudnn_conv.conv_plan`) or of batch norm
+    in training when cuDNN runs it (`cudnn_batch_norm`; inference has no workspace): outputs, then
+    the workspace; None for other ops."""
+    plan = _conv.conv_plan(name, args, outs, cc)
+    if plan is not None or name not in _BN_ARGS:
+        return plan
     flag, eps = _BN_ARGS[name]
     first = 1 if name.endswith("backward") else 0
     if len(args) <= eps or not isinstance(args[first], torch.Tensor):
         return None
+    x, weight = args[first], args[first + 1]
     training = flag is None or args[flag] is True
-    return _BN if training and cudnn_batch_norm(args[first], args[first + 1], True, args[eps]) else None
+    if not training or not cudnn_batch_norm(x, weight, True, args[eps]):
+        return None
+    return _conv.bn_plan(name, x, weight, outs, cc)
 
 
 def uncharged_note(calls: dict[str, int]) -> str:

@@ -25,8 +25,12 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
 * **bmm / baddbmm / mm / addmm** copy operands cuBLAS cannot read in place (an expanded
   gradient) before the cuBLAS call and free them on return (``native/cuda/Blas.cpp``,
   ``cuBlasCommonArgs.h``; `bmm_plan`, `mm_plan`).
-* **cuDNN's scratch** (convolution workspaces, batch-norm workspace and reserve) is sized by cuDNN
-  at run time: not charged, counted per call and named at the end of a run (`uncharged_scratch`).
+* **cuDNN convolutions and batch norm in training**: their output layout and workspaces (sized by
+  cuDNN at run time: measured on sm90 in `vram.run.kernels.cudnn_sm90`, other calls estimated at 0 B
+  and named at the end of a run), and the survivable OOM of a workspace, in
+  `vram.run.kernels.cudnn_conv` (`cudnn_plan`; `CUDA_META` restrides convolution outputs).
+* **torch.fft** (cuFFT): operand copies and clones in ``SpectralOps.cpp``'s order; the plan
+  workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
   before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
 * **_grouped_mm** (mixture-of-experts layers): the CUDA kernel's output layout and dtypes, which
@@ -43,7 +47,7 @@ The rules follow the newest PyTorch sources read (2026); older releases differ i
 the shared cuBLASLt workspace, each Lt matmul allocated and freed its own 1 MiB).
 
 Not modelled (documented limitations) — mostly transient scratch that raises a peak without
-changing steady state: cuDNN convolution workspaces; cub temporary storage; NCCL buffers;
+changing steady state: cuDNN workspaces outside the measured table; cub temporary storage; NCCL buffers;
 CUDA graphs. Refused instead
 (`RNN_OPS`: not scratch, the saved state differs): cuDNN's recurrent layers.
 """
@@ -57,8 +61,14 @@ from . import reductions as _reductions
 from . import scratch as _scratch
 from . import sdpa as _sdpa
 from .blas import bmm_plan, mm_plan, non_overlapping_and_dense
-from .cudnn import uncharged_scratch
+from .cudnn import cudnn_plan
+from .cudnn_conv import CUDA_META as _CONV_META
+from .cufft import fft_plan
+from .grouped_mm import CUDA_META as _GROUPED_MM_META
 from .grouped_mm import grouped_mm_plan
+
+#: ops whose meta kernel is not what the CUDA kernel does -> the CUDA kernel's output, on meta
+CUDA_META = {**_GROUPED_MM_META, **_CONV_META}
 
 
 def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
@@ -66,11 +76,17 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     """The order in which a CUDA kernel allocates: ("out", i), ("tmp", nbytes) or ("free", j).
 
     ``("free", j)`` frees the j-th "tmp" of the plan. SDPA kernels follow `vram.run.kernels.sdpa.op_plan`,
-    reductions `vram.run.kernels.reductions.reduction_plan` (staging buffers of multi-block launches, on a
+    cuDNN convolutions and batch norm `vram.run.kernels.cudnn.cudnn_plan` (a ``("cudnn", (key, nbytes))``
+    step is a workspace allocation that survives an OOM), reductions
+    `vram.run.kernels.reductions.reduction_plan` (staging buffers of multi-block launches, on a
     device of `sms` SMs of `max_threads_sm` threads), ``_grouped_mm`` `vram.run.kernels.grouped_mm` (by
     the capability `cc`); ops without special knowledge allocate their outputs in output order.
     """
     plan = _sdpa.op_plan(name, args, outs, sms, cc)
+    if plan is None:
+        plan = cudnn_plan(name, args, outs, cc)
+    if plan is None:
+        plan = fft_plan(name, args, outs)
     if plan is None:
         plan = grouped_mm_plan(name, args, outs, cc)
     if plan is None:
@@ -90,8 +106,7 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         base = scalar_base_bytes(name, args)
         if base:
             plan += [("tmp", base), ("free", 0)]
-    note = uncharged_scratch(name, args)
-    return plan if note is None else [*plan, ("note", note)]
+    return plan
 
 
 #: pointwise losses whose reduced forms compute the unreduced loss into a temporary first

@@ -73,7 +73,8 @@ class SimState:
         self.host_factory = False            # the running torch function is a CPU factory
         self.host = LazyHost(VALUE_LIMIT, lambda t: None, self._host_unknown)  # lazy host tensors
         self.ops: dict[Any, Any] = {}        # op -> its GPU behaviour (meta differs); NotImplemented: declined
-        self.uncharged: dict[str, int] = {}  # kernel scratch left out (`kernels.uncharged_scratch`): calls
+        self.uncharged: dict[str, int] = {}  # kernel scratch left out (a plan's "note" steps): calls
+        self.cudnn_plans: dict[tuple[Any, ...], int] = {}  # cuDNN call -> its cached plan's workspace
 
     def _host_unknown(self, what: str) -> None:
         self.report.record("a host tensor's recipe read a simulated tensor", what)
@@ -112,14 +113,17 @@ class SimState:
     def run_plan(self, idx: int, plan: list[tuple[str, Any]], cublas_op: bool,
                  on_out: Callable[[int], None], on_blas: Callable[[], None]) -> None:
         """Walk a kernel's allocation plan (`vram.run.kernels.plan.op_plan`) on device `idx`: scratch
-        ("tmp", "free"), outputs (`on_out(i)`), the cuBLAS call (`on_blas`; after everything for a
-        cuBLAS op whose plan does not place it), scratch left uncharged ("note": counted in
-        `uncharged`). On an OOM the scratch still held is freed."""
+        ("tmp", "free"; "cudnn": a workspace that survives an OOM, `cudnn_workspace`), outputs
+        (`on_out(i)`), the cuBLAS call (`on_blas`; after everything for a cuBLAS op whose plan does
+        not place it), scratch left uncharged ("note": counted in `uncharged`). On an OOM the
+        scratch still held is freed."""
         tmps: list[int] = []
         try:
             for step, arg in plan:
                 if step == "tmp":
                     tmps.append(self.malloc(idx, arg))
+                elif step == "cudnn":
+                    tmps.append(self.cudnn_workspace(idx, *arg))
                 elif step == "free":
                     _memory.get_allocator(idx).free(tmps[arg])
                     tmps[arg] = 0
@@ -137,6 +141,28 @@ class SimState:
                 if p:
                     _memory.get_allocator(idx).free(p)
             raise
+
+    def cudnn_workspace(self, idx: int, key: tuple[Any, ...], nbytes: int) -> int:
+        """A cuDNN call's workspace (``Conv_v8.cpp`` ``run_single_conv``): the plan cached for `key`
+        first, then the heuristics' configs, the first asking `nbytes`; a failed allocation is
+        caught (the allocator's OOM path has run: cache freed, ``num_ooms`` counted, the ``oom``
+        event recorded) and the next config runs, modelled as needing no workspace; the plan that
+        runs is cached. Returns the block (0: none)."""
+        cached = self.cudnn_plans.get(key)
+        for size in (cached, nbytes):
+            if size is None:
+                continue
+            if size == 0:
+                self.cudnn_plans[key] = 0
+                return 0
+            try:
+                ptr = self.malloc(idx, size)
+            except torch.OutOfMemoryError:
+                continue
+            self.cudnn_plans[key] = size
+            return ptr
+        self.cudnn_plans[key] = 0
+        return 0
 
     def malloc(self, idx: int, nbytes: int) -> int:
         allocator = _memory.get_allocator(idx)
