@@ -28,11 +28,12 @@ from typing import Any
 import torch
 
 from .client import CompileClient, CompileUnavailable
+from .cudagraph_trees import Trees
 
 _REAL_COMPILE = torch.compile  # this module is imported before any run patches it
+#: modes whose graphs run in CUDA graph trees (``torch._inductor.list_mode_options``: ``triton.cudagraphs``)
+_CUDAGRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
 _MODES = {
-    "reduce-overhead": "CUDA graph trees' private memory pool (reduce-overhead) is not modelled: "
-                       "the compiled graphs' memory is default mode's",
     "max-autotune": "max-autotune's kernel choice (Triton templates benchmarked against cuBLAS) and its CUDA "
                     "graphs are not modelled: the compiled graphs' memory is default mode's",
     "max-autotune-no-cudagraphs": "max-autotune's kernel choice (Triton templates benchmarked against cuBLAS) is "
@@ -53,11 +54,13 @@ class Notices:
             sys.stderr.write(f"vram run: {text}\n")
 
 
-def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dict[str, Any]) -> dict[str, Any]:
+def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dict[str, Any],
+                  cudagraphs: bool = False) -> dict[str, Any]:
     """What the compile process needs for `gm` (`worker.compile_request`): a copy of the graph with
     the simulated devices retargeted to ``cuda:0``, its nodes pickled (`graph_transport`); the
     inputs' sizes, strides, dtypes, ``requires_grad`` and whether each is a parameter; the ambient
-    CUDA autocast and grad mode."""
+    CUDA autocast and grad mode; with `cudagraphs`, compiled for CUDA graphs, the inputs Dynamo
+    marked static."""
     import pickle
 
     from .graph_transport import graph_nodes
@@ -70,14 +73,18 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
     inputs = [(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), bool(t.requires_grad),
                isinstance(t, torch.nn.Parameter)) for t in example_inputs]
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    static = [i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))
+              if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
     return {"graph": pickle.dumps(graph_nodes(copy.graph)), "code": copy.code, "inputs": inputs,
             "autocast": str(autocast).removeprefix("torch.") if autocast is not None else None,
-            "grad": torch.is_grad_enabled(), "major": card["major"], "minor": card["minor"]}
+            "grad": torch.is_grad_enabled(), "major": card["major"], "minor": card["minor"], "cudagraphs": cudagraphs,
+            "static_inputs": static if cudagraphs else None}
 
 
-def make_backend(client: CompileClient, notices: Notices) -> Callable[..., Any]:
+def make_backend(client: CompileClient, notices: Notices, trees: Any = None) -> Callable[..., Any]:
     """The Dynamo backend: each graph compiled in the compile process, else run as traced (eagerly),
-    with the reason said."""
+    with the reason said. With `trees` (`cudagraph_trees.Trees`), graphs are compiled with CUDA
+    graphs (``mode="reduce-overhead"``) and their partitions run in the trees."""
     from .compiled_graph import CompiledGraph
 
     graphs: dict[str, CompiledGraph] = {}
@@ -94,7 +101,7 @@ def make_backend(client: CompileClient, notices: Notices) -> Callable[..., Any]:
             notices.say("a compiled graph with inputs on several GPUs is not modelled: it runs eagerly")
             return gm.forward
         try:
-            request = graph_request(gm, example_inputs, client.card)
+            request = graph_request(gm, example_inputs, client.card, trees is not None)
         except ValueError as e:
             notices.say(f"a compiled graph is not modelled ({e}): it runs eagerly")
             return gm.forward
@@ -112,7 +119,7 @@ def make_backend(client: CompileClient, notices: Notices) -> Callable[..., Any]:
         index = indices.pop() if indices else torch.cuda.current_device()
         key = request["code"] + repr((request["inputs"], request["autocast"], request["grad"], index))
         if key not in graphs:
-            graphs[key] = CompiledGraph(answer, index)
+            graphs[key] = CompiledGraph(answer, index, trees)
         return graphs[key]
 
     return backend
@@ -173,7 +180,7 @@ def install(mode: Any, props: Any) -> Callable[[], None]:
             "multi_processor_count": props.multi_processor_count, "l2_cache_size": props.L2_cache_size}
     real_compile = _REAL_COMPILE
     client, notices = CompileClient(card), Notices()
-    ready: list[Callable[..., Any]] = []
+    ready: dict[bool, Callable[..., Any]] = {}  # by whether the mode records CUDA graphs
 
     def compile(model: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - torch.compile's name
         caller = sys._getframe(1).f_code.co_filename
@@ -187,17 +194,21 @@ def install(mode: Any, props: Any) -> Callable[[], None]:
                 notices.say(f"torch.compile runs eagerly on the simulated GPU ({reason}), so memory is eager "
                             "PyTorch's (a compiled graph fuses ops and usually needs less)")
             return model if model is not None else (lambda m: m)
-        if kwargs.get("mode") in _MODES:
-            notices.say(_MODES[kwargs["mode"]])
+        compile_mode = kwargs.pop("mode", None)
+        if compile_mode in _MODES:
+            notices.say(_MODES[compile_mode])
         if kwargs.pop("options", None):
             notices.say("torch.compile's options= are not modelled: the compiled graphs are default mode's")
-        kwargs.pop("mode", None)
         if not ready:
             _untraced_mode_stack(put, mode)
             put(frontend.Stream, "device", property(lambda s: torch.device("cuda", s.device_index)))
-            ready.append(make_backend(client, notices))
-        return real_compile(model, backend=ready[0], **kwargs) if model is not None else (
-            lambda m: real_compile(m, backend=ready[0], **kwargs))
+            ready[False] = make_backend(client, notices)
+        graphs = compile_mode in _CUDAGRAPH_MODES
+        if graphs not in ready:
+            ready[graphs] = make_backend(client, notices, Trees(mode.sim, notices.say))
+        backend = ready[graphs]
+        return real_compile(model, backend=backend, **kwargs) if model is not None else (
+            lambda m: real_compile(m, backend=backend, **kwargs))
 
     put(torch, "compile", compile)
 
