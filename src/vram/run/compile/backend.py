@@ -9,9 +9,10 @@ break the graph at every op, so the tracer is given the stack without it
 (``convert_frame.trace_frame``'s ``tf_mode_stack``), while the guard on the mode stack keeps the
 whole stack, as the compiled code runs with the mode on.
 
-What is not modelled is said once on stderr and runs eagerly or as default mode, named: another
-``backend=``, ``mode="reduce-overhead"`` (CUDA graph trees' private pool: the graphs' memory is
-default mode's), ``max-autotune`` (autotuning's kernel choice: default mode's kernels), graphs
+``mode="reduce-overhead"`` (and ``max-autotune``, which records CUDA graphs too) compiles with
+CUDA graphs and runs each graph partition in `cudagraph_trees`. What is not modelled is said once
+on stderr and runs eagerly or as default mode, named: another ``backend=``, ``max-autotune``'s
+kernel choice (default mode's kernels), graphs
 with symbolic sizes, CPU tensor inputs or inputs on several GPUs, what
 `inductor_cuda.runtime_layout` names, and choices Inductor benchmarks while compiling
 (`cuda_process.GUESSED`).

@@ -71,7 +71,7 @@ class Node:
         self.children: dict[int, list[Node]] = defaultdict(list)
         self.outputs: list[Any] = []
         self.inputs: list[tuple[str, Any] | None] = []
-        self.live_after: list[Any] = []  # the path's outputs alive after the recording
+        self.live_after: list[tuple[int, int]] = []  # (depth, index) of the path's outputs alive after recording
         self.graph: Any = None
 
     def path(self) -> list[Node]:
@@ -88,9 +88,14 @@ class Node:
             yield from (b for b in node.outputs if b is not None and b.ptr)
 
     def all_outputs_are_dead(self) -> bool:
+        """A warm-up node: no output of its path alive; a recorded one: none of the path's
+        outputs that were alive after its recording (``live_indices_after_graph``) is alive in
+        the path's latest run."""
         if not self.recorded:
             return not any(True for _ in self.path_live())
-        return not any(b.ptr for b in self.live_after)
+        path = self.path()
+        return not any(path[depth].outputs[j] is not None and path[depth].outputs[j].ptr
+                       for depth, j in self.live_after)
 
 
 class Trees:
@@ -271,7 +276,8 @@ class TreeManager:
         else:
             node.parent.children[function.id].append(node)
         self.current, self.state, self.generation = node, "recording", _generation()
-        node.live_after = list(node.path_live())
+        node.live_after = [(depth, j) for depth, n in enumerate(node.path())
+                           for j, b in enumerate(n.outputs) if b is not None and b.ptr]
         return out
 
     def input_blocks(self, inputs: list[Any], keys: list[tuple[str, Any] | None]) -> list[Any]:
