@@ -7,19 +7,18 @@ compile process (tens of seconds to minutes): marked slow."""
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import re
 import subprocess
-import sys
 import tarfile
 from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TRUTH = Path(os.environ.get("VRAM_GPU_TRUTH", REPO.parent / "shared" / "gpu-truth"))
+from compiled_runs import mlp_script, vram_run
+from paths import GPU_TRUTH as TRUTH
+
 _STEP = re.compile(r"^step (\d+) loss \S+ max_allocated ([\d,]+) max_reserved ([\d,]+)$", re.M)
 
 
@@ -29,10 +28,7 @@ def _needs_compile() -> None:
 
 
 def _vram_run(script: Path, snapshot: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), *sys.path]))
-    done = subprocess.run([sys.executable, "-m", "vram", "run", "--gpu", "H200", "--snapshot", str(snapshot),
-                           str(script), *args], capture_output=True, text=True, env=env, timeout=1800, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = vram_run(script, snapshot, *args)
     assert "not modelled" not in done.stderr and "runs eagerly" not in done.stderr, done.stderr[-3000:]
     return done
 
@@ -92,19 +88,8 @@ def test_compiled_gpt_reduce_overhead_follows_the_h200_recording(tmp_path: Path)
     assert _outside_partitions(simulated) == _outside_partitions(real) == [8, 8, 32768, 32768, 4]
 
 
-_MLP = '''
-import torch
-m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()
-step = torch.compile(m, mode="reduce-overhead")
-x = torch.randn(256, 1024, device="cuda")
-for i in range(4):
-    step(x).sum().backward()
-    for p in m.parameters():
-        p.grad = None
-    stats = torch.cuda.memory_stats()
-    print("step", i, stats["allocation.all.allocated"], stats["allocated_bytes.all.current"],
-          torch.cuda.max_memory_allocated())
-'''
+_MLP = mlp_script("reduce-overhead", 4, "torch.cuda.memory_stats()['allocation.all.allocated'], "
+                  "torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()")
 
 
 @pytest.mark.slow  # compiles in the compile process: about a minute

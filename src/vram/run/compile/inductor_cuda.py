@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 
 from vram.run.kernels.sdpa_choice import sdpa_args, select_sdpa_backend
+
+from .max_autotune import MODE_OPTIONS, deterministic_choices
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
 _CUDA = torch.device("cuda", 0)
@@ -139,7 +141,8 @@ def runtime_layout(meta: Any) -> dict[str, Any]:
 
 def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor],
                      autocast_dtype: torch.dtype | None = None, layout: dict[str, Any] | None = None,
-                     cudagraphs: bool = False, static_inputs: Sequence[int] | None = None) -> list[str]:
+                     cudagraphs: bool = False, static_inputs: Sequence[int] | None = None,
+                     max_autotune: bool = False) -> list[str]:
     """Inductor's wrappers for `gm` on CUDA, in the order Inductor generated them (forward first).
     `autocast_dtype`: the CUDA autocast the graph was traced under (Dynamo leaves an enclosing
     ``torch.autocast`` out of the graph: it is ambient state, so it is entered here). `layout`, if
@@ -148,7 +151,9 @@ def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Te
     (``triton.cudagraphs``: graph partitions), `layout["cudagraphs"]` receiving `cudagraph_calls`;
     `static_inputs`: the graph inputs Dynamo marked static (``_dynamo_static_input_type``:
     parameters and buffers), what AOTAutograd's ``static_input_indices`` are on a GPU
-    (frontend_utils.py ``_try_get_metadata_from_dynamo``; the graph sent here lost the marks)."""
+    (frontend_utils.py ``_try_get_metadata_from_dynamo``; the graph sent here lost the marks).
+    `max_autotune`: compiled with ``max_autotune`` and Inductor's choice without benchmarks
+    (`max_autotune.deterministic_choices`), `layout["selections"]` receiving each selection."""
     from torch._inductor import codecache
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -173,14 +178,19 @@ def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Te
     inputs = fake_inputs(example_inputs, FakeTensorMode())
     codecache.PyCodeCache.load_by_key_path = spy  # type: ignore[method-assign]
     calls: list[dict[str, Any]] = []
+    selections: list[dict[str, Any]] = []
+    options = {"triton.cudagraphs": cudagraphs, **(MODE_OPTIONS["max-autotune"] if max_autotune else {})}
     try:
         with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None), \
-                inductor_config.patch({"triton.cudagraphs": cudagraphs}), cudagraph_calls(calls, sources):
+                inductor_config.patch(options), cudagraph_calls(calls, sources), \
+                (deterministic_choices(selections) if max_autotune else nullcontext()):
             compile_fx(gm, inputs, inner_compile=inner_compile)
     finally:
         codecache.PyCodeCache.load_by_key_path = load  # type: ignore[method-assign]
     if layout is not None and cudagraphs:
         layout["cudagraphs"] = calls
+    if layout is not None:
+        layout["selections"] = selections
     return [s for s in sources if "def call(" in s]
 
 
