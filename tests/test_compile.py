@@ -130,9 +130,9 @@ def test_compiled_graphs_are_dynamos_and_fuse_as_inductor_does(monkeypatch: pyte
     run_graphs: list[list[str]] = []
     request = compile_backend.graph_request
 
-    def spy(gm: torch.fx.GraphModule, example_inputs: list, card: dict) -> dict:
+    def spy(gm: torch.fx.GraphModule, example_inputs: list, card: dict, cudagraphs: bool = False) -> dict:
         run_graphs.append(_graph_ops(gm))
-        return request(gm, example_inputs, card)
+        return request(gm, example_inputs, card, cudagraphs)
 
     monkeypatch.setattr(compile_backend, "graph_request", spy)
     nbytes = 1024 * 1024 * 4
