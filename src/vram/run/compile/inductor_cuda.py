@@ -41,6 +41,8 @@ def retarget(gm: torch.fx.GraphModule, from_type: str) -> None:
     for node in gm.graph.nodes:
         node.args = torch.fx.node.map_aggregate(node.args, swap)
         node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+        if node.op == "get_attr" and isinstance(sub := getattr(gm, str(node.target), None), torch.fx.GraphModule):
+            retarget(sub, from_type)  # a higher-order op's body
     gm.recompile()
 
 
