@@ -219,6 +219,7 @@ def install(mode: Any, props: Any) -> Callable[[], None]:
     real_compile = _REAL_COMPILE
     client, notices = CompileClient(card), Notices()
     ready: dict[tuple[bool, bool], Callable[..., Any]] = {}  # by (CUDA graphs, max-autotune)
+    trees: list[Trees] = []
 
     def compile(model: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - torch.compile's name
         caller = sys._getframe(1).f_code.co_filename
@@ -242,8 +243,10 @@ def install(mode: Any, props: Any) -> Callable[[], None]:
             put(frontend.Stream, "device", property(lambda s: torch.device("cuda", s.device_index)))
             ready[(False, False)] = make_backend(client, notices)
         flavour = (compile_mode in _CUDAGRAPH_MODES, compile_mode in MODE_OPTIONS)
+        if flavour[0] and not trees:
+            trees.append(Trees(mode.sim, notices.say))  # one tree manager per device, whatever the mode
         if flavour not in ready:
-            ready[flavour] = make_backend(client, notices, Trees(mode.sim, notices.say) if flavour[0] else None,
+            ready[flavour] = make_backend(client, notices, trees[0] if flavour[0] else None,
                                           mode.sim if flavour[1] else None)
         backend = ready[flavour]
         return real_compile(model, backend=backend, **kwargs) if model is not None else (
