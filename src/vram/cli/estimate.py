@@ -69,6 +69,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.grad_accum < 1 or args.iterations < 1:
         raise ValueError("--grad-accum and --iterations must be positive")
     if (args.ddp, args.fsdp, args.tp, args.pp) != (1, 1, 1, 1) or args.tp_plan or args.microbatches is not None:
+        if args.compile:
+            raise ValueError("--compile with a multi-GPU layout (--ddp, --fsdp, --tp, --pp) is not modelled")
         return _run_layout(args, shapes, model_dtype, names)
     factory = load_factory(args.model)
 
@@ -88,7 +90,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     kw: dict[str, Any] = dict(optimizer=None if args.optimizer == "none" else args.optimizer, amp=args.amp,
                               checkpoint=args.checkpoint, grad_accum=args.grad_accum,
                               iterations=args.iterations, gpu=args.gpu, context=args.context, conf=args.conf,
-                              arch=args.arch)
+                              arch=args.arch, compile=args.compile)
     try:
         best = max_batch(build, inputs, progress=sys.stderr, **kw) if args.max_batch else None
         result = estimate(build, inputs(best if best else None), **kw)

@@ -148,7 +148,8 @@ def _checked_run(step: Any, amp: Any, loss: Any, grad_accum: int, iterations: in
 
 def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: Any, amp: Any,
          checkpoint: Any, grad_accum: int, iterations: int, gpu: GpuPreset, context: int, conf: str | None,
-         keep: bool = True, parallel: Any = None, record: bool = False) -> _Run:
+         keep: bool = True, parallel: Any = None, record: bool = False,
+         compile: str | None = None) -> _Run:  # noqa: A002
     """Run the steps on a simulated GPU; OOM ends the run (recorded), other errors propagate.
 
     `parallel` (`vram.estimate.layout.RankPlan`, one rank of a multi-GPU layout): the simulation
@@ -170,7 +171,7 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
             parallel.enter()
             step = parallel.step if parallel.step is not None else step
         tr = Tracker(sim, 0, False) if parallel is None else Tracker(sim, parallel.device, True)
-        uninstall = tr.install()
+        uninstall = tr.install(module_hooks=compile is None)
         hooks: list[Any] = []
         try:
             try:
@@ -192,6 +193,8 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
 
                     hooks.append(opt.register_step_pre_hook(pre))
                     hooks.append(opt.register_step_post_hook(lambda o, a, k: tr.mark_optimizer(o)))
+                if compile is not None:
+                    m = tr.compiled(m, compile)
                 scaler = torch.amp.GradScaler("cuda") if amp_dtype is torch.float16 else None
                 inputs = None
                 for it in range(1, iterations + 1):
@@ -266,11 +269,28 @@ def _summarise(run: _Run, gpu: int, context: int, others: int) -> dict[str, Any]
 
 
 # -- public API --------------------------------------------------------------------------------------
+#: ``torch.compile`` modes `estimate` runs (``torch._inductor.list_mode_options``'s, "default" for None)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def check_compile(compile: str | None, checkpoint: Any, parallel: Any) -> None:  # noqa: A002
+    """`compile` is a mode, and not with what `estimate` does through hooks Dynamo cannot trace."""
+    if compile is None:
+        return
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile={compile!r}: not a torch.compile mode ({', '.join(COMPILE_MODES)})")
+    if checkpoint:
+        raise ValueError("compile with checkpoint is not modelled: estimate's checkpointing wraps each block "
+                         "in a function that marks its inputs, which Dynamo cannot trace")
+    if parallel is not None:
+        raise ValueError("compile with a multi-GPU layout (ddp, fsdp, tp, pp) is not modelled")
+
+
 def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any, Any], None] | None = None,
              optimizer: Any = "adam", loss: Callable[[Any], torch.Tensor] | None = None,
              amp: str | None = None, checkpoint: Any = False, grad_accum: int = 1, iterations: int = 3,
              gpu: int | str = "80GiB", context: int | str = CUDA_CONTEXT, conf: str | None = None,
-             arch: str | None = None, parallel: Any = None) -> EstimateResult:
+             arch: str | None = None, parallel: Any = None, compile: str | None = None) -> EstimateResult:  # noqa: A002
     """Predict the GPU memory of a training step by running `iterations` steps on a simulated GPU.
 
     `model`: an ``nn.Module`` (CPU or meta; never modified) or a zero-argument factory returning one.
@@ -291,14 +311,20 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
     environment's) and `arch` (compute capability, e.g. "8.0": cuBLAS's workspace size) describe
     the GPU; `gpu` is a size ("24GiB") or a card ("A100-80GB", see `vram.devices.gpus`).
     `parallel`: one rank of a multi-GPU layout (`vram.estimate.layout.RankPlan`; see `_run`).
+    `compile`: a ``torch.compile`` mode ("default", "reduce-overhead", "max-autotune",
+    "max-autotune-no-cudagraphs"): the model runs compiled (``torch.compile(model, mode=)``, as
+    ``vram run`` compiles, docs/estimate-accuracy.md §8); activations are what the compiled
+    graphs save for backward, attributed to "(compiled model)": the per-module hooks would break
+    Dynamo's graph at every module, so they are off.
 
     If the steps run out of memory on `gpu`, ``fits`` is False, ``oom`` says where, and every
     figure comes from the same steps repeated on an unbounded GPU: what the step would need.
     """
+    check_compile(compile, checkpoint, parallel)
     spec, ctx_b = resolve_gpu(gpu, arch), parse_size(context, "context")
     gpu_b = spec.total_memory
     kw = dict(step=step, optimizer=optimizer, loss=loss, amp=amp, checkpoint=checkpoint,
-              grad_accum=grad_accum, iterations=iterations, conf=conf, parallel=parallel)
+              grad_accum=grad_accum, iterations=iterations, conf=conf, parallel=parallel, compile=compile)
     run = _run(model, example_inputs, gpu=spec, context=ctx_b, **kw)  # type: ignore[arg-type]
     seconds = run.seconds
     oom = run.oom
@@ -320,7 +346,7 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
     settings = {"optimizer": opt_name, "amp": amp if amp is None or isinstance(amp, str) else str(amp),
                 "checkpoint": bool(checkpoint), "grad_accum": grad_accum, "iterations": iterations,
                 "conf": conf, "custom_step": step is not None, "custom_loss": loss is not None,
-                "gpu_name": spec.name, "arch": f"{spec.major}.{spec.minor}"}
+                "gpu_name": spec.name, "arch": f"{spec.major}.{spec.minor}", "compile": compile}
     return EstimateResult(fits=oom is None, gpu=gpu_b, context=ctx_b, other_processes=others,
                           parameters_count=n_params, settings=settings, oom=oom,
                           trace_seconds=seconds, model_name=tr.types.get("(model)", type(root).__name__),
@@ -341,11 +367,12 @@ def _probe(model: Any, example_inputs: Any, *, gpu: int | str, context: int | st
     optimistic, and reserved memory stops growing once the allocator frees its cache and retries
     near the card's size."""
     kw = dict(step=None, optimizer="adam", loss=None, amp=None, checkpoint=False, grad_accum=1,
-              iterations=3, conf=None, parallel=None)
+              iterations=3, conf=None, parallel=None, compile=None)
     unknown = set(kwargs) - set(kw)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     kw.update(kwargs)
+    check_compile(kw["compile"], kw["checkpoint"], kw["parallel"])
     card, ctx = resolve_gpu(gpu, arch), parse_size(context, "context")
     run = _run(model, example_inputs, gpu=card, context=ctx, keep=False, record=True, **kw)  # type: ignore[arg-type]
     if run.oom is not None:

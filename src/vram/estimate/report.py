@@ -53,6 +53,7 @@ def render(r: Any, top_modules: int = 10, nccl: int | None = 0) -> str:
              f"  optimizer {s['optimizer'] or 'none'}, amp {s['amp'] or 'off'}, checkpoint "
              f"{'on' if s['checkpoint'] else 'off'}, grad_accum {s['grad_accum']}"
              + (", custom step" if s.get("custom_step") else "")
+             + (f", torch.compile {s['compile']}" if s.get("compile") else "")
              + f"; {its} iteration{'s' if its != 1 else ''} (steady state: {steady})"]
     card = s.get("gpu_name", "")
     card = f" {card}," if card and not card.endswith("(simulated by vram)") else ""

@@ -66,6 +66,7 @@ class Tracker:
         self.types: dict[str, str] = {}
         self.stack = [0]
         self.root: nn.Module | None = None
+        self.root_call: nn.Module | None = None  # the compiled model (`compiled`)
         self.iteration = 0
         self.phase = "setup"
         self.records: dict[tuple[int, str], Phase] = {}
@@ -83,7 +84,10 @@ class Tracker:
             self.types[name or "(model)"] = type(m).__name__
 
     # allocator hooks
-    def install(self) -> Callable[[], None]:
+    def install(self, module_hooks: bool = True) -> Callable[[], None]:
+        """Log the allocator's calls; with `module_hooks`, name each allocation by the module
+        running (global forward hooks: off under ``torch.compile``, where Dynamo would break the
+        graph at each, see `compiled`)."""
         alloc, malloc0, free0 = self.alloc, self.alloc.malloc, self.alloc.free
         active = alloc.active
 
@@ -120,18 +124,31 @@ class Tracker:
                 self.n += 1
 
         alloc.malloc, alloc.free = malloc, free  # instance attributes shadow the methods
-        pre = nn.modules.module.register_module_forward_pre_hook(self._pre)
-        post = nn.modules.module.register_module_forward_hook(self._post)
+        hooks = [nn.modules.module.register_module_forward_pre_hook(self._pre),
+                 nn.modules.module.register_module_forward_hook(self._post)] if module_hooks else []
 
         def uninstall() -> None:
-            pre.remove()
-            post.remove()
+            for hook in hooks:
+                hook.remove()
             del alloc.malloc, alloc.free
 
         return uninstall
 
+    def compiled(self, model: nn.Module, mode: str) -> nn.Module:
+        """``torch.compile(model, mode=)`` (None for "default") whose calls count as the model's
+        (the forward phase starts there) under the name "(compiled model)": its forward hooks run
+        outside the compiled code, the module's own hooks stay off (`install`)."""
+        compiled = torch.compile(model, mode=None if mode == "default" else mode)
+        self.mod_index[id(compiled)] = len(self.names)
+        self.names.append("(compiled model)")
+        self.types["(compiled model)"] = type(model).__name__
+        self.root_call = compiled
+        compiled.register_forward_pre_hook(self._pre)
+        compiled.register_forward_hook(self._post)
+        return compiled
+
     def _pre(self, module: nn.Module, args: Any) -> None:
-        if self.auto and module is self.root and torch._C._current_autograd_node() is None:
+        if self.auto and module in (self.root, self.root_call) and torch._C._current_autograd_node() is None:
             self.set_phase("forward")
         i = self.mod_index.get(id(module))
         if i is None:

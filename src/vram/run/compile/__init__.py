@@ -25,6 +25,10 @@ What lives here:
   Triton launches are no-ops but for first-launch autotuning (`autotune`), its buffers and extern
   kernels are charged as on a GPU. `compiled_graph`: the forward and backward wrappers inside an
   ``autograd.Function``, as AOTAutograd's runtime runs them.
+- `cudagraph_trees`: ``mode="reduce-overhead"``: each graph partition run in a model of
+  Inductor's CUDA graph trees (warm-up, recording and replay in the tree's private pool).
+- `max_autotune`: ``max-autotune``: Inductor's choice without benchmarks, the compile-time
+  benchmarks' allocations, and how much a GPU's own choice could differ.
 
 Who may import it: `vram.run.runtime` (the entry points) and tests. It imports `vram.run.kernels`
 (SDPA's backend choice) and `vram.run.cuda` (the card's properties, attribute patches), nothing

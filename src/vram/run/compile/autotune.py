@@ -17,6 +17,10 @@ cloned. The timed calls repeat one call's allocations and frees, so one stands f
 (in the run) replays the allocations. Not modelled: configs a GPU build drops before benchmarking
 (ones that fail to compile, or spill more than ``spill_threshold`` registers: known only from
 Triton's compiled kernel), and the autotune caches (a first run on an empty cache is modelled).
+
+With ``coordinate_descent_tuning`` (``max-autotune``), every kernel's first launch then benchmarks
+configs around the chosen one (``coordinate_descent_tuning`` -> ``bench``): the same clones and
+flush buffer per benchmark, so one more round stands for them.
 """
 from __future__ import annotations
 
@@ -44,7 +48,8 @@ def kernel_configs(wrapper_source: str) -> dict[str, dict[str, Any]]:
             exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - Inductor's generated kernel
             tuner = namespace[name]
             kernels[name] = {"configs": len(tuner.configs), "mutated": list(tuner.mutated_arg_names),
-                             "arg_names": list(tuner.fn.arg_names), "optimize_mem": bool(tuner.optimize_mem)}
+                             "arg_names": list(tuner.fn.arg_names), "optimize_mem": bool(tuner.optimize_mem),
+                             "coordesc": bool(tuner.inductor_meta.get("coordinate_descent_tuning"))}
             linecache.cache.pop(filename, None)
     finally:
         triton_helpers.set_driver_to_gpu = saved
@@ -57,7 +62,7 @@ class AutotunedKernel:
 
     def __init__(self, name: str, info: dict[str, Any] | None) -> None:
         self.name, self.info = name, info
-        self.tuned = info is None or info["configs"] <= 1
+        self.tuned = info is None or (info["configs"] <= 1 and not info.get("coordesc"))
 
     def run(self, *args: Any, **kwargs: Any) -> None:
         if not self.tuned:
@@ -71,7 +76,8 @@ class AutotunedKernel:
         assert info is not None
         mutated = [(name, arg) for name, arg in zip(info["arg_names"], args) if name in info["mutated"]]
         flush_elements = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size // 4
-        for _ in range(info["configs"]):
+        rounds = info["configs"] if info["configs"] > 1 else 0
+        for _ in range(rounds + (1 if info.get("coordesc") else 0)):
             on_host = self.copied_to_host(mutated) if info["optimize_mem"] else set()
             self.call(mutated, on_host)  # benchmark_gpu's warm-up
             flush = torch.empty(flush_elements, dtype=torch.int, device="cuda")

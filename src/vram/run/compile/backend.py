@@ -9,9 +9,10 @@ break the graph at every op, so the tracer is given the stack without it
 (``convert_frame.trace_frame``'s ``tf_mode_stack``), while the guard on the mode stack keeps the
 whole stack, as the compiled code runs with the mode on.
 
-What is not modelled is said once on stderr and runs eagerly or as default mode, named: another
-``backend=``, ``mode="reduce-overhead"`` (CUDA graph trees' private pool: the graphs' memory is
-default mode's), ``max-autotune`` (autotuning's kernel choice: default mode's kernels), graphs
+``mode="reduce-overhead"`` (and ``max-autotune``, which records CUDA graphs too) compiles with
+CUDA graphs and runs each graph partition in `cudagraph_trees`. What is not modelled is said once
+on stderr and runs eagerly or as default mode, named: another ``backend=``, ``max-autotune``'s
+kernel choice (Inductor's choice without benchmarks, `max_autotune`), graphs
 with symbolic sizes, CPU tensor inputs or inputs on several GPUs, what
 `inductor_cuda.runtime_layout` names, and choices Inductor benchmarks while compiling
 (`cuda_process.GUESSED`).
@@ -28,16 +29,16 @@ from typing import Any
 import torch
 
 from .client import CompileClient, CompileUnavailable
+from .cudagraph_trees import Trees
+from .max_autotune import MODE_OPTIONS, benchmark_footprint, bound
 
 _REAL_COMPILE = torch.compile  # this module is imported before any run patches it
-_MODES = {
-    "reduce-overhead": "CUDA graph trees' private memory pool (reduce-overhead) is not modelled: "
-                       "the compiled graphs' memory is default mode's",
-    "max-autotune": "max-autotune's kernel choice (Triton templates benchmarked against cuBLAS) and its CUDA "
-                    "graphs are not modelled: the compiled graphs' memory is default mode's",
-    "max-autotune-no-cudagraphs": "max-autotune's kernel choice (Triton templates benchmarked against cuBLAS) is "
-                                  "not modelled: the compiled graphs' memory is default mode's",
-}
+#: modes whose graphs run in CUDA graph trees (``torch._inductor.list_mode_options``: ``triton.cudagraphs``)
+_CUDAGRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
+_MODES = {mode: f"{mode}: Triton templates are not benchmarked against cuBLAS without a GPU; each matmul takes "
+                 "Inductor's choice without benchmarks (pick_deterministic_choice: the cuBLAS kernel), the "
+                 "benchmarking's example tensors, flush buffers and workspaces are charged"
+          for mode in MODE_OPTIONS}
 
 
 class Notices:
@@ -53,11 +54,13 @@ class Notices:
             sys.stderr.write(f"vram run: {text}\n")
 
 
-def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dict[str, Any]) -> dict[str, Any]:
+def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dict[str, Any],
+                  cudagraphs: bool = False) -> dict[str, Any]:
     """What the compile process needs for `gm` (`worker.compile_request`): a copy of the graph with
     the simulated devices retargeted to ``cuda:0``, its nodes pickled (`graph_transport`); the
     inputs' sizes, strides, dtypes, ``requires_grad`` and whether each is a parameter; the ambient
-    CUDA autocast and grad mode."""
+    CUDA autocast and grad mode; with `cudagraphs`, compiled for CUDA graphs, the inputs Dynamo
+    marked static."""
     import pickle
 
     from .graph_transport import graph_nodes
@@ -70,14 +73,20 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
     inputs = [(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), bool(t.requires_grad),
                isinstance(t, torch.nn.Parameter)) for t in example_inputs]
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-    return {"graph": pickle.dumps(graph_nodes(copy.graph)), "code": copy.code, "inputs": inputs,
+    static = [i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))
+              if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
+    return {"graph": pickle.dumps(graph_nodes(copy.graph, copy)), "code": copy.code, "inputs": inputs,
             "autocast": str(autocast).removeprefix("torch.") if autocast is not None else None,
-            "grad": torch.is_grad_enabled(), "major": card["major"], "minor": card["minor"]}
+            "grad": torch.is_grad_enabled(), "major": card["major"], "minor": card["minor"], "cudagraphs": cudagraphs,
+            "static_inputs": static if cudagraphs else None}
 
 
-def make_backend(client: CompileClient, notices: Notices) -> Callable[..., Any]:
+def make_backend(client: CompileClient, notices: Notices, trees: Any = None, sim: Any = None) -> Callable[..., Any]:
     """The Dynamo backend: each graph compiled in the compile process, else run as traced (eagerly),
-    with the reason said."""
+    with the reason said. With `trees` (`cudagraph_trees.Trees`), graphs are compiled with CUDA
+    graphs (``mode="reduce-overhead"``) and their partitions run in the trees. With `sim` (the
+    run's `SimState`), graphs are compiled as ``max-autotune`` (`max_autotune`), the benchmarking's
+    allocations made as a graph is first compiled."""
     from .compiled_graph import CompiledGraph
 
     graphs: dict[str, CompiledGraph] = {}
@@ -94,7 +103,8 @@ def make_backend(client: CompileClient, notices: Notices) -> Callable[..., Any]:
             notices.say("a compiled graph with inputs on several GPUs is not modelled: it runs eagerly")
             return gm.forward
         try:
-            request = graph_request(gm, example_inputs, client.card)
+            request = graph_request(gm, example_inputs, client.card, trees is not None)
+            request["max_autotune"] = sim is not None
         except ValueError as e:
             notices.say(f"a compiled graph is not modelled ({e}): it runs eagerly")
             return gm.forward
@@ -112,10 +122,45 @@ def make_backend(client: CompileClient, notices: Notices) -> Callable[..., Any]:
         index = indices.pop() if indices else torch.cuda.current_device()
         key = request["code"] + repr((request["inputs"], request["autocast"], request["grad"], index))
         if key not in graphs:
-            graphs[key] = CompiledGraph(answer, index)
+            graphs[key] = CompiledGraph(answer, index, trees)
+            if sim is not None:  # the compile's benchmarks, on the graph's device and the current stream
+                selections = answer["layout"].get("selections", [])
+                benchmark_footprint(selections, index, sim.props[index].L2_cache_size, _workspace(sim, index))
+                _say_bound(notices, selections, sim.props[index])
         return graphs[key]
 
     return backend
+
+
+def _workspace(sim: Any, index: int) -> Callable[[str], None]:
+    """The compiling thread's cuBLAS workspace on the current stream, and for ``addmm`` (the extern
+    kernel benchmarked with the 1-D bias: cuBLASLt's ``gemm_and_bias``) the cuBLASLt one
+    (`vram.run.kernels.blas`)."""
+    from vram.frontend import memory as _memory
+    from vram.run.kernels import blas
+
+    def workspace(name: str) -> None:
+        props = sim.props[index]
+        stream = _memory.current_stream(index).cuda_stream
+        size = blas.cublas_workspace_size(props.major, props.minor)
+        sim.workspace((index, stream, "main", "cublas"), size)
+        lt = blas.cublaslt_workspace_size(size) if name == "addmm" else None
+        if lt:
+            sim.workspace((index, stream, "main", "cublaslt"), lt)
+
+    return workspace
+
+
+def _say_bound(notices: Notices, selections: list[dict[str, Any]], props: Any) -> None:
+    """`max_autotune.bound` of a compiled graph, said once."""
+    from vram.run.kernels import blas
+
+    if not selections:
+        return
+    size = blas.cublas_workspace_size(props.major, props.minor)
+    more, less = bound(selections, size + (blas.cublaslt_workspace_size(size) or 0))
+    notices.say(f"max-autotune: a compiled graph with {len(selections)} benchmarked matmul(s): a GPU's own "
+                f"choices could make its memory at most {more:,} bytes more and {less:,} bytes less at any moment")
 
 
 def _import_dynamo() -> None:
@@ -173,7 +218,8 @@ def install(mode: Any, props: Any) -> Callable[[], None]:
             "multi_processor_count": props.multi_processor_count, "l2_cache_size": props.L2_cache_size}
     real_compile = _REAL_COMPILE
     client, notices = CompileClient(card), Notices()
-    ready: list[Callable[..., Any]] = []
+    ready: dict[tuple[bool, bool], Callable[..., Any]] = {}  # by (CUDA graphs, max-autotune)
+    trees: list[Trees] = []
 
     def compile(model: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - torch.compile's name
         caller = sys._getframe(1).f_code.co_filename
@@ -187,17 +233,24 @@ def install(mode: Any, props: Any) -> Callable[[], None]:
                 notices.say(f"torch.compile runs eagerly on the simulated GPU ({reason}), so memory is eager "
                             "PyTorch's (a compiled graph fuses ops and usually needs less)")
             return model if model is not None else (lambda m: m)
-        if kwargs.get("mode") in _MODES:
-            notices.say(_MODES[kwargs["mode"]])
+        compile_mode = kwargs.pop("mode", None)
+        if compile_mode in _MODES:
+            notices.say(_MODES[compile_mode])
         if kwargs.pop("options", None):
             notices.say("torch.compile's options= are not modelled: the compiled graphs are default mode's")
-        kwargs.pop("mode", None)
         if not ready:
             _untraced_mode_stack(put, mode)
             put(frontend.Stream, "device", property(lambda s: torch.device("cuda", s.device_index)))
-            ready.append(make_backend(client, notices))
-        return real_compile(model, backend=ready[0], **kwargs) if model is not None else (
-            lambda m: real_compile(m, backend=ready[0], **kwargs))
+            ready[(False, False)] = make_backend(client, notices)
+        flavour = (compile_mode in _CUDAGRAPH_MODES, compile_mode in MODE_OPTIONS)
+        if flavour[0] and not trees:
+            trees.append(Trees(mode.sim, notices.say))  # one tree manager per device, whatever the mode
+        if flavour not in ready:
+            ready[flavour] = make_backend(client, notices, trees[0] if flavour[0] else None,
+                                          mode.sim if flavour[1] else None)
+        backend = ready[flavour]
+        return real_compile(model, backend=backend, **kwargs) if model is not None else (
+            lambda m: real_compile(m, backend=backend, **kwargs))
 
     put(torch, "compile", compile)
 

@@ -71,7 +71,9 @@ class CompileClient:
         if not self.source_key:
             self.source_key = _source_key()
         key = hashlib.sha256(pickle.dumps((self.source_key, self.card, request["code"], request["inputs"],
-                                           request["autocast"], request["grad"]))).hexdigest()
+                                           request["autocast"], request["grad"],
+                                           request.get("cudagraphs", False), request.get("static_inputs"),
+                                           request.get("max_autotune", False)))).hexdigest()
         if key in self.memo:
             return self.memo[key]
         path = _cache_folder() / f"{key}.json"

@@ -34,7 +34,7 @@ class CompiledGraph:
     """The callable Dynamo's backend returns for one graph (`answer`: the compile process's) whose
     tensors are on the simulated ``cuda:device_index``."""
 
-    def __init__(self, answer: dict[str, Any], device_index: int = 0) -> None:
+    def __init__(self, answer: dict[str, Any], device_index: int = 0, trees: Any = None) -> None:
         sources = [on_device(source, device_index) for source in answer["sources"]]
         layout = answer["layout"]
         self.num_returns: int = layout["num_forward_returns"]
@@ -44,12 +44,32 @@ class CompiledGraph:
         kernels = answer.get("kernels", {})
         self.forward = load_wrapper(sources[0], f"inductor_forward_{n}", kernels)
         self.backward = load_wrapper(sources[1], f"inductor_backward_{n}", kernels) if len(sources) > 1 else None
+        if trees is not None:
+            for i, module in enumerate((self.forward, self.backward)):
+                calls = [c for c in layout.get("cudagraphs", []) if c["wrapper"] == i]
+                if module is not None and calls:
+                    in_trees(module, calls, trees, device_index)
 
     def __call__(self, *args: Any) -> Any:
         if self.backward is None or self.saved is None:
             outs = call(self.forward, list(args))
             return tuple(outs[:self.num_returns])
         return _CompiledFunction.apply(self, *args)
+
+
+def in_trees(module: Any, calls: list[dict[str, Any]], trees: Any, device_index: int) -> None:
+    """A wrapper's graph partitions run in CUDA graph trees (`cudagraph_trees.Trees`), as
+    ``cudagraph_partition_post_compile`` applies ``cudagraphify`` to each
+    (``recursively_apply_fns``); a wrapper without partitions is wrapped whole."""
+    def mode(call: dict[str, Any]) -> str:
+        return "backward" if call["is_backward"] else "inference" if call["is_inference"] else "forward"
+
+    fns = [lambda model, c=c: trees.cudagraphify(model, c["static"], mode(c), device_index) for c in calls]
+    runner = getattr(module, "runner", None)
+    if runner is not None and hasattr(runner, "recursively_apply_fns"):
+        runner.recursively_apply_fns(fns)
+    else:
+        module.call = fns[0](module.call)
 
 
 def _fresh_list(values: Any) -> list[Any]:

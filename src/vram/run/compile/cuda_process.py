@@ -114,6 +114,7 @@ def _patch_cuda_module(torch: Any, props: Any) -> None:
     cuda.set_device = lambda device: None
     cuda.synchronize = lambda device=None: None
     torch._C._cuda_getCurrentRawStream = lambda device: 0
+    torch._C._cuda_cudaCachingAllocator_is_enabled = lambda: True  # CUDA graphs' check (cudagraph_utils.py)
 
 
 def _patch_inductor(torch: Any, props: Any) -> None:

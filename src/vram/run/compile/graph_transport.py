@@ -20,21 +20,41 @@ class NodeRef:
         self.name = name
 
 
-def graph_nodes(graph: torch.fx.Graph) -> list[tuple[str, str, Any, Any, Any]]:
-    """The graph's nodes as plain values; ValueError for a node that reads a module attribute
-    (``get_attr``: a tensor of the run, which the compile process does not have)."""
-    nodes = []
+class HigherOrder:
+    """A higher-order operator (``torch.ops.higher_order.<name>``, which does not pickle), by name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def graph_nodes(graph: torch.fx.Graph, owner: torch.nn.Module | None = None) -> dict[str, Any]:
+    """The graph's nodes as plain values, and the subgraphs its ``get_attr`` nodes read from
+    `owner` (a higher-order op's body: FlexAttention's ``score_mod`` and ``mask_mod``), each sent
+    the same way; ValueError for another module attribute (a tensor of the run, which the
+    compile process does not have, or a module call)."""
+    nodes, subgraphs = [], {}
     for node in graph.nodes:
-        if node.op in ("get_attr", "call_module"):
+        if node.op == "call_module" or (node.op == "get_attr" and owner is None):
             raise ValueError(f"a graph node reading the module ({node.op} {node.target})")
+        if node.op == "get_attr":
+            value = getattr(owner, str(node.target), None)
+            if not isinstance(value, torch.fx.GraphModule):
+                raise ValueError(f"a graph node reading the module ({node.op} {node.target})")
+            subgraphs[str(node.target)] = graph_nodes(value.graph, value)
         args = torch.fx.node.map_arg(node.args, lambda n: NodeRef(n.name))  # type: ignore[arg-type,return-value]
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: NodeRef(n.name))  # type: ignore[arg-type,return-value]
-        nodes.append((node.op, node.name, node.target, args, kwargs))
-    return nodes
+        target = HigherOrder(node.target.name()) if isinstance(node.target, torch._ops.HigherOrderOperator) \
+            else node.target
+        nodes.append((node.op, node.name, target, args, kwargs))
+    return {"nodes": nodes, "subgraphs": subgraphs}
 
 
-def graph_module(nodes: list[tuple[str, str, Any, Any, Any]]) -> torch.fx.GraphModule:
-    """The ``GraphModule`` of `graph_nodes`' answer."""
+def graph_module(sent: dict[str, Any]) -> torch.fx.GraphModule:
+    """The ``GraphModule`` of `graph_nodes`' answer, its subgraphs as its attributes."""
+    root = torch.nn.Module()
+    for name, sub in sent["subgraphs"].items():
+        setattr(root, name, graph_module(sub))
+    nodes = sent["nodes"]
     graph = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
 
@@ -51,6 +71,8 @@ def graph_module(nodes: list[tuple[str, str, Any, Any, Any]]) -> torch.fx.GraphM
         return value
 
     for op, name, target, args, kwargs in nodes:
+        if isinstance(target, HigherOrder):
+            target = getattr(torch.ops.higher_order, target.name)
         node = graph.create_node(op, target, resolve(args), resolve(kwargs), name=name)
         env[name] = node
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
+    return torch.fx.GraphModule(root, graph)

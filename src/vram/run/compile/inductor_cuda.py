@@ -13,12 +13,15 @@ wrapper codegen. No Triton kernel is built (`cuda_process.UnbuiltKernel`).
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 
 from vram.run.kernels.sdpa_choice import sdpa_args, select_sdpa_backend
+
+from .max_autotune import MODE_OPTIONS, deterministic_choices
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
 _CUDA = torch.device("cuda", 0)
@@ -38,6 +41,8 @@ def retarget(gm: torch.fx.GraphModule, from_type: str) -> None:
     for node in gm.graph.nodes:
         node.args = torch.fx.node.map_aggregate(node.args, swap)
         node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+        if node.op == "get_attr" and isinstance(sub := getattr(gm, str(node.target), None), torch.fx.GraphModule):
+            retarget(sub, from_type)  # a higher-order op's body
     gm.recompile()
 
 
@@ -137,13 +142,22 @@ def runtime_layout(meta: Any) -> dict[str, Any]:
 
 
 def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor],
-                     autocast_dtype: torch.dtype | None = None, layout: dict[str, Any] | None = None) -> list[str]:
+                     autocast_dtype: torch.dtype | None = None, layout: dict[str, Any] | None = None,
+                     cudagraphs: bool = False, static_inputs: Sequence[int] | None = None,
+                     max_autotune: bool = False) -> list[str]:
     """Inductor's wrappers for `gm` on CUDA, in the order Inductor generated them (forward first).
     `autocast_dtype`: the CUDA autocast the graph was traced under (Dynamo leaves an enclosing
     ``torch.autocast`` out of the graph: it is ambient state, so it is entered here). `layout`, if
     given, receives `runtime_layout` of the forward (AOTAutograd's metadata, read as the forward
-    is compiled)."""
+    is compiled). `cudagraphs`: compiled as ``mode="reduce-overhead"`` compiles
+    (``triton.cudagraphs``: graph partitions), `layout["cudagraphs"]` receiving `cudagraph_calls`;
+    `static_inputs`: the graph inputs Dynamo marked static (``_dynamo_static_input_type``:
+    parameters and buffers), what AOTAutograd's ``static_input_indices`` are on a GPU
+    (frontend_utils.py ``_try_get_metadata_from_dynamo``; the graph sent here lost the marks).
+    `max_autotune`: compiled with ``max_autotune`` and Inductor's choice without benchmarks
+    (`max_autotune.deterministic_choices`), `layout["selections"]` receiving each selection."""
     from torch._inductor import codecache
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -159,13 +173,50 @@ def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Te
         context = torch._guards.TracingContext.try_get()
         if layout is not None and not kwargs.get("is_backward") and context is not None and context.fw_metadata:
             layout.update(runtime_layout(context.fw_metadata))
+        if static_inputs is not None and not kwargs.get("is_backward"):
+            kwargs["static_input_idxs"] = list(static_inputs)
         return compile_fx_inner(graph, inputs, **kwargs)
 
     inputs = fake_inputs(example_inputs, FakeTensorMode())
     codecache.PyCodeCache.load_by_key_path = spy  # type: ignore[method-assign]
+    calls: list[dict[str, Any]] = []
+    selections: list[dict[str, Any]] = []
+    options = {"triton.cudagraphs": cudagraphs, **(MODE_OPTIONS["max-autotune"] if max_autotune else {})}
     try:
-        with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None), \
+                inductor_config.patch(options), cudagraph_calls(calls, sources), \
+                (deterministic_choices(selections) if max_autotune else nullcontext()):
             compile_fx(gm, inputs, inner_compile=inner_compile)
     finally:
         codecache.PyCodeCache.load_by_key_path = load  # type: ignore[method-assign]
+    if layout is not None and cudagraphs:
+        layout["cudagraphs"] = calls
+    if layout is not None:
+        layout["selections"] = selections
     return [s for s in sources if "def call(" in s]
+
+
+@contextmanager
+def cudagraph_calls(calls: list[dict[str, Any]], sources: list[str]) -> Iterator[None]:
+    """Each ``compile_fx.cudagraphify`` call Inductor's post-compile makes (output_code.py
+    ``cudagraph_partition_post_compile``: one per graph partition; ``cudagraph_post_compile``: one
+    per graph) recorded in `calls`, the function left unwrapped: which wrapper (its index among
+    the sources loaded so far), ``static_input_idxs``, ``mutated_input_idxs``, ``is_backward``,
+    ``is_inference``. A graph Inductor runs without CUDA graphs makes none."""
+    from torch._inductor import compile_fx as module
+
+    original = module.cudagraphify
+
+    def cudagraphify(model: Any, static_input_idxs: Sequence[int] = (), **kwargs: Any) -> Any:
+        wrappers = [s for s in sources if "def call(" in s]
+        calls.append({"wrapper": len(wrappers) - 1, "static": sorted(int(i) for i in static_input_idxs),
+                      "mutated": sorted(int(i) for i in kwargs.get("mutated_input_idxs", ())),
+                      "is_backward": bool(kwargs.get("is_backward")),
+                      "is_inference": bool(kwargs.get("is_inference"))})
+        return model
+
+    module.cudagraphify = cudagraphify  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module.cudagraphify = original  # type: ignore[assignment]

@@ -203,18 +203,28 @@ class BackendState(SimState):
         return storage
 
     def new(self, meta: torch.Tensor, idx: int) -> torch.Tensor:
-        """A PrivateUse1 tensor like `meta` over a new storage charged to device `idx`."""
+        """A PrivateUse1 tensor like `meta` over a new storage charged to device `idx`; its death
+        frees its own block (not a later one at the same address: `release`)."""
         nbytes = meta.untyped_storage().nbytes()
         ptr = self.malloc(idx, nbytes) if nbytes else 0
-        if ptr:
-            self.blocks[(idx, ptr)] = ChargedStorage(ptr, nbytes, idx, None)  # type: ignore[arg-type]
-        return new_storage(meta, known.engine_index(idx), ptr, self._died)
+        if not ptr:
+            return new_storage(meta, known.engine_index(idx), ptr, lambda engine_idx, address: None)
+        b = self.blocks[(idx, ptr)] = ChargedStorage(ptr, nbytes, idx, None)  # type: ignore[arg-type]
+        return new_storage(meta, known.engine_index(idx), ptr, lambda engine_idx, address: self._died(b, address))
 
-    def _died(self, engine_idx: int, ptr: int) -> None:
+    def _died(self, b: ChargedStorage, address: int) -> None:
         with _LOCK:
-            b = self.blocks.pop((known.engine_index(engine_idx), ptr), None)
-            if b is not None:
-                self._free(b)
+            key = (b.device, address)
+            if self.blocks.get(key) is b:
+                del self.blocks[key]
+            self._free(b)
+
+    def release(self, b: ChargedStorage) -> None:
+        """`SimState.release`; the storage, dying later, finds its block gone."""
+        with _LOCK:
+            if self.blocks.get((b.device, b.ptr)) is b:
+                del self.blocks[(b.device, b.ptr)]
+            self._free(b)
 
     def close(self) -> None:
         self.active = False

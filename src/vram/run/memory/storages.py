@@ -4,7 +4,8 @@ the `SimState` both modes share (see `vram.run.runtime` for the design)."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ VALUE_THREADS: int | None = 1
 HOST_RESERVE = 1 << 30
 #: value copies smaller than this are checked together, once they add up to it
 CHECK_EVERY = 16 << 20
+#: addresses of what a CUDA graph's replay makes (`SimState.replaying_graph`): far above any
+#: simulated address, never charged
+UNCHARGED_BASE = 1 << 52
 
 
 class ChargedStorage:
@@ -75,6 +79,8 @@ class SimState:
         self.ops: dict[Any, Any] = {}        # op -> its GPU behaviour (meta differs); NotImplemented: declined
         self.uncharged: dict[str, int] = {}  # kernel scratch left out (a plan's "note" steps): calls
         self.cudnn_plans: dict[tuple[Any, ...], int] = {}  # cuDNN call -> its cached plan's workspace
+        self.replaying = 0                   # inside a CUDA graph's replay: nothing is charged
+        self.next_uncharged = UNCHARGED_BASE
 
     def _host_unknown(self, what: str) -> None:
         self.report.record("a host tensor's recipe read a simulated tensor", what)
@@ -125,7 +131,7 @@ class SimState:
                 elif step == "cudnn":
                     tmps.append(self.cudnn_workspace(idx, *arg))
                 elif step == "free":
-                    _memory.get_allocator(idx).free(tmps[arg])
+                    self.allocator_free(idx, tmps[arg])
                     tmps[arg] = 0
                 elif step == "blas":  # the cuBLAS call, between the kernel's own scratch
                     on_blas()
@@ -139,7 +145,7 @@ class SimState:
         except torch.OutOfMemoryError:
             for p in tmps:
                 if p:
-                    _memory.get_allocator(idx).free(p)
+                    self.allocator_free(idx, p)
             raise
 
     def cudnn_workspace(self, idx: int, key: tuple[Any, ...], nbytes: int) -> int:
@@ -165,6 +171,9 @@ class SimState:
         return 0
 
     def malloc(self, idx: int, nbytes: int) -> int:
+        if self.replaying:  # a CUDA graph's replay: its memory is the pool's, already charged
+            ptr, self.next_uncharged = self.next_uncharged, self.next_uncharged + max(512, -(-nbytes // 512) * 512)
+            return ptr
         allocator = _memory.get_allocator(idx)
         self.busy += 1
         try:
@@ -176,18 +185,38 @@ class SimState:
             if not self.busy and self.pending:
                 self._flush()
 
+    @staticmethod
+    def allocator_free(device: int, ptr: int) -> None:
+        """Free a simulated block (what a graph's replay made was never charged)."""
+        if ptr < UNCHARGED_BASE:
+            _memory.get_allocator(device).free(ptr)
+
     def _free(self, b: ChargedStorage) -> None:
         if b.ptr and self.active:
             if self.busy:  # a storage died during our own malloc (garbage collector): later
                 self.pending.append((b.device, b.ptr))
             else:
-                _memory.get_allocator(b.device).free(b.ptr)
+                self.allocator_free(b.device, b.ptr)
         b.ptr = 0
+
+    def release(self, b: ChargedStorage) -> None:
+        """Free a live storage's block now, the storage kept without memory
+        (``torch._C._free_And_Remove_DeleterFn``, what CUDA graph trees do to a finished path's outputs)."""
+        self._free(b)
 
     def _flush(self) -> None:
         pending, self.pending = self.pending, []
         for device, ptr in pending:
-            _memory.get_allocator(device).free(ptr)
+            self.allocator_free(device, ptr)
+
+    @contextmanager
+    def replaying_graph(self) -> Iterator[None]:
+        """Inside: a CUDA graph replays; what it makes is not charged (``UNCHARGED_BASE``)."""
+        self.replaying += 1
+        try:
+            yield
+        finally:
+            self.replaying -= 1
 
     def track(self, storage: Any, idx: int) -> ChargedStorage:
         """Charge a new storage to device `idx`; its block is freed when the storage dies."""
@@ -221,7 +250,7 @@ class SimState:
         b.forget()
         self.carry(kept, b)  # a real-values run keeps the old bytes
         if old:
-            _memory.get_allocator(b.device).free(old)
+            self.allocator_free(b.device, old)
 
     # -- value copies of a real-values run (`vram.run.values.real_values`) ------------------------------
     def reserve(self, nbytes: int) -> None:
@@ -330,8 +359,16 @@ class SimState:
         return None
 
     def workspace(self, key: tuple[Any, ...], nbytes: int) -> None:
-        """A per-(device, stream, thread) workspace, allocated once and kept (cuBLAS)."""
-        if key not in self.workspaces:
+        """A per-(device, stream, thread) workspace, allocated once and kept (cuBLAS); none in a
+        CUDA graph's replay (the one its recording used is the graph's)."""
+        if key not in self.workspaces and not self.replaying:
             self.workspaces[key] = self.malloc(key[0], nbytes)
+
+    def clear_workspaces(self) -> None:
+        """``torch._C._cuda_clearCublasWorkspaces()`` (CublasHandlePool.cpp ``clearCublasWorkspaces``):
+        every cuBLAS and cuBLASLt workspace freed; the next matmul allocates its own again."""
+        workspaces, self.workspaces = self.workspaces, {}
+        for key, ptr in workspaces.items():
+            self.allocator_free(key[0], ptr)
 
 
