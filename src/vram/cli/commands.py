@@ -18,10 +18,12 @@ from vram.units import parse_size
 from .analysis import CLUSTER_HELP, JOBS_HELP, index, positive
 from .analysis import add_parsers as add_analysis_parsers
 from .defaults import (
+    ARCH_HELP,
     CONTEXT_HELP,
     DEFAULT_CONTEXT,
     DEFAULT_GPU,
     EXIT_CODES,
+    GPU_HELP,
     REPLAY_CONTEXT_HELP,
     TORCH_HINT,
     joined_conf,
@@ -235,12 +237,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise RuntimeError(f"vram estimate needs PyTorch ({e}); {TORCH_HINT}") from None
     args.conf = joined_conf(args.conf)
     return run_estimate(args)
-
-
-GPU_HELP = ("GPU: a size (24GiB, 80000000000) or a card (A100-80GB, H100, RTX4090, ...; "
-            "'vram gpus' lists them with CUDA's byte counts)")
-ARCH_HELP = ("compute capability, e.g. 8.0 or sm_86 (default: the card's; 9.0, an H100, for a "
-             "size); it sets the cuBLAS workspace: 32 MiB on sm90, 8,519,680 B elsewhere")
 
 
 def build_parser() -> argparse.ArgumentParser:

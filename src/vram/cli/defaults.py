@@ -23,6 +23,10 @@ from vram.devices.gpus import CUDA_CONTEXT, context_on
 DEFAULT_GPU = "80GiB"
 #: CUDA context after the first cuBLAS kernel, H200 / driver 580 / CUDA 13.0 / torch 2.11 (module doc)
 DEFAULT_CONTEXT = str(CUDA_CONTEXT)
+GPU_HELP = ("GPU: a size (24GiB, 80000000000) or a card (A100-80GB, H100, RTX4090, ...; "
+            "'vram gpus' lists them with CUDA's byte counts)")
+ARCH_HELP = ("compute capability, e.g. 8.0 or sm_86 (default: the card's; 9.0, an H100, for a "
+             "size); it sets the cuBLAS workspace: 32 MiB on sm90, 8,519,680 B elsewhere")
 CONTEXT_HELP = ("CUDA context bytes, counted against the GPU as nvidia-smi shows them besides PyTorch's reserved "
                 "memory (default 718077952 = 684.8 MiB, measured on an H200 with CUDA 13.0 after the first "
                 "cuBLAS kernel; 0 leaves it out)")

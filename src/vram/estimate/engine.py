@@ -146,6 +146,22 @@ def _checked_run(step: Any, amp: Any, loss: Any, grad_accum: int, iterations: in
     return amp_dtype
 
 
+def _placed(model: Any, sim: Any, tr: Tracker, parallel: Any, checkpoint: Any) -> nn.Module:
+    """The model built, on the simulated GPU (or laid out for its rank), in training mode, its
+    parameters and buffers marked, checkpointed as asked."""
+    m = build_model(model, sim)
+    tr.attach(m)
+    m = to_gpu(m, sim) if parallel is None else parallel.place(m, tr)
+    m.train()
+    for p in m.parameters():
+        tr.mark(p, "parameters")
+    for b in m.buffers():
+        tr.mark(b, "buffers")
+    if checkpoint:
+        apply_checkpoint(m, checkpoint, tr, None if parallel is None else parallel.blocks(m))
+    return m
+
+
 def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: Any, amp: Any,
          checkpoint: Any, grad_accum: int, iterations: int, gpu: GpuPreset, context: int, conf: str | None,
          keep: bool = True, parallel: Any = None, record: bool = False,
@@ -175,16 +191,7 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
         hooks: list[Any] = []
         try:
             try:
-                m = build_model(model, sim)
-                tr.attach(m)
-                m = to_gpu(m, sim) if parallel is None else parallel.place(m, tr)
-                m.train()
-                for p in m.parameters():
-                    tr.mark(p, "parameters")
-                for b in m.buffers():
-                    tr.mark(b, "buffers")
-                if checkpoint:
-                    apply_checkpoint(m, checkpoint, tr, None if parallel is None else parallel.blocks(m))
+                m = _placed(model, sim, tr, parallel, checkpoint)
                 opt = make_optimizer(optimizer, m)
                 if opt is not None:
                     def pre(o: Any, a: Any, k: Any, m: nn.Module = m) -> None:
