@@ -31,6 +31,7 @@ from vram.run.values import known
 from vram.run.values.placeholders import describe, needs_data, value_error
 
 from . import reads as _reads
+from . import tensor_options as _options
 
 _SDPA = F.scaled_dot_product_attention
 _CPU_COPY = frozenset({"cpu", "numpy", "tolist", "__array__", "__repr__", "__format__", "equal",
@@ -111,6 +112,12 @@ class FunctionMode(TorchFunctionMode):
                 return None
             return func(*args, **kwargs)
         t0 = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in ("to", "type_as", "type") and t0 is not None:
+            rewritten = _options.rewrite(name, args, kwargs, self._played_device)
+            if isinstance(rewritten, str):
+                return rewritten
+            if rewritten is not None:
+                func, name, (args, kwargs) = torch.Tensor.to, "to", rewritten
         b0 = sim.block_of(t0) if t0 is not None else None
         done = self._method(func, name, t0, b0, args, kwargs)
         if done is not _UNHANDLED:
@@ -152,6 +159,13 @@ class FunctionMode(TorchFunctionMode):
             if sim.host.of(args[0]) is not None:  # a lazy host tensor: a CPU tensor to the script
                 return torch.device("cpu") if prop == "device" else prop == "is_cpu"
         return func(*args, **kwargs)
+
+    def _played_device(self, t: torch.Tensor) -> torch.device | None:
+        """The device the script sees for a simulated (CUDA) or lazy host (CPU) tensor; None for others."""
+        idx = self.sim.seen_idx(t)
+        if idx is not None:
+            return torch.device("cuda", idx)
+        return torch.device("cpu") if self.sim.host.live and self.sim.host.of(t) is not None else None
 
     def _method(self, func: Any, name: str, t0: torch.Tensor | None, b0: ChargedStorage | None, args: Any,
                 kwargs: Any) -> Any:
