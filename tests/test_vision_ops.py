@@ -56,13 +56,21 @@ def test_torchvision_has_its_ops_and_nms_is_the_cpu_kernels() -> None:
 
 
 def test_detection_ops_on_the_simulated_gpu() -> None:
-    """``nms`` on known values gives the CPU kernel's answer; ``roi_align`` allocates its output
+    """``nms`` on known values gives the CPU kernel's answer, with the CUDA kernel's temporaries;
+    ``roi_align`` allocates its output
     forward and the input's gradient backward, nothing else (no Python fallback's temporaries)."""
     with simulated_cuda(gpu="24GiB"):
         boxes = torch.tensor(BOXES, dtype=torch.float32, device="cuda")
-        keep = tv_ops.nms(boxes, torch.tensor(SCORES, device="cuda"), 0.5)
+        scores = torch.tensor(SCORES, device="cuda")
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        keep = tv_ops.nms(boxes, scores, 0.5)
         assert keep.is_cuda and keep.tolist() == _greedy_nms(BOXES, SCORES, 0.5)
-        del boxes, keep
+        # nms_kernel.cu: order_t, dets_sorted, the mask (6 x 1 words), the kept positions and the
+        # output live at once (the sorted scores died before), each a 512-byte block; then the output
+        assert torch.cuda.max_memory_allocated() - before == 5 * 512
+        assert torch.cuda.memory_allocated() - before == 512
+        del boxes, scores, keep
         feat = torch.empty(2, 256, 50, 50, device="cuda", requires_grad=True)  # 2,560,000 bytes
         rois = torch.tensor([[0, 0.0, 0.0, 20.0, 20.0]] * 100 + [[1, 5.0, 5.0, 40.0, 30.0]] * 28, device="cuda")
         torch.cuda.reset_peak_memory_stats()

@@ -13,6 +13,7 @@ carries out on the simulated allocator.
 - `sdpa`: ``scaled_dot_product_attention``: which backend ``sdp_utils.cpp`` picks, what it
   allocates forward and backward.
 - `grouped_mm`: ``torch._grouped_mm`` as ``GroupedBlas.cpp`` runs it.
+- `vision`: torchvision's ``nms`` (its sort, sorted boxes and suppression mask).
 - `fastpath`: ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` inference fast paths.
 
 Imported by `vram.run.engine` and `vram.run.runtime`; imports `vram.run.values` (the fast paths'

@@ -59,6 +59,7 @@ from . import sdpa as _sdpa
 from .blas import bmm_plan, mm_plan, non_overlapping_and_dense
 from .cudnn import uncharged_scratch
 from .grouped_mm import grouped_mm_plan
+from .vision import nms_plan
 
 
 def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
@@ -85,6 +86,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         plan = foreach_norm_plan(name, args, outs)
     if plan is None:
         plan = _scratch.scratch_plan(name, args, outs, sms, max_threads_sm)
+    if plan is None:
+        plan = nms_plan(name, args, outs)
     if plan is None:
         plan = [("out", i) for i in range(len(outs))]
         base = scalar_base_bytes(name, args)
