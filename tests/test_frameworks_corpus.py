@@ -1,10 +1,10 @@
 """Third-party frameworks' own training loops, unmodified, under ``vram run --gpu H100`` to their end
 (tests/corpus/, README there): ultralytics YOLOv8n train/val/predict, torchvision Faster R-CNN and
 RetinaNet training steps and inference, a Lightning Fabric bf16 loop with a checkpoint, and
-accelerate's FSDP plugin (FSDP2) on 2 ranks. Each runs when its library is installed (ultralytics
-and Lightning: the ``frameworks`` extra), else skips; each takes a minute or more, so they are
-``slow``. The mechanisms they needed have plain-torch tests of their own (tests/test_lazy_host.py,
-tests/test_vision_ops.py).
+accelerate's FSDP plugin (FSDP2) and Hugging Face ``Trainer`` with FSDP, each on 2 ranks. Each
+runs when its library is installed (ultralytics and Lightning: the ``frameworks`` extra), else
+skips; each takes a minute or more, so they are ``slow``. The mechanisms they needed have
+plain-torch tests of their own (tests/test_lazy_host.py, tests/test_vision_ops.py).
 
 Expectations, from the same models built here on the CPU without vram: the printed parameter
 count; and a floor for the peak from PyTorch's rules — every trained parameter's weight, gradient
@@ -64,6 +64,10 @@ def _fsdp_params() -> int:
     return sum(p.numel() for p in _program("accelerate_fsdp.py").build().parameters())
 
 
+def _trainer_fsdp_params() -> int:
+    return sum(p.numel() for p in _program("hf_trainer_fsdp.py").build().parameters())
+
+
 # program -> (libraries, the CPU-built parameter count, fp32 copies per parameter alive in the
 # step, ranks: each rank holds 1/ranks of them)
 CASES = {
@@ -75,6 +79,8 @@ CASES = {
     "fabric_lm.py": (("lightning",), _fabric_params, 4, 1),
     # FSDP2 full shard on 2 ranks: each rank's shard of the weights, gradients and AdamW's state
     "accelerate_fsdp.py": (("accelerate", "transformers"), _fsdp_params, 4, 2),
+    # Trainer's FSDP (full shard, auto wrap) on 2 ranks: the same shards
+    "hf_trainer_fsdp.py": (("accelerate", "transformers"), _trainer_fsdp_params, 4, 2),
 }
 
 

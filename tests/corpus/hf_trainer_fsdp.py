@@ -1,0 +1,45 @@
+"""Hugging Face Trainer with FSDP (full shard, auto-wrapped decoder layers) on 2 ranks: a small Llama
+from a local config, bf16, three steps, an evaluation."""
+import tempfile
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n, seq=128, vocab=2048):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def build():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+    return LlamaForCausalLM(config)
+
+
+def main():
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=3,
+                             bf16=True, logging_steps=1, report_to=[], save_strategy="no",
+                             fsdp="full_shard auto_wrap",
+                             fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+                             per_device_eval_batch_size=4, dataloader_num_workers=0)
+    model = build()
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(32), eval_dataset=Tokens(8))
+    trainer.train()
+    print("eval", sorted(trainer.evaluate()))
+    print("params", sum(p.numel() for p in build().parameters()))
+    print("peak_allocated", torch.cuda.max_memory_allocated())
+    print("peak_reserved", torch.cuda.max_memory_reserved())
+    print("done")
+
+
+if __name__ == "__main__":
+    main()
