@@ -1,9 +1,9 @@
-"""Hugging Face Trainer with FSDP (full shard, auto-wrapped decoder layers) on 2 ranks: a small Llama
-from a local config, bf16, three steps, an evaluation."""
+"""Hugging Face Trainer with FSDP (full shard, auto-wrapped blocks) on 2 ranks: a small GPT-2 from a
+local config (random weights, tied embeddings), bf16, three steps, an evaluation."""
 import tempfile
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -20,16 +20,14 @@ class Tokens(torch.utils.data.Dataset):
 
 def build():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
-    return LlamaForCausalLM(config)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=256, n_embd=256, n_layer=4, n_head=8))
 
 
 def main():
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=3,
                              bf16=True, logging_steps=1, report_to=[], save_strategy="no",
                              fsdp="full_shard auto_wrap",
-                             fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+                             fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"]},
                              per_device_eval_batch_size=4, dataloader_num_workers=0)
     model = build()
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(32), eval_dataset=Tokens(8))
