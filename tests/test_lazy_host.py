@@ -311,3 +311,17 @@ def test_host_tensor_taking_a_lazy_tensors_options_is_a_host_tensor() -> None:
         assert torch.arange(2).type_as(m.anchors).is_cuda
         half = torch.ones(2).type("torch.cuda.HalfTensor")
         assert half.is_cuda and half.dtype == torch.float16
+
+
+def test_tensor_a_composite_makes_with_a_lazy_inputs_options_is_a_host_tensor() -> None:
+    """``one_hot`` makes its output inside C++ with its input's options (``at::zeros(shape,
+    self.options())``, ATen/native/Onehot.cpp), then scatters into it: for a large CPU input the
+    result is the CPU's."""
+    torch.manual_seed(3)
+    ref = torch.nn.functional.one_hot(torch.randint(0, 10, (70_000,)), 10).sum(0)
+    with simulated_cuda(gpu="24GiB"):
+        torch.manual_seed(3)
+        idx = torch.randint(0, 10, (70_000,))
+        assert active_sim().host.of(idx) is not None
+        out = torch.nn.functional.one_hot(idx, 10)
+        assert out.device.type == "cpu" and torch.equal(out.sum(0), ref)

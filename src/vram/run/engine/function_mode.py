@@ -58,6 +58,19 @@ def draws_host_default(func: Any, kwargs: dict[str, Any], inputs: list[Any], sim
     return d is None or torch.device(d).type == "cpu"
 
 
+def _host_only(sim: SimState, args: Any, kwargs: Any) -> bool:
+    """Does a call read lazy host tensors and no other meta tensor (a simulated one, the script's
+    own)? Then a tensor its C++ code makes with an input's options (``at::zeros(shape,
+    self.options())`` in ``one_hot``) belongs on the host too (`vram.run.engine.lazy`)."""
+    lazy = False
+    for t in tree_leaves((args, kwargs or {})):
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            if sim.host.of(t) is None:
+                return False
+            lazy = True
+    return lazy
+
+
 def parse_device(value: Any) -> tuple[str, int | None] | None:
     """("cuda", index) / ("meta", None) / ("cpu", None) for a device-like value, else None."""
     if isinstance(value, torch.device):
@@ -263,8 +276,9 @@ class FunctionMode(TorchFunctionMode):
         """Run `run` (the op) with the redirect recorded for the dispatch mode; meta's "no data"
         errors on simulated tensors become `DataDependentError`."""
         sim = self.sim
-        saved = (sim.target, sim.explicit_meta, sim.call, sim.host_factory)
+        saved = (sim.target, sim.explicit_meta, sim.call, sim.host_factory, sim.host_call)
         sim.target, sim.explicit_meta, sim.call, sim.host_factory = target, explicit_meta, func, host_factory
+        sim.host_call = bool(sim.host.live) and _host_only(sim, args, kwargs)
         try:
             out = run()
             if target is not None:  # torch.tensor(..., device=) builds its tensor below the modes
@@ -287,7 +301,7 @@ class FunctionMode(TorchFunctionMode):
                 raise
             raise value_error(describe(func)) from None
         finally:
-            sim.target, sim.explicit_meta, sim.call, sim.host_factory = saved
+            sim.target, sim.explicit_meta, sim.call, sim.host_factory, sim.host_call = saved
 
     def _set_data(self, t: Any, value: Any) -> bool:
         """``t.data = value`` between the host and a simulated GPU; False for any other pair.
