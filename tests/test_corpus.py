@@ -20,6 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from corpus_output import printed_values  # noqa: E402
 from vram.run.cuda.compat import define_torchvision_ops  # noqa: E402
 from vram.run.runtime import run_script  # noqa: E402
 
@@ -53,14 +54,6 @@ def _unique_storage_bytes(model: Any) -> int:
     return sum(max(512, -(-n // 512) * 512) for n in sizes.values() if n)
 
 
-def _printed(out: str) -> dict[str, str]:
-    values = {}
-    for line in out.splitlines():
-        key, _, rest = line.partition(" ")
-        values.setdefault(key, rest)
-    return values
-
-
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
 def test_program_runs_to_its_end_with_the_gpu_figures(program: str, capsys: pytest.CaptureFixture[str],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,7 +66,7 @@ def test_program_runs_to_its_end_with_the_gpu_figures(program: str, capsys: pyte
     del cpu_model
     assert run_script(str(CORPUS / program), [], gpu="24GiB") == 0
     out = capsys.readouterr().out
-    printed = _printed(out)
+    printed = printed_values(out)
     assert "done" in printed, out
     assert int(printed["params"]) == expected_params
     assert int(printed["after_move"]) == expected_bytes

@@ -261,3 +261,67 @@ def test_rejection_sampling_computes_each_step_once() -> None:
     # with nothing kept, every read recomputes the recipe from its start: same values
     again, applied, _ = _redraws(keep_limit=0)
     assert torch.equal(again, expected) and len(applied) > len({id(step) for step in applied})
+
+
+class Head(nn.Module):
+    """A detection head's pattern (ultralytics' ``Detect``): a grid built on the host from a
+    feature map's dtype (``torch.arange(w).type_as(feat)``), kept as a plain attribute, and
+    moved by an ``_apply`` override (``m.anchors = fn(m.anchors)``) with the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 8, stride=8)
+        self.anchors = torch.empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        feat = self.conv(x)
+        h, w = feat.shape[2:]
+        sx = torch.arange(w).type_as(feat) + 0.5
+        sy = torch.arange(h).to(feat) + 0.5
+        sy, sx = torch.meshgrid(sy, sx, indexing="ij")
+        self.anchors = torch.stack((sx, sy), -1).view(-1, 2).transpose(0, 1)
+        return feat
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Head:
+        super()._apply(fn, recurse)
+        self.anchors = fn(self.anchors)
+        return self
+
+
+def test_host_tensor_taking_a_lazy_tensors_options_is_a_host_tensor() -> None:
+    """``x.type_as(other)`` and ``x.to(other)`` are ``x.to(other.options())``
+    (TensorConversions.cpp): with a large CPU ``other`` (lazy here) the result is a CPU tensor with
+    ``x``'s values in ``other``'s dtype, and the model then moves to the GPU with its anchors;
+    ``type()`` names the legacy CPU and CUDA types (tensor_types.cpp)."""
+    torch.manual_seed(0)
+    ref = Head()
+    ref(torch.zeros(1, 3, 256, 256))
+    with simulated_cuda(gpu="24GiB"):
+        torch.manual_seed(0)
+        m = Head()
+        big = torch.zeros(1, 3, 256, 256)
+        assert active_sim().host.of(big) is not None
+        m(big)
+        assert m.anchors.device.type == "cpu" and torch.equal(m.anchors, ref.anchors)
+        assert big.type() == "torch.FloatTensor" and torch.arange(3).type(big.type()).dtype == torch.float32
+        m.to("cuda")
+        assert m.anchors.is_cuda and m.anchors.type() == "torch.cuda.FloatTensor"
+        assert torch.equal(m.anchors.cpu(), ref.anchors)
+        assert torch.ones(2, device="cuda").type_as(big).device.type == "cpu"
+        assert torch.arange(2).type_as(m.anchors).is_cuda
+        half = torch.ones(2).type("torch.cuda.HalfTensor")
+        assert half.is_cuda and half.dtype == torch.float16
+
+
+def test_tensor_a_composite_makes_with_a_lazy_inputs_options_is_a_host_tensor() -> None:
+    """``one_hot`` makes its output inside C++ with its input's options (``at::zeros(shape,
+    self.options())``, ATen/native/Onehot.cpp), then scatters into it: for a large CPU input the
+    result is the CPU's."""
+    torch.manual_seed(3)
+    ref = torch.nn.functional.one_hot(torch.randint(0, 10, (70_000,)), 10).sum(0)
+    with simulated_cuda(gpu="24GiB"):
+        torch.manual_seed(3)
+        idx = torch.randint(0, 10, (70_000,))
+        assert active_sim().host.of(idx) is not None
+        out = torch.nn.functional.one_hot(idx, 10)
+        assert out.device.type == "cpu" and torch.equal(out.sum(0), ref)

@@ -586,3 +586,16 @@ def test_autocast_casts_einsum_operands_left_to_right() -> None:
         trace = torch.cuda.memory._snapshot()["device_traces"][0]
         sizes = [e["size"] for e in trace if e["action"] == "alloc"]
         assert sizes[:2] == [65536, 32768] and y.dtype == torch.bfloat16
+
+
+def test_a_python_number_where_the_schema_wants_a_tensor() -> None:
+    """``remainder``, ``fmod``, ``bitwise_and``, ``xlogy``, ``copysign`` with a Python number: the
+    values and dtypes the CPU gives (RetinaNet's ``topk_idxs % num_classes``)."""
+    ops = [lambda y: y % 3, lambda y: torch.fmod(y, 3), lambda y: y & 1, lambda y: torch.xlogy(y.float(), 2),
+           lambda y: torch.copysign(y.float(), -1), lambda y: y.clone().remainder_(4), lambda y: y.half() % 2.5]
+    cpu = [f(torch.arange(1, 10)) for f in ops]
+    with simulated_cuda(gpu="24GiB"):
+        y = torch.arange(1, 10, device="cuda")
+        for f, ref in zip(ops, cpu):
+            out = f(y)
+            assert out.is_cuda and out.dtype == ref.dtype and out.tolist() == ref.tolist()

@@ -27,6 +27,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from corpus_output import printed_values  # noqa: E402
 from vram.run.cuda.compat import define_torchvision_ops  # noqa: E402
 from vram.run.runtime import run_script  # noqa: E402
 
@@ -59,14 +60,6 @@ def r512(n: int) -> int:
     return max(512, -(-n // 512) * 512)
 
 
-def _printed(out: str) -> dict[str, str]:
-    values: dict[str, str] = {}
-    for line in out.splitlines():
-        key, _, rest = line.partition(" ")
-        values.setdefault(key, rest)
-    return values
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_training_entry_point_runs_with_the_gpu_figures(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,7 +82,7 @@ def test_training_entry_point_runs_with_the_gpu_figures(case: str, tmp_path: Pat
 
     assert run_script(str(CORPUS / program), [*args, str(tmp_path / "out")], gpu="24GiB") == 0
     out = capsys.readouterr().out
-    printed = _printed(out)
+    printed = printed_values(out)
     assert "done" in printed, out
     assert int(printed["params"]) == expected_params
     assert int(printed["after_move"]) == model_bytes

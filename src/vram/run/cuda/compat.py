@@ -7,8 +7,9 @@ friends: ``RuntimeError: operator torchvision::nms does not exist``. A simulated
 those kernels for the models themselves (ResNet, ViT, timm's models: convolutions, attention,
 norms), so when the library cannot load, `define_torchvision_ops` defines the operators' schemas
 (as ``torchvision/csrc/ops/*.cpp`` declares them with ``TORCH_LIBRARY_FRAGMENT(torchvision, m)``)
-without kernels: torchvision imports, its own fake kernels register, and calling one of its C++
-ops says what is missing (torchvision's ``_assert_has_ops`` message).
+with the kernels a run needs (`vram.run.cuda.vision_ops`: host kernels, autograd formulas), and
+lets torchvision's load of the library succeed: torchvision imports, its own fake kernels
+register, and detection models call ``nms`` and ``roi_align`` as they do on a GPU.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from . import vision_ops as _vision_ops
 
 #: ``torchvision/csrc/ops/*.cpp``'s schemas (torchvision 0.17 onwards: SymInt sizes)
 TORCHVISION_SCHEMAS = (
@@ -78,8 +81,26 @@ def define_torchvision_ops() -> bool:
     for schema in TORCHVISION_SCHEMAS:
         if not _defined("torchvision::" + schema.split("(", 1)[0]):
             lib.define(schema)
+    _vision_ops.register(lib)
     _LIBRARY.append(lib)
+    _stand_in_for(libraries)
     return True
+
+
+def _stand_in_for(libraries: list[str]) -> None:
+    """``torch.ops.load_library`` of torchvision's operator library (`libraries`, which cannot
+    load) succeeds: its operators are defined, with kernels (`vram.run.cuda.vision_ops`), so
+    ``torchvision.extension._has_ops()`` is true and torchvision calls them, as on a GPU."""
+    ops = torch.ops
+    load = ops.load_library
+    stood_in = {os.path.realpath(p) for p in libraries}
+
+    def load_library(path: Any) -> None:
+        if isinstance(path, (str, os.PathLike)) and os.path.realpath(path) in stood_in:
+            ops.loaded_libraries.add(os.path.realpath(path))
+            return
+        load(path)
+    ops.load_library = load_library  # type: ignore[method-assign]
 
 
 def _defined(qualname: str) -> bool:

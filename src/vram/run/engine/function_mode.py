@@ -31,6 +31,7 @@ from vram.run.values import known
 from vram.run.values.placeholders import describe, needs_data, value_error
 
 from . import reads as _reads
+from . import tensor_options as _options
 
 _SDPA = F.scaled_dot_product_attention
 _CPU_COPY = frozenset({"cpu", "numpy", "tolist", "__array__", "__repr__", "__format__", "equal",
@@ -55,6 +56,19 @@ def draws_host_default(func: Any, kwargs: dict[str, Any], inputs: list[Any], sim
         return not any(t.is_meta for t in inputs)
     d = kwargs.get("device")
     return d is None or torch.device(d).type == "cpu"
+
+
+def _host_only(sim: SimState, args: Any, kwargs: Any) -> bool:
+    """Does a call read lazy host tensors and no other meta tensor (a simulated one, the script's
+    own)? Then a tensor its C++ code makes with an input's options (``at::zeros(shape,
+    self.options())`` in ``one_hot``) belongs on the host too (`vram.run.engine.lazy`)."""
+    lazy = False
+    for t in tree_leaves((args, kwargs or {})):
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            if sim.host.of(t) is None:
+                return False
+            lazy = True
+    return lazy
 
 
 def parse_device(value: Any) -> tuple[str, int | None] | None:
@@ -111,6 +125,12 @@ class FunctionMode(TorchFunctionMode):
                 return None
             return func(*args, **kwargs)
         t0 = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in ("to", "type_as", "type") and t0 is not None:
+            rewritten = _options.rewrite(name, args, kwargs, self._played_device)
+            if isinstance(rewritten, str):
+                return rewritten
+            if rewritten is not None:
+                func, name, (args, kwargs) = torch.Tensor.to, "to", rewritten
         b0 = sim.block_of(t0) if t0 is not None else None
         done = self._method(func, name, t0, b0, args, kwargs)
         if done is not _UNHANDLED:
@@ -152,6 +172,13 @@ class FunctionMode(TorchFunctionMode):
             if sim.host.of(args[0]) is not None:  # a lazy host tensor: a CPU tensor to the script
                 return torch.device("cpu") if prop == "device" else prop == "is_cpu"
         return func(*args, **kwargs)
+
+    def _played_device(self, t: torch.Tensor) -> torch.device | None:
+        """The device the script sees for a simulated (CUDA) or lazy host (CPU) tensor; None for others."""
+        idx = self.sim.seen_idx(t)
+        if idx is not None:
+            return torch.device("cuda", idx)
+        return torch.device("cpu") if self.sim.host.live and self.sim.host.of(t) is not None else None
 
     def _method(self, func: Any, name: str, t0: torch.Tensor | None, b0: ChargedStorage | None, args: Any,
                 kwargs: Any) -> Any:
@@ -249,8 +276,9 @@ class FunctionMode(TorchFunctionMode):
         """Run `run` (the op) with the redirect recorded for the dispatch mode; meta's "no data"
         errors on simulated tensors become `DataDependentError`."""
         sim = self.sim
-        saved = (sim.target, sim.explicit_meta, sim.call, sim.host_factory)
+        saved = (sim.target, sim.explicit_meta, sim.call, sim.host_factory, sim.host_call)
         sim.target, sim.explicit_meta, sim.call, sim.host_factory = target, explicit_meta, func, host_factory
+        sim.host_call = bool(sim.host.live) and _host_only(sim, args, kwargs)
         try:
             out = run()
             if target is not None:  # torch.tensor(..., device=) builds its tensor below the modes
@@ -273,7 +301,7 @@ class FunctionMode(TorchFunctionMode):
                 raise
             raise value_error(describe(func)) from None
         finally:
-            sim.target, sim.explicit_meta, sim.call, sim.host_factory = saved
+            sim.target, sim.explicit_meta, sim.call, sim.host_factory, sim.host_call = saved
 
     def _set_data(self, t: Any, value: Any) -> bool:
         """``t.data = value`` between the host and a simulated GPU; False for any other pair.

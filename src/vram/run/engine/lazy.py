@@ -25,6 +25,7 @@ from vram.run.memory.storages import SimState
 from .dynamo_guard import import_dynamo_when_compiling
 from .function_mode import draws_host_default
 
+_META = torch.device("meta")
 #: the runs whose `LazyHostMode` is on the dispatch stack
 _PUSHED: set[SimState] = set()
 
@@ -47,7 +48,9 @@ class LazyHostMode(TorchDispatchMode):
     def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         sim, host = self.sim, self.sim.host
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if sim.host_factory and not inputs:  # a large CPU factory (the function mode said so)
+        if not inputs and (sim.host_factory or (sim.host_call and kwargs.get("device") == _META)):
+            # a large CPU factory (the function mode said so), or a tensor a call on lazy host tensors
+            # makes with their options inside C++ (``one_hot``'s zeros): a host tensor, as on the CPU
             return host.factory(func, args, kwargs)
         if not (host.live and any(host.of(t) is not None for t in inputs)):
             if host.ledger.owing and seeded(func) and draws_host_default(func, kwargs, inputs, sim):

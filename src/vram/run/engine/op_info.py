@@ -62,3 +62,39 @@ def tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
         elif isinstance(a, dict):
             return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     return found
+
+
+_SCALAR_OVERLOADS: dict[tuple[Any, tuple[int, ...]], Any] = {}
+_NUMBER = (bool, int, float, complex)
+
+
+def scalar_overload(op: Any, args: tuple[Any, ...]) -> Any:
+    """The overload to run when a Python number sits where `op`'s schema wants a Tensor.
+
+    A ``.Scalar`` overload's composite kernel wraps its number (``wrapped_scalar_tensor``) and
+    calls the ``.Tensor`` one (``remainder``, ``fmod``, ``bitwise_and``, ``xlogy``, ``copysign``:
+    ``aten/src/ATen/native/BinaryOps.cpp``); a Python kernel receives the wrapped number as the
+    Python number (``torch::jit::toPyObject``), which the ``.Tensor`` overload refuses when called
+    from Python ("Expected a value of type 'Tensor'": only ``add``/``sub``/``mul``/``div``
+    accept numbers as tensors). The overload of the same op with ``Scalar`` in those places
+    computes the same (type promotion treats a wrapped number and a Scalar alike); `op` itself
+    when no number is misplaced or no overload fits."""
+    schema_args = op._schema.arguments
+    places = tuple(i for i, a in enumerate(args) if isinstance(a, _NUMBER) and i < len(schema_args)
+                   and isinstance(schema_args[i].type, torch.TensorType))
+    if not places:
+        return op
+    found = _SCALAR_OVERLOADS.get((op, places))
+    if found is None:
+        found = op
+        packet = op.overloadpacket
+        for name in packet.overloads():
+            other = getattr(packet, name)
+            theirs = other._schema.arguments
+            if len(theirs) == len(schema_args) and all(
+                    str(t.type) == ("number" if i in places else str(a.type))
+                    for i, (a, t) in enumerate(zip(schema_args, theirs))):
+                found = other
+                break
+        _SCALAR_OVERLOADS[(op, places)] = found
+    return found

@@ -263,7 +263,7 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     One op at a time: a backward across GPUs runs on one autograd thread per device (engine.cpp
     ``thread_init``), as CUDA's allocator takes its device's lock for each call."""
     with _LOCK, torch._C.DisableTorchFunction():
-        return _run(op, args, kwargs)
+        return _run(op_info.scalar_overload(op, args), args, kwargs)
 
 
 def _run(op: Any, args: Any, kwargs: Any) -> Any:

@@ -16,6 +16,7 @@ carries out on the simulated allocator.
   allocates forward and backward.
 - `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named).
 - `grouped_mm`: ``torch._grouped_mm`` as ``GroupedBlas.cpp`` runs it.
+- `vision`: torchvision's ``nms`` (its sort, sorted boxes and suppression mask).
 - `fastpath`: ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` inference fast paths.
 
 Imported by `vram.run.engine` and `vram.run.runtime`; imports `vram.run.values` (the fast paths'

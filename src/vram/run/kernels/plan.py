@@ -66,6 +66,7 @@ from .cudnn_conv import CUDA_META as _CONV_META
 from .cufft import fft_plan
 from .grouped_mm import CUDA_META as _GROUPED_MM_META
 from .grouped_mm import grouped_mm_plan
+from .vision import nms_plan
 
 #: ops whose meta kernel is not what the CUDA kernel does -> the CUDA kernel's output, on meta
 CUDA_META = {**_GROUPED_MM_META, **_CONV_META}
@@ -101,6 +102,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         plan = foreach_norm_plan(name, args, outs)
     if plan is None:
         plan = _scratch.scratch_plan(name, args, outs, sms, max_threads_sm)
+    if plan is None:
+        plan = nms_plan(name, args, outs)
     if plan is None:
         plan = [("out", i) for i in range(len(outs))]
         base = scalar_base_bytes(name, args)

@@ -75,6 +75,7 @@ class SimState:
         self.device_rng: torch.Tensor | None = None  # the simulated GPUs' draws (vram.run.values.known)
         self.report = ValueReport()          # where placeholders were used
         self.host_factory = False            # the running torch function is a CPU factory
+        self.host_call = False               # the running torch function reads lazy host tensors only
         self.host = LazyHost(VALUE_LIMIT, lambda t: None, self._host_unknown)  # lazy host tensors
         self.ops: dict[Any, Any] = {}        # op -> its GPU behaviour (meta differs); NotImplemented: declined
         self.uncharged: dict[str, int] = {}  # kernel scratch left out (a plan's "note" steps): calls
