@@ -35,8 +35,11 @@ def _run(cmd: list[str], ok: bool = True, timeout: int = 300) -> subprocess.Comp
     return r
 
 
-def estimate(*args: str, model: str = "tiny_stack:stack", timeout: int = 300) -> dict:
-    return json.loads(_run([sys.executable, "-m", "vram", "estimate", model, *args, "--json"], timeout=timeout).stdout)
+def estimate(*args: str, model: str = "tiny_stack:stack", timeout: int = 300, status: int = 0) -> dict:
+    """``vram estimate --json``'s answer; `status`: its exit status (0 fits, 1 does not fit)."""
+    r = _run([sys.executable, "-m", "vram", "estimate", model, *args, "--json"], ok=False, timeout=timeout)
+    assert r.returncode == status, r.stdout + r.stderr
+    return json.loads(r.stdout)
 
 
 def hand_figures(mode: str, nproc: int, *args: str) -> dict[int, tuple[int, int]]:
@@ -160,7 +163,7 @@ def test_max_batch_with_fsdp_is_the_boundary() -> None:
     best = estimate(*INPUT, "--fsdp", "2", "--max-batch", *gpu, timeout=1200)["max_batch"]  # about ten runs
     assert best * 1024 * 4 == 10 << 20  # the saved ReLU output is kMinLargeAlloc at best, above it at best + 1
     at = estimate("--input", f"{best}x256", "--fsdp", "2", *gpu)["estimates"]["0"]
-    over = estimate("--input", f"{best + 1}x256", "--fsdp", "2", *gpu)["estimates"]["0"]
+    over = estimate("--input", f"{best + 1}x256", "--fsdp", "2", *gpu, status=1)["estimates"]["0"]
     assert at["fits"] and not over["fits"]
 
 
