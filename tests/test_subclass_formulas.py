@@ -11,16 +11,15 @@ storage's Python object holds a reference to its ``StorageImpl`` (``c10/util/int
 [PyObject preservation for Tensor and Storages]), so ``storage().use_count() == 1`` in
 ``can_accumulate_inplace`` fails once anyone has called ``untyped_storage()`` on a gradient.
 
-The PyTorch facts are asserted on CPU (plain tensors, no mode: the GPU's choices). The simulated
-run's gaps are strict xfails: each expects the allocations of the in-place formula (from the
-source above, confirmed by the CPU op lists), which the meta + mode design cannot produce.
+The PyTorch facts are asserted on CPU (plain tensors, no mode: the GPU's choices). A simulated
+run's backward must allocate what the in-place formula does (from the source above, confirmed by
+the CPU op lists): the PrivateUse1 engine (`vram.run.engine`) gives autograd plain tensors (no
+dispatch mode, no Meta key, no storage object held), so it takes the GPU's formulas. The meta
+engine (``--backend meta``, a debugging aid) cannot: its tensors are meta and its dispatch mode
+is active.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -141,57 +140,3 @@ def full_allocations_in_backward(family: str, **sim_kwargs: Any) -> int:
         trace = torch.cuda.memory._snapshot()["device_traces"][0]
         torch.cuda.memory._record_memory_history(enabled=None)
     return sum(1 for e in trace if e["action"] == "alloc" and e["size"] == FULL)
-
-
-NEEDS_ACC = pytest.mark.skipif(not hasattr(torch._C, "_acc"),
-                               reason="needs torch's experimental Python PrivateUse1 backend (torch._C._acc)")
-
-
-@NEEDS_ACC
-def test_a_python_privateuse1_backend_takes_the_gpu_formulas() -> None:
-    """The candidate mechanism (docs/estimate-accuracy.md), run in a child process because it
-    registers a backend for the whole process: tensors on a Python PrivateUse1 backend whose ops
-    run on meta, storages made through DLPack (a deleter reports their death, no storage object),
-    no dispatch mode. Its backward allocates as a plain tensor's does."""
-    probe = Path(__file__).with_name("privateuse1_probe.py")
-    env = dict(os.environ, PYTHONWARNINGS="ignore", VRAM_RUN_BACKEND="meta")  # the probe registers its own backend
-    out = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    counts = dict(line.split() for line in out.stdout.splitlines() if line.count(" ") == 1)
-    assert {k: int(v) for k, v in counts.items()} == {k: FAMILIES[k][3] for k in FAMILIES}
-
-
-from paths import PROGRAMS, RECORDINGS  # noqa: E402
-
-
-@NEEDS_ACC
-@pytest.mark.xfail(reason="the probe's backend asks op_plan for every op, and since softmax backward's grad*output "
-                          "temporary (SoftMax.cu softmax_backward_cuda_out) entered the plans it makes 7 requests the "
-                          "A100 recording lacks (4 of them 403,177,472 B); the default engine still reproduces it "
-                          "request for request (test_recorded_programs.py::test_s_mem_forward_backward_reproduces_"
-                          "its_recording)", strict=True)
-def test_the_privateuse1_backend_reproduces_s_mem_exactly(tmp_path: Path) -> None:
-    """s_mem (attention forward + backward) under `run_script` with the probe's backend in place of
-    the two modes: every recorded request and segment, in order — the three out-of-place 512 MiB
-    requests of the meta + mode design are gone."""
-    if not (PROGRAMS / "s_mem").is_dir():
-        pytest.skip("needs ../shared/programs beside the checkout")
-    for module in ("einops", "pandas"):
-        pytest.importorskip(module)
-    import shutil
-
-    from vram.replay.diff import compare, render, side
-    from vram.replay.loader import load_snapshot
-
-    work = tmp_path / "s_mem"
-    shutil.copytree(PROGRAMS / "s_mem", work)
-    for path in work.rglob("*"):
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    probe = Path(__file__).with_name("privateuse1_probe.py")
-    env = dict(os.environ, PYTHONWARNINGS="ignore", VRAM_RUN_BACKEND="meta")  # the probe registers its own backend
-    out = subprocess.run([sys.executable, str(probe), "--run", "trace_peak_memory.py", "A100-80GB"], cwd=work,
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    r = compare(side("GPU", load_snapshot(RECORDINGS / "cs336-s-mem.pickle")),
-                side("vram", load_snapshot(work / "mem_snapshot.pickle")))
-    assert r.identical, render(r)

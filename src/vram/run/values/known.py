@@ -62,10 +62,12 @@ ENGINE_OWN = [0]
 def engine_index(index: int) -> int:
     """The PrivateUse1 engine's device index for CUDA index `index`, and the CUDA index for an
     engine index (the same swap both ways): ``ENGINE_OWN[0]`` (a launched rank's own GPU,
-    ``LOCAL_RANK``) and 0 trade places, every other index is itself. The autograd engine has
-    ready queues for PrivateUse1 device 0 only (its Python device guard counts one device:
-    torch/csrc/acc/Module.cpp ``PythonDeviceGuard::deviceCount``; engine.cpp
-    ``start_device_threads``), so the GPU a rank runs backward on must be engine device 0."""
+    ``LOCAL_RANK``) and 0 trade places, every other index is itself. Only without the engine's
+    C++ device guard (no compiler, `vram.run.engine.native`; tests/test_engine_native.py): the
+    autograd engine then has ready queues for PrivateUse1 device 0 only (torch's Python device
+    guard counts one device: torch/csrc/acc/Module.cpp ``PythonDeviceGuard::deviceCount``;
+    engine.cpp ``start_device_threads``), so the GPU a rank runs backward on must be engine
+    device 0. With the C++ guard ``ENGINE_OWN[0]`` stays 0 and this is the identity."""
     own = ENGINE_OWN[0]
     return own if index == 0 else 0 if index == own else index
 
