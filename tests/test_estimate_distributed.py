@@ -93,7 +93,8 @@ TP = ["--tp-plan", "tiny_stack:tp_plan"]
 
 
 @pytest.mark.parametrize("mode, flags, nproc", [
-    ("tp", ["--tp", "2", *TP], 2),
+    # tensor parallelism stays in the default run through test_distributed_tp.py and test_tensor_parallel.py
+    pytest.param("tp", ["--tp", "2", *TP], 2, marks=pytest.mark.slow),
     pytest.param("fsdp_tp", ["--fsdp", "2", "--tp", "2", *TP], 4, marks=pytest.mark.slow)], ids=["tp2", "fsdp2-x-tp2"])
 def test_tp_estimate_equals_the_run_by_hand_and_mem_tracker(mode: str, flags: list[str], nproc: int) -> None:
     """Colwise/Rowwise ``parallelize_module`` (and FSDP2 over it on a (dp_shard, tp) mesh): the

@@ -47,7 +47,8 @@ def vram_peaks(script: str, *args: str, nproc: int = 2) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("args, extra", [
-    ((), 0), pytest.param(("--no-reshard", "--foreach"), 0, marks=pytest.mark.slow), (("--bf16",), 0),
+    ((), 0), pytest.param(("--no-reshard", "--foreach"), 0, marks=pytest.mark.slow),
+    pytest.param(("--bf16",), 0, marks=pytest.mark.slow),
     # Activation checkpointing: the recomputed forward's addmm runs on the autograd thread, whose
     # cuBLAS handle gets its own cuBLASLt workspace (1 MiB, CUBLASLT_WORKSPACE_SIZE's default;
     # the warm-up's backward made none: it has no addmm). No tracker sees workspaces.
