@@ -11,22 +11,19 @@ rounded up to the allocator's 512-byte blocks (spec §4).
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from corpus_output import printed_values  # noqa: E402
+from corpus_output import CORPUS, load_program, printed_values  # noqa: E402
 from vram.run.cuda.compat import define_torchvision_ops  # noqa: E402
 from vram.run.runtime import run_script  # noqa: E402
 
 define_torchvision_ops()  # PyPI's torchvision is built for CUDA torch: without this, no import here
 
-CORPUS = Path(__file__).resolve().parent / "corpus"
 PROGRAMS = {  # program -> the libraries it needs
     "hf_gpt2.py": ("transformers",),
     "hf_llama_gqa.py": ("transformers",),
@@ -36,14 +33,6 @@ PROGRAMS = {  # program -> the libraries it needs
     "tv_resnet.py": ("torchvision",),
     "timm_vit.py": ("timm", "torchvision"),
 }
-
-
-def _module(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"corpus_{name[:-3]}", CORPUS / name)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _unique_storage_bytes(model: Any) -> int:
@@ -60,7 +49,7 @@ def test_program_runs_to_its_end_with_the_gpu_figures(program: str, capsys: pyte
     for lib in PROGRAMS[program]:
         pytest.importorskip(lib)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    cpu_model = _module(program).build()  # on the CPU, no simulation
+    cpu_model = load_program(program).build()  # on the CPU, no simulation
     expected_params = sum(p.numel() for p in cpu_model.parameters())
     expected_bytes = _unique_storage_bytes(cpu_model)
     del cpu_model

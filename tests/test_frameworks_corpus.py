@@ -14,7 +14,6 @@ bytes, and the peak reserved at least the peak allocated.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -26,12 +25,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from corpus_output import printed_values  # noqa: E402
+from corpus_output import CORPUS, load_program, printed_values  # noqa: E402
 from vram.run.cuda.compat import define_torchvision_ops  # noqa: E402
 
 define_torchvision_ops()
 
-CORPUS = Path(__file__).resolve().parent / "corpus"
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 
@@ -48,24 +46,16 @@ def _detection_params() -> int:
                for build in (fasterrcnn_mobilenet_v3_large_fpn, retinanet_resnet50_fpn))
 
 
-def _program(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"corpus_{name[:-3]}", CORPUS / name)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _fabric_params() -> int:
-    return sum(p.numel() for p in _program("fabric_lm.py").LM().parameters())
+    return sum(p.numel() for p in load_program("fabric_lm.py").LM().parameters())
 
 
 def _fsdp_params() -> int:
-    return sum(p.numel() for p in _program("accelerate_fsdp.py").build().parameters())
+    return sum(p.numel() for p in load_program("accelerate_fsdp.py").build().parameters())
 
 
 def _trainer_fsdp_params() -> int:
-    return sum(p.numel() for p in _program("hf_trainer_fsdp.py").build().parameters())
+    return sum(p.numel() for p in load_program("hf_trainer_fsdp.py").build().parameters())
 
 
 # program -> (libraries, the CPU-built parameter count, fp32 copies per parameter alive in the

@@ -28,14 +28,21 @@ def oom_recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work
 
 
+def _report(work: Path, *argv: str, rc: int = 0) -> str:
+    """``vram ARGV --html report.html`` in `work`: its exit status checked, the page read and
+    checked to be self-contained."""
+    r = _vram(*argv, "--html", "report.html", cwd=work)
+    assert r.returncode == rc, r.stderr
+    page = (work / "report.html").read_text()
+    _self_contained(page)
+    return page
+
+
 def test_replay_html_on_a_larger_gpu_shows_the_peak(oom_recording: Path) -> None:
     # on 32 GiB the third 6 GiB request succeeds (then is freed at once: the program never got it),
     # so the peak is three 6 GiB segments and there is no OOM to mark
     work = oom_recording
-    r = _vram("replay", "oom.pickle", "--gpu", "32GiB", "--context", "0", "--html", "r.html", cwd=work)
-    assert r.returncode == 0, r.stderr
-    page = (work / "r.html").read_text()
-    _self_contained(page)
+    page = _report(work, "replay", "oom.pickle", "--gpu", "32GiB", "--context", "0")
     assert ">reserved peak</text>" in page and ">OOM</text>" not in page
     assert "<th>peak reserved</th><td>18.00 GiB</td>" in page
     assert "oom.py:3" in page  # the live tensors there, by the line that made them
@@ -44,11 +51,7 @@ def test_replay_html_on_a_larger_gpu_shows_the_peak(oom_recording: Path) -> None
 def test_replay_html_under_a_cap_marks_the_oom(oom_recording: Path) -> None:
     # a 13 GiB per-process cap on a 32 GiB card: 12 GiB fit, the third 6 GiB segment does not
     work = oom_recording
-    r = _vram("replay", "oom.pickle", "--gpu", "32GiB", "--context", "0", "--cap", "13GiB", "--html", "c.html",
-              cwd=work)
-    assert r.returncode == 0, r.stderr
-    page = (work / "c.html").read_text()
-    _self_contained(page)
+    page = _report(work, "replay", "oom.pickle", "--gpu", "32GiB", "--context", "0", "--cap", "13GiB")
     assert ">OOM</text>" in page and "<th>per-process cap</th><td>13,958,643,712 B</td>" in page
     assert "<th>peak reserved</th><td>12.00 GiB</td>" in page
 
@@ -64,10 +67,7 @@ def test_replay_html_takes_one_run(oom_recording: Path) -> None:
 
 def test_tune_html_reports_the_best_config(oom_recording: Path) -> None:
     work = oom_recording
-    r = _vram("tune", "oom.pickle", "--gpu", "32GiB", "--context", "0", "--jobs", "1", "--html", "t.html", cwd=work)
-    assert r.returncode == 0, r.stderr
-    page = (work / "t.html").read_text()
-    _self_contained(page)
+    page = _report(work, "tune", "oom.pickle", "--gpu", "32GiB", "--context", "0", "--jobs", "1")
     assert "the best config" in page and "rank 1: peak reserved 18.00 GiB" in page
     assert ": (default)</li>" in page  # the default config is always a row
 
@@ -75,10 +75,7 @@ def test_tune_html_reports_the_best_config(oom_recording: Path) -> None:
 def test_tune_html_when_nothing_fits(oom_recording: Path) -> None:
     # 18 GiB are requested alive at once; a 16 GiB card holds no config's run
     work = oom_recording
-    r = _vram("tune", "oom.pickle", "--gpu", "16GiB", "--context", "0", "--jobs", "1", "--html", "n.html", cwd=work)
-    assert r.returncode == 1, r.stderr
-    page = (work / "n.html").read_text()
-    _self_contained(page)
+    page = _report(work, "tune", "oom.pickle", "--gpu", "16GiB", "--context", "0", "--jobs", "1", rc=1)
     assert "no config fits" in page and ">OOM</text>" in page
 
 
@@ -91,11 +88,10 @@ def test_reports_render_in_a_headless_browser(oom_recording: Path, tmp_path: Pat
     """The browser parses the page as written (its DOM keeps both pictures, their marks and the
     tables) and draws it: the screenshot is a PNG of the window's size."""
     work = oom_recording
-    r = _vram("replay", "oom.pickle", "--gpu", "16GiB", "--context", "0", "--html", "b.html", cwd=work)
-    assert r.returncode == 0, r.stderr
+    _report(work, "replay", "oom.pickle", "--gpu", "16GiB", "--context", "0", rc=0)
     browser: Any = _browser()
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--user-data-dir={tmp_path}"]
-    url = (work / "b.html").as_uri()
+    url = (work / "report.html").as_uri()
     dom = subprocess.run([browser, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
     assert dom.count("<svg") == 2 and ">OOM</text>" in dom and "<th>peak reserved</th>" in dom
     shot = tmp_path / "shot.png"

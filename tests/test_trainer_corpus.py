@@ -18,22 +18,19 @@ with gradients set to None and no activation alive, exactly
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from corpus_output import printed_values  # noqa: E402
+from corpus_output import CORPUS, load_program, printed_values  # noqa: E402
 from vram.run.cuda.compat import define_torchvision_ops  # noqa: E402
 from vram.run.runtime import run_script  # noqa: E402
 
 define_torchvision_ops()  # transformers imports torchvision, whose PyPI wheel is CUDA torch's
 
-CORPUS = Path(__file__).resolve().parent / "corpus"
 CUBLAS_SM90, CUBLASLT = 32 * 1024 * 1024, 1024 * 1024
 TR_LOSS = 512
 # id -> (program, its arguments, libraries, fused AdamW, threads with a cuBLASLt addmm, bytes it keeps)
@@ -48,14 +45,6 @@ CASES = {
 }
 
 
-def _build(program: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"corpus_{program[:-3]}", CORPUS / program)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build()
-
-
 def r512(n: int) -> int:
     return max(512, -(-n // 512) * 512)
 
@@ -68,7 +57,7 @@ def test_training_entry_point_runs_with_the_gpu_figures(case: str, tmp_path: Pat
         pytest.importorskip(lib)
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.chdir(tmp_path)
-    cpu = _build(program)  # on the CPU, without vram
+    cpu = load_program(program).build()  # on the CPU, without vram
     if program == "peft_trainer.py":
         cpu.print_trainable_parameters()
     cpu_lines = capsys.readouterr().out.splitlines()

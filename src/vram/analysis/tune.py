@@ -25,6 +25,7 @@ from typing import Any
 
 from vram.allocator.caching import allocation_size
 from vram.allocator.config import parse_alloc_conf
+from vram.replay.engine import BUDGET_STEP, smallest_budget
 
 from .fleet import ReplayJob, run_jobs
 
@@ -252,7 +253,6 @@ def tune(paths: Sequence[str], *, gpu: int | str | None = None, context: int | s
 LEAST_DEMANDING_TRIES = 3
 #: replays spent bisecting one budget
 BISECTIONS = 10
-_STEP = 2 << 20
 
 
 def smallest_fit(path: str, device: int, conf: str, low: int, high: int, context: int | str = 0,
@@ -266,18 +266,7 @@ def smallest_fit(path: str, device: int, conf: str, low: int, high: int, context
         r = run_jobs([job], workers=1)[0]
         return "error" not in r and r["ooms"] == 0
 
-    if not fits(high):
-        return None
-    lo, hi = low // _STEP, -(-high // _STEP)
-    for _ in range(BISECTIONS):
-        if hi - lo <= 1:
-            break
-        mid = (lo + hi) // 2
-        if fits(mid * _STEP):
-            hi = mid
-        else:
-            lo = mid
-    return min(hi * _STEP, high)
+    return smallest_budget(fits, low, high, BISECTIONS)
 
 
 def ends_at_oom(path: str, device: int, oom: dict[str, Any] | None) -> bool:
@@ -295,7 +284,7 @@ def fit_bound(peak: int, budget: int, as_cap: bool) -> int:
     """A budget the run certainly fits in, given its peak reserved on a GPU without limit: that
     peak on a GPU; under a cap, which ``alloc_block`` checks against reserved + the whole new
     segment, the peak plus the largest segment (a segment is at most the peak + 20 MiB)."""
-    return max(2 * peak + 20 * 2**20 if as_cap else peak, budget + _STEP)
+    return max(2 * peak + 20 * 2**20 if as_cap else peak, budget + BUDGET_STEP)
 
 
 def _least_demanding(rows: Sequence[dict[str, Any]], path: str, device: int, budget: Budget) -> dict[str, Any] | None:

@@ -396,22 +396,9 @@ def smallest_card(snapshot: dict[str, Any], context: int, low: int, high: int) -
     on a smaller card, with the allocator's frees of cached blocks and retries near its size
     (`vram.replay`). None when it does not replay within `high`. Exact for a program whose requests
     do not depend on the card's free memory; only a guide for `max_batch`, whose answers are runs."""
-    from vram.replay.engine import replay
+    from vram.replay.engine import replay, smallest_budget
 
-    def fits(gpu: int) -> bool:
-        return replay(snapshot, gpu=gpu, context=context).ooms == 0
-
-    step = 2 << 20
-    if not fits(high):
-        return None
-    # below `low` (the context and the peak allocated bytes, resident at once) nothing fits
-    lo, hi = low // step - 1, high // step
-    if hi * step < high and not fits(hi * step):
-        return high
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid * step) else (mid, hi)
-    return hi * step
+    return smallest_budget(lambda gpu: replay(snapshot, gpu=gpu, context=context).ooms == 0, low - 1, high)
 
 
 def max_batch(model: Any, make_inputs: Callable[[int], Any], *, gpu: int | str = "80GiB",

@@ -173,13 +173,22 @@ class MemPool:
 @contextmanager
 def use_mem_pool(pool: MemPool, device: Any = None) -> Iterator[None]:
     """``torch.cuda.use_mem_pool``: route this thread's allocations on `device` to `pool`."""
+    with allocating_to_pool(pool.id, device):
+        yield
+
+
+@contextmanager
+def allocating_to_pool(pool_id: tuple[int, int], device: Any = None) -> Iterator[None]:
+    """This thread's allocations on `device` go to the private pool `pool_id` while inside
+    (``beginAllocateToPool``, then ``endAllocateToPool`` and ``releasePool``: the pool's
+    segments are freed once nothing uses it)."""
     alloc = _memory.get_allocator(device)
-    alloc.begin_allocate_to_pool(pool.id)
+    alloc.begin_allocate_to_pool(pool_id)
     try:
         yield
     finally:
-        alloc.end_allocate_to_pool(pool.id)
-        alloc.release_pool(pool.id)
+        alloc.end_allocate_to_pool(pool_id)
+        alloc.release_pool(pool_id)
 
 
 def is_current_stream_capturing() -> bool:

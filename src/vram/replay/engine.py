@@ -318,3 +318,24 @@ def recorded_devices(snapshot: Mapping[str, Any]) -> list[int]:
     traces = snapshot.get("device_traces") or []
     used = {d for d, t in enumerate(traces) if t} | {s.get("device", 0) for s in snapshot.get("segments", [])}
     return sorted(used) or [0]
+
+
+#: the budgets `smallest_budget` tries are multiples of this (cudaMalloc's 2 MiB granularity)
+BUDGET_STEP = 2 << 20
+
+
+def smallest_budget(fits: Callable[[int], bool], low: int, high: int,
+                    bisections: int | None = None) -> int | None:
+    """The smallest budget (bytes, a multiple of `BUDGET_STEP`, or `high`) in (`low`, `high`] for
+    which `fits` (a replay without an OOM on a GPU or under a cap of that size) holds, by bisection:
+    None when `high` does not fit. Fitting is taken to be monotonic in the budget; after
+    `bisections` replays (None: no limit) the smallest fitting budget found so far is returned."""
+    if not fits(high):
+        return None
+    lo, hi = low // BUDGET_STEP, -(-high // BUDGET_STEP)
+    done = 0
+    while hi - lo > 1 and (bisections is None or done < bisections):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid * BUDGET_STEP) else (mid, hi)
+        done += 1
+    return min(hi * BUDGET_STEP, high)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from vram.frontend import memory as _memory
+from vram.frontend.graphs import allocating_to_pool
 
 FORWARD, BACKWARD, INFERENCE = "forward", "backward", "inference"
 CHECKPOINT = ("CUDA graph trees: a recording or warm-up while a replayed path's outputs are alive "
@@ -186,13 +187,7 @@ class TreeManager:
         elif self.current.all_outputs_are_dead():
             self.current, self.state = None, "none"
 
-    def try_end_curr_warmup(self) -> None:
-        assert self.current is not None
-        if self.can_start_new_generation():
-            self.dealloc_current_path()
-            self.current, self.state = None, "none"
-        elif self.current.all_outputs_are_dead():
-            self.current, self.state = None, "none"
+    try_end_curr_warmup = try_end_curr_recording  # the same rule in cudagraph_trees.py, under both names
 
     def try_end_curr_execution(self) -> None:
         if self.current is None:
@@ -212,14 +207,8 @@ class TreeManager:
     def pool_manager(self) -> Iterator[None]:
         """``_use_cuda_memory_pool_manager``: this thread's allocations to the pool, on the side stream."""
         _memory.synchronize()
-        alloc = _memory.get_allocator(self.device)
-        with _memory.stream(self.stream):
-            alloc.begin_allocate_to_pool(self.pool)
-            try:
-                yield
-            finally:
-                alloc.end_allocate_to_pool(self.pool)
-                alloc.release_pool(self.pool)
+        with _memory.stream(self.stream), allocating_to_pool(self.pool, self.device):
+            yield
 
     @contextmanager
     def cublas_cleared(self) -> Iterator[None]:
