@@ -57,6 +57,7 @@ def single() -> dict[str, int]:
     return _printed(r.stdout, None)
 
 
+@pytest.mark.slow
 def test_a_ddp_rank_takes_the_gpus_formulas(single: dict[str, int]) -> None:
     """Rank 1 of 2 (its own GPU cuda:1 is engine device 0): the backward allocates what the
     in-place formulas do, as the same step on one GPU, and its peak is that step's plus DDP's

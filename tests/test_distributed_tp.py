@@ -110,7 +110,7 @@ def _figures(out: str) -> dict[str, dict[int, int]]:
 
 
 @pytest.mark.parametrize("args, nproc, ranks", [
-    ((), 2, [0, 1]),
+    pytest.param((), 2, [0, 1], marks=pytest.mark.slow),
     pytest.param(("--checkpoint",), 2, [0, 1], marks=pytest.mark.slow),
     # mesh (dp=2, tp=2): ranks 0 and 3 differ in both coordinates
     pytest.param(("--fsdp", "2"), 4, [0, 3], marks=pytest.mark.slow),

@@ -175,11 +175,13 @@ def test_max_batch_with_fsdp_is_the_boundary() -> None:
     (["--pp", "2", "--input", "3x256"], "does not split into 2 micro-batches"),
     (["--microbatches", "2"], "--microbatches needs --pp"),
 ], ids=["tp-without-plan", "zero", "ddp-tp", "pp-batch", "microbatches-without-pp"])
-def test_bad_layouts_are_one_line_errors(args: list[str], message: str) -> None:
-    r = _run([sys.executable, "-m", "vram", "estimate", "tiny_stack:stack",
-              *(INPUT if "--input" not in args else []), *args], ok=False)
-    assert r.returncode == 2 and r.stdout == ""
-    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+def test_bad_layouts_are_one_line_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before any model is imported or rank launched (in this process: the CLI's own entry)."""
+    from vram.cli.commands import main
+
+    assert main(["estimate", "tiny_stack:stack", *(INPUT if "--input" not in args else []), *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and message in err, err
 
 
 def test_pp_refuses_a_model_without_a_top_level_module_list() -> None:

@@ -26,7 +26,7 @@ pytest.importorskip("torch.distributed.fsdp")
 
 @pytest.mark.parametrize("args, steps", [
     (("--wrap",), 3),
-    (("--wrap", "--strategy", "SHARD_GRAD_OP"), 3),
+    pytest.param(("--wrap", "--strategy", "SHARD_GRAD_OP"), 3, marks=pytest.mark.slow),
     pytest.param(("--wrap", "--strategy", "NO_SHARD"), 3, marks=pytest.mark.slow),
     pytest.param(("--wrap", "--bf16"), 3, marks=pytest.mark.slow),
     pytest.param(("--wrap", "--no-limit", "--backward-prefetch", "BACKWARD_POST", "--forward-prefetch"), 3,
@@ -36,7 +36,7 @@ pytest.importorskip("torch.distributed.fsdp")
     # One FlatParameter for the whole model: rank 0's half is block 0 and block 1's first weight
     # and part of its bias (6 original parameters); without use_orig_params, one counter.
     pytest.param(("--orig",), 6, marks=pytest.mark.slow),
-    ((), 1),
+    pytest.param((), 1, marks=pytest.mark.slow),
 ], ids=["full-shard", "shard-grad-op", "no-shard", "bf16", "prefetch-no-limit",
         "orig-params", "orig-bf16-shard-grad-op", "one-unit-orig", "one-unit"])
 def test_fsdp1_peak_matches_mem_tracker(args: tuple[str, ...], steps: int) -> None:

@@ -1,24 +1,17 @@
-"""The cases of ``vram run --backend privateuse1`` (experimental; `vram.run.engine`), run
-by tests/test_privateuse1_engine.py in a child pytest: the engine registers PrivateUse1 for the
-whole process, which must not happen in a worker running the default engine's tests."""
+"""The engine every run uses (`vram.run.engine`, PrivateUse1) seen from a script: tensors answer as
+CUDA tensors, storages live and die with PyTorch's references, out-of-memory is torch's, cuBLAS's
+workspace and autocast, known values, and structured ops allocating once as their CUDA kernels do."""
 from __future__ import annotations
 
 import pytest
 
 torch = pytest.importorskip("torch")
-if not hasattr(torch._C, "_acc"):
-    pytest.skip("needs torch's experimental Python PrivateUse1 backend (torch._C._acc)", allow_module_level=True)
 
-from test_subclass_formulas import FAMILIES, full_allocations_in_backward  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
 
 
-def sim(**kwargs):  # type: ignore[no-untyped-def]
-    return simulated_cuda(backend="privateuse1", **kwargs)
-
-
 def test_tensors_answer_as_cuda_tensors() -> None:
-    with sim():
+    with simulated_cuda():
         x = torch.randn(4, 8, device="cuda")
         assert x.device == torch.device("cuda", 0) and x.is_cuda and not x.is_meta and not x.is_cpu
         assert x.get_device() == 0
@@ -31,7 +24,7 @@ def test_tensors_answer_as_cuda_tensors() -> None:
 
 
 def test_module_moves_keep_parameters() -> None:
-    with sim():
+    with simulated_cuda():
         m = torch.nn.Linear(8, 16)
         w = m.weight
         m.cuda()
@@ -42,7 +35,7 @@ def test_module_moves_keep_parameters() -> None:
 
 
 def test_storages_are_freed_when_pytorch_frees_them() -> None:
-    with sim():
+    with simulated_cuda():
         x = torch.empty(1 << 20, device="cuda")
         assert torch.cuda.memory_allocated() == 4 << 20
         v = x.view(-1, 2)
@@ -54,14 +47,14 @@ def test_storages_are_freed_when_pytorch_frees_them() -> None:
 
 
 def test_out_of_memory_is_torch_s() -> None:
-    with sim(gpu="1GiB"):
+    with simulated_cuda(gpu="1GiB"):
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(1 << 30, device="cuda")
         assert torch.cuda.memory_allocated() == 0
 
 
 def test_cublas_workspace_and_autocast() -> None:
-    with sim(gpu="A100-80GB"):
+    with simulated_cuda(gpu="A100-80GB"):
         a = torch.randn(64, 64, device="cuda", requires_grad=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = a @ a
@@ -70,39 +63,12 @@ def test_cublas_workspace_and_autocast() -> None:
         assert torch.cuda.memory_allocated() > 4 << 20  # the cuBLAS workspace
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_backward_takes_the_gpu_formulas(family: str) -> None:
-    """The xfails of test_subclass_formulas.py, passing: no meta key, no dispatch mode."""
-    assert full_allocations_in_backward(family, backend="privateuse1") == FAMILIES[family][3]
-
-
-def _recorded(tmp_path, monkeypatch, name):  # type: ignore[no-untyped-def]
-    from test_recorded_programs import _reproduce
-
-    monkeypatch.setenv("VRAM_RUN_BACKEND", "privateuse1")
-    args = {"s_bf16": ("s_bf16", ["benchmark.py"], {"PREC": "bf16"}, "A100-80GB", "memory_forward_bf16_128.pickle",
-                       "cs336-s-forward-bf16-128.pickle", ("einops", "jaxtyping", "pandas")),
-            "s_mem": ("s_mem", ["trace_peak_memory.py"], {}, "A100-80GB", "mem_snapshot.pickle",
-                      "cs336-s-mem.pickle", ("einops", "pandas"))}[name]
-    return _reproduce(tmp_path, monkeypatch, *args)
-
-
-@pytest.mark.parametrize("name", ["s_bf16", "s_mem"])
-def test_recorded_programs_reproduce_their_recordings(tmp_path, monkeypatch, name) -> None:  # type: ignore[no-untyped-def]
-    """test_recorded_programs.py's programs (k_run: VRAM_SLOW_TESTS) — s_mem's xfail passes here."""
-    from vram.replay.diff import render
-
-    r = _recorded(tmp_path, monkeypatch, name)
-    assert (r.a.peak_allocated, r.a.peak_reserved) == (r.b.peak_allocated, r.b.peak_reserved)
-    assert r.identical, render(r)
-
-
 def test_known_values_and_data_dependent_shapes() -> None:
     """What the default engine knows (tests/test_known_values.py), this one knows: values built
     from factories and host data are exact, and nothing is left to a placeholder."""
     from vram.run.runtime import active_sim
 
-    with sim():
+    with simulated_cuda():
         x = torch.ones(4, device="cuda")
         assert bool(x.all()) and x.sum().item() == 4.0
         ids = torch.tensor([1, 2, 3]).cuda()
@@ -117,7 +83,7 @@ def test_structured_ops_allocate_once_as_cuda_does() -> None:
     freed on return; the default-backend wrapper's input-sized ``empty`` + ``resize_`` is gone."""
     import torch.nn.functional as F
 
-    with sim():
+    with simulated_cuda():
         a, b = torch.randn(128, 256, device="cuda"), torch.randn(128, 256, device="cuda")
         torch.cuda.memory._record_memory_history()
         F.mse_loss(a, b)
