@@ -69,3 +69,19 @@ def test_a_transform_over_dims_0_and_1_takes_two_buffers() -> None:
         ev = _trace(lambda: keep.append(torch.fft.rfft2(x)))
         assert ev == [("alloc", half), ("alloc", half), ("free_completed", half)]
         assert _workspace_notes() == 2
+
+
+def test_istft_reads_its_window_envelope_as_the_gpu_does() -> None:
+    """``istft`` (SpectralOps.cpp) checks ``window_envelop.abs().min() >= 1e-11`` on the device: the
+    envelope is the window's squares overlap-added over every frame (``col2im`` of a
+    [n_fft, n_frames] expansion), known from the window alone, so the check passes as on a GPU
+    (a placeholder envelope of zeros failed it) and nothing is assumed."""
+    with simulated_cuda(gpu="H200", strict_values=True):
+        wav = torch.randn(16, 64000, device="cuda")
+        window = torch.hann_window(400, device="cuda")
+        spec = torch.stft(wav, 400, 160, window=window, return_complex=True)
+        assert tuple(spec.shape) == (16, 201, 401)
+        rec = torch.istft(spec, 400, 160, window=window, length=64000)
+        assert tuple(rec.shape) == (16, 64000)
+        with pytest.raises(RuntimeError, match="window overlap add min"):
+            torch.istft(spec, 400, 160, window=torch.zeros(400, device="cuda"), length=64000)

@@ -14,6 +14,7 @@ np = pytest.importorskip("numpy")
 
 from vram.run.runtime import DataDependentError, simulated_cuda  # noqa: E402
 from vram.run.values.known import VALUE_LIMIT  # noqa: E402
+from vram.run.values.limits import DERIVED_LIMIT  # noqa: E402
 
 
 def test_all_ones_attention_mask_is_all_ones() -> None:
@@ -87,6 +88,29 @@ def test_values_are_kept_up_to_the_limit() -> None:
             over.sum().item()
         with pytest.raises(DataDependentError):
             torch.empty(4, device="cuda").tolist()  # uninitialized memory has no values
+
+
+def test_constants_derived_from_known_values_are_kept_up_to_the_derived_limit() -> None:
+    """A deterministic op whose inputs are all known keeps outputs up to `DERIVED_LIMIT` elements
+    (rotary tables, a window expanded over frames); factories, random draws and anything with an
+    unknown input keep `VALUE_LIMIT`."""
+    with simulated_cuda(strict_values=True):
+        pos = torch.arange(4096, device="cuda", dtype=torch.float32)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, device="cuda", dtype=torch.float32) / 64))
+        table = torch.outer(pos, inv_freq).cos()   # 131,072 elements: over VALUE_LIMIT, known
+        ref = torch.outer(torch.arange(4096, dtype=torch.float32),
+                          1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))).cos()
+        assert table.numel() > VALUE_LIMIT and table.sum().item() == ref.sum().item()
+        row = torch.ones(1024, device="cuda")
+        at = row.expand(DERIVED_LIMIT // 1024, 1024).contiguous()
+        assert at.sum().item() == DERIVED_LIMIT
+        over = row.expand(DERIVED_LIMIT // 1024 + 1, 1024).contiguous()
+        with pytest.raises(DataDependentError):
+            over.sum().item()
+        drawn = torch.rand(4, device="cuda").expand(VALUE_LIMIT, 4).contiguous()  # a draw, then derived: kept
+        assert drawn.sum().item() > 0
+        with pytest.raises(DataDependentError):
+            torch.rand(VALUE_LIMIT + 1, device="cuda").sum().item()  # a random op keeps VALUE_LIMIT
 
 
 def test_random_factories_leave_the_cpu_random_stream_alone() -> None:

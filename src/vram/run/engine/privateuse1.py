@@ -337,7 +337,9 @@ def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> Non
                 b.forget()
             if value is None:
                 return
-        known.define(sim, dst, value.to(dst.dtype).expand(dst.shape), known.assumed(sim, src))
+        derived = sim.block_of(src) is not None  # a copy between simulated tensors: a derived constant
+        known.define(sim, dst, value.to(dst.dtype).expand(dst.shape), known.assumed(sim, src),
+                     max(sim.value_limit, known.DERIVED_LIMIT) if derived else None)
         return
     used: list[Any] = []
     try:

@@ -12,13 +12,15 @@ outputs (in-place ops update the copies they write). Reading such a tensor (``.i
 (``nonzero``, boolean indexing) get their real output shape.
 
 Limits: a new storage's values are kept only up to `VALUE_LIMIT` elements (larger outputs are
-unknown: the CPU work would approach the model's own arithmetic). Uninitialized memory (``empty``)
-is unknown. Random ops draw from the CPU generator, whose state is restored afterwards (the
-script's CPU random stream is untouched), so their values are plausible, not the GPU's. An op that fails on
-the CPU (a CUDA-only kernel) makes its outputs unknown. Reading an unknown value stops the run
-with `DataDependentError` when the run is strict about values; otherwise it is answered with a
-`placeholder` (zeros) and recorded in the run's `vram.run.values.placeholders.ValueReport`, and small unknown
-inputs of an op are replaced by placeholders too, their results marked as assumed.
+unknown: the CPU work would approach the model's own arithmetic), and up to `DERIVED_LIMIT` when a
+deterministic op computes them from kept values alone (a window's envelope, rotary tables).
+Uninitialized memory (``empty``) is unknown. Random ops draw from the CPU generator, whose state is
+restored afterwards (the script's CPU random stream is untouched), so their values are plausible,
+not the GPU's. An op that fails on the CPU (a CUDA-only kernel) makes its outputs unknown. Reading
+an unknown value stops the run with `DataDependentError` when the run is strict about values;
+otherwise it is answered with a `placeholder` (zeros) and recorded in the run's
+`vram.run.values.placeholders.ValueReport`, and small unknown inputs of an op are replaced by
+placeholders too, their results marked as assumed.
 
 A storage grown by ``resize_`` keeps its known bytes (CUDA copies them) and its new bytes read
 as zeros, what a real-values run takes uninitialized memory to hold. A known write into a piece of
@@ -37,7 +39,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from . import real_values
-from .limits import VALUE_LIMIT, HostMemoryError
+from .limits import DERIVED_LIMIT, VALUE_LIMIT, HostMemoryError
 
 if TYPE_CHECKING:  # the run state is passed in; values sit below the storages that hold them
     from vram.run.memory.storages import ChargedStorage, SimState
@@ -168,23 +170,26 @@ def _out_arguments(func: Any, kwargs: Any) -> list[Any]:
     return [kwargs[a.name] for a in func._schema.arguments if a.is_out and a.name in kwargs]
 
 
-def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[Any], out: Any = None) -> Any:
+def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[Any], out: Any = None,
+               limit: int | None = None) -> Any:
     """`func` on the CPU copies of its inputs (`to_cpu_assuming`: small unknown inputs become
     placeholders, noted in `used`, unless the run is strict; else `Unknown`). The tensor
     an overwriting in-place op (``fill_``, ``copy_``, ``normal_``…) writes needs no old values.
     An op with only a CUDA kernel runs its CPU implementation (`real_values.CUDA_ONLY`; `out`:
-    its simulated outputs, when known)."""
+    its simulated outputs, when known). `limit`: the most elements of a written tensor kept
+    (`_limit`; the run's `value_limit` by default)."""
+    limit = sim.value_limit if limit is None else limit
     rest: Any = args
     first: list[Any] = []
     if overwrites(func) and args and isinstance(args[0], torch.Tensor) and not known(sim, args[0]):
-        if sim.block_of(args[0]) is None or args[0].numel() > sim.value_limit:
+        if sim.block_of(args[0]) is None or args[0].numel() > limit:
             raise Unknown
         first, rest = [placeholder(args[0])], args[1:]
     outs = {id(t) for t in tree_leaves(_out_arguments(func, kwargs)) if isinstance(t, torch.Tensor)}
 
     def value(x: Any) -> Any:
         if id(x) in outs and not known(sim, x):
-            if sim.block_of(x) is None or x.numel() > sim.value_limit:
+            if sim.block_of(x) is None or x.numel() > limit:
                 raise Unknown
             return placeholder(x)
         return to_cpu_assuming(sim, x, used)
@@ -256,7 +261,8 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
     if not targets and not written:
         return
     name = func.overloadpacket.__name__
-    big = any(t.numel() > sim.value_limit for t, _ in targets)
+    limit = _limit(sim, func, args, kwargs, inputs) if computed is None else sim.value_limit
+    big = any(t.numel() > limit for t, _ in targets)
     if computed is None and sim.real_values and name in _UNINITIALIZED:
         for _, b in targets:  # uninitialized memory: zeros; set_/resize_ keep what the storage holds
             if b.value is None:
@@ -269,7 +275,7 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
         return
     used: list[Any] = [True] if computed_assumed else []
     try:
-        result = computed if computed is not None else run_on_cpu(sim, func, args, kwargs, used, out)
+        result = computed if computed is not None else run_on_cpu(sim, func, args, kwargs, used, out, limit)
     except Unknown:
         _forget(targets, written)
         return
@@ -288,19 +294,45 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
         if value.shape != t.shape:  # the CPU kernel's output differs (eval batch_norm's save_mean: [0])
             b.forget(f"{func}'s CPU kernel gives this output shape {list(value.shape)}, not {list(t.shape)}")
         elif not big:
-            define(sim, t, value, bool(used) or (b.assumed and func._schema.is_mutable))
+            define(sim, t, value, bool(used) or (b.assumed and func._schema.is_mutable), limit)
             if sim.real_values and used:  # computed from a placeholder: the report says why
                 b.why = next((u for u in used if isinstance(u, str)), b.why)
 
 
-def define(sim: SimState, t: torch.Tensor, value: torch.Tensor, assumed: bool) -> None:
+def _limit(sim: SimState, func: Any, args: Any, kwargs: Any, inputs: list[Any]) -> int:
+    """How many elements of `func`'s outputs are kept: `DERIVED_LIMIT` for a deterministic op
+    with at least one simulated input whose every tensor input it reads is kept (simulated, or
+    a host tensor no larger than `VALUE_LIMIT`: never a lazy host tensor, which would be
+    computed; the tensor an overwriting op or an ``out=`` argument writes is not read), else the
+    run's `value_limit`."""
+    if sim.value_limit >= DERIVED_LIMIT or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        return sim.value_limit
+    skip = {id(args[0])} if overwrites(func) and args else set()
+    skip.update(id(t) for t in tree_leaves(_out_arguments(func, kwargs)))
+    simulated = False
+    for t in inputs:
+        if id(t) in skip:
+            continue
+        b = sim.block_of(t)
+        if b is not None:
+            if b.value is None or b.assumed:
+                return sim.value_limit
+            simulated = True
+        elif not (isinstance(t, torch.Tensor) and t.device.type == "cpu" and sim.host.of(t) is None
+                  and t.numel() <= VALUE_LIMIT):
+            return sim.value_limit
+    return DERIVED_LIMIT if simulated else sim.value_limit
+
+
+def define(sim: SimState, t: torch.Tensor, value: torch.Tensor, assumed: bool, limit: int | None = None) -> None:
     """`t` now holds `value` (a CPU tensor of its shape); `assumed` when that rests on guesses.
-    A write into part of an unknown storage, or into one too large to keep, leaves it unknown."""
+    A write into part of an unknown storage, or into one too large to keep (more than `limit`
+    elements, the run's `value_limit` by default), leaves it unknown."""
     b = sim.block_of(t)
     if b is None:
         return
     if b.value is None:
-        if b.nbytes > sim.value_limit * t.element_size():
+        if b.nbytes > (sim.value_limit if limit is None else limit) * t.element_size():
             return
         if not _covers(t, b):
             _fill(sim, t, b, value, assumed)
