@@ -172,3 +172,47 @@ def test_a_choice_inductor_benchmarks_while_compiling_is_said(capsys: pytest.Cap
         out.sum().backward()
     err = capsys.readouterr().err
     assert err.count("pad_mm") == 1 and "not modelled (" not in err and "runs eagerly" not in err
+
+
+def test_a_device_constant_in_a_graph_becomes_a_per_call_buffer_in_the_compile_process() -> None:
+    """``torch.tensor(data, device="cuda")`` inside a graph (Hugging Face's ``DynamicCache`` starts
+    each layer with ``torch.tensor([], device=...)``): on a GPU AOTAutograd's trace copies the
+    constant on each call (``lift_fresh_copy``); the graph the compile process builds makes that
+    buffer as ``empty`` + ``copy_`` from the host data (a host tensor under FakeTensorMode's
+    constant propagation there, which a ``cat`` with CUDA tensors refused). Data-free constants
+    say nothing; one with data names the block the compiled graph holds on a GPU."""
+    from vram.run.compile.cuda_process import GUESSED
+    from vram.run.compile.graph_transport import CONSTANTS_HELD, graph_module, graph_nodes
+
+    cuda = torch.device("cuda", 0)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    k = graph.call_function(torch.tensor, ([],), {"dtype": torch.float16, "device": cuda})
+    c = graph.call_function(torch.tensor, ([1.0, 2.0],), {"device": cuda})
+    graph.output((graph.call_function(torch.cat, ([k, x],)), c))
+    GUESSED.clear()
+    gm = graph_module(graph_nodes(graph))
+    calls = [(n.op, n.target, n.args, n.kwargs) for n in gm.graph.nodes if n.op.startswith("call")]
+    assert calls[:3] == [("call_function", torch.tensor, ([],), {"dtype": torch.float16}),
+                         ("call_function", torch.empty, ((0,),), {"dtype": torch.float16, "device": cuda}),
+                         ("call_method", "copy_", calls[2][2], {})]
+    assert calls[3][1] is torch.tensor and calls[4][2:] == (((2,),), {"dtype": torch.float32, "device": cuda})
+    assert GUESSED == {CONSTANTS_HELD}
+
+
+@needs_triton
+@pytest.mark.slow  # a compile process: about 40 s
+def test_a_graph_making_an_empty_device_tensor_compiles() -> None:
+    """The constant's path under ``vram run``: the graph compiles (it ran eagerly before) and
+    allocates what Inductor's one fused kernel writes (cat with a 0-element tensor, then a
+    multiply): x's block and the output's (128 B each, 512-byte blocks); the 0-element buffer
+    takes no block (the caching allocator returns no block for size 0)."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        k = torch.tensor([], dtype=x.dtype, device=x.device)
+        return torch.cat([k, x], dim=-2) * 2
+
+    with simulated_cuda("H200"):
+        x = torch.randn(4, 8, device="cuda")
+        torch.cuda.reset_peak_memory_stats()
+        out = torch.compile(f)(x)
+        assert out.shape == (4, 8) and torch.cuda.max_memory_allocated() == 1024

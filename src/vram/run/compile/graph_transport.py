@@ -73,6 +73,45 @@ def graph_module(sent: dict[str, Any]) -> torch.fx.GraphModule:
     for op, name, target, args, kwargs in nodes:
         if isinstance(target, HigherOrder):
             target = getattr(torch.ops.higher_order, target.name)
+        if op == "call_function" and _device_constant(target, args, kwargs):
+            env[name] = _constant_on_device(graph, name, args, kwargs)
+            continue
         node = graph.create_node(op, target, resolve(args), resolve(kwargs), name=name)
         env[name] = node
     return torch.fx.GraphModule(root, graph)
+
+
+#: said by the run when a compiled graph holds a tensor constant with data (`_constant_on_device`)
+CONSTANTS_HELD = ("a tensor constant made inside a compiled graph (torch.tensor(data, device='cuda')) is held "
+                  "by the compiled graph on a GPU (a block of its bytes, from 512 B): not charged")
+
+
+def _device_constant(target: Any, args: Any, kwargs: Any) -> bool:
+    """Is the node ``torch.tensor(data, ..., device=cuda)`` with data that names no other node?"""
+    device = kwargs.get("device")
+    if getattr(target, "__name__", "") != "tensor" or getattr(target, "__module__", None) not in ("torch", None):
+        return False
+    if not (isinstance(device, torch.device) and device.type == "cuda"):
+        return False
+    found: list[bool] = []
+    torch.fx.node.map_aggregate((args, kwargs), lambda v: found.append(isinstance(v, NodeRef)) or v)
+    return not any(found)
+
+
+def _constant_on_device(graph: torch.fx.Graph, name: str, args: Any, kwargs: Any) -> torch.fx.Node:
+    """``torch.tensor(data, device="cuda")`` in a graph: on a GPU, AOTAutograd's trace makes the
+    data a real CUDA constant that the graph copies on each call (``lift_fresh_copy``: a buffer of
+    its shape and dtype). This process's CUDA kernels run on the host, so the constant would be a
+    host tensor there (FakeTensorMode propagates constants by running them); it becomes an
+    ``empty`` on the device filled by ``copy_`` from the host constant: the same buffer per call.
+    The constant itself, a block held by the compiled graph, is named (`CONSTANTS_HELD`)."""
+    from .cuda_process import GUESSED
+
+    host_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+    value = torch.tensor(*args, **host_kwargs)
+    if value.numel():
+        GUESSED.add(CONSTANTS_HELD)
+    host = graph.create_node("call_function", torch.tensor, tuple(args), host_kwargs, name=f"{name}_host")
+    empty = graph.create_node("call_function", torch.empty, (tuple(value.shape),),
+                              {"dtype": value.dtype, "device": kwargs["device"]}, name=f"{name}_empty")
+    return graph.create_node("call_method", "copy_", (empty, host), {}, name=name)
