@@ -31,6 +31,8 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   `vram.run.kernels.cudnn_conv` (`cudnn_plan`; `CUDA_META` restrides convolution outputs).
 * **torch.fft** (cuFFT): operand copies and clones in ``SpectralOps.cpp``'s order; the plan
   workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`).
+* **torch.linalg** (cuSOLVER, MAGMA): outputs charged; the library's workspaces and working
+  copies, sized at run time, named (`vram.run.kernels.linalg`).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
   before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
 * **_grouped_mm** (mixture-of-experts layers): the CUDA kernel's output layout and dtypes, which
@@ -66,6 +68,7 @@ from .cudnn_conv import CUDA_META as _CONV_META
 from .cufft import fft_plan
 from .grouped_mm import CUDA_META as _GROUPED_MM_META
 from .grouped_mm import grouped_mm_plan
+from .linalg import linalg_plan
 from .vision import nms_plan
 
 #: ops whose meta kernel is not what the CUDA kernel does -> the CUDA kernel's output, on meta
@@ -90,6 +93,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         plan = fft_plan(name, args, outs)
     if plan is None:
         plan = grouped_mm_plan(name, args, outs, cc)
+    if plan is None:
+        plan = linalg_plan(name, outs)
     if plan is None:
         plan = _reductions.reduction_plan(name, args, outs, sms, max_threads_sm)
     if plan is None:
