@@ -195,8 +195,6 @@ class FunctionMode(TorchFunctionMode):
                 return b0.device
             if name in _cudnn.RNN_OPS:
                 raise NotImplementedError(_cudnn.rnn_refusal(name))
-            if name.startswith("to_sparse"):
-                raise NotImplementedError(_sparse.sparse_message(describe(func)))
             if name == "record_stream" and len(args) > 1:  # an empty storage has no block: nothing
                 if b0.ptr:  # to do (CUDACachingAllocator.cpp, recordStream); never C++'s, which
                     _memory.get_allocator(b0.device).record_stream(b0.ptr, args[1].cuda_stream)

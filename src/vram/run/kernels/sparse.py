@@ -1,35 +1,256 @@
-"""Sparse layouts on the simulated GPU (COO, CSR, CSC, BSR, BSC): not modelled, refused in one line.
+"""Sparse tensors on the simulated GPU: which of PyTorch's sparse kernels are CUDA's own, and what
+the CUDA-only ones allocate, in order (layer 4; needs torch).
 
-A CUDA build keeps a sparse tensor's indices and values in storages of their own
-(``SparseCUDA``/``SparseCsrCUDA`` kernels) and its matmuls take cuSPARSE's buffers
-(``cusparseSpMM_bufferSize``), sized by cuSPARSE at run time. The simulated device has no sparse
-backend, so PyTorch stops with a dispatcher dump; `sparse_refusal` turns it into one line.
+A CUDA sparse COO tensor (``SparseTensorImpl``) owns two dense storages, ``indices`` (int64,
+``[sparse_dim, nnz]``) and ``values`` (``[nnz, *dense_dims]``); a compressed one
+(``SparseCsrTensorImpl``: CSR, CSC, BSR, BSC) owns ``crow_indices``/``ccol_indices``,
+``col_indices``/``row_indices`` and ``values``. On the simulated GPU they are the same
+``TensorImpl`` kinds over simulated dense storages, so a sparse tensor costs what its components
+cost on CUDA.
+
+Most sparse kernels are one function for both devices in ``native_functions.yaml``
+(``SparseCPU, SparseCUDA: clone_sparse``, ``_sparse_mm``, ``sparse_to_dense``…), written in ATen
+ops on the components: the engine runs that kernel, whose dense ops allocate through the simulated
+allocator as on CUDA (`SHARED_COO`, `SHARED_COMPRESSED`, `DENSE_TO_SPARSE`: torch 2.13's
+``native_functions.yaml``). Where CUDA has a kernel of its own it is modelled here, step by step in
+the ATen ops it calls (``aten/src/ATen/native/sparse/cuda``):
+
+* ``_coalesce`` (`coalesce`; ``SparseCUDATensor.cu`` ``_coalesce_sparse_cuda``).
+* ``addmm`` with a sparse ``mat1`` (`addmm`; ``SparseCUDATensorMath.cu``
+  ``s_addmm_out_sparse_dense_cuda``), which ``mm``/``torch.sparse.mm``/``spmm`` reach through
+  ``_sparse_mm``.
+
+Not charged, and named once per run with the calls that had them: the temporary storage of
+Thrust's ``sort_by_key``/``unique_by_key`` in ``_coalesce`` (``ThrustAllocator``: sized by Thrust's
+tuning for the architecture, `THRUST_NOTE`), and cuSPARSE's SpMM external buffer
+(``SparseCUDABlas.cpp`` ``_csrmm2``: ``allocator.allocate(bufferSize)`` with the size
+``cusparseSpMM_bufferSize`` reports at run time, `SPMM_NOTE`). Every other kernel CUDA has of
+its own (sparse-sparse matmul, ``index_select``, softmax, ``bmm``, ``hspmm``…) stops with
+`sparse_message`.
 """
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
+
+#: aten ops whose ``SparseCPU`` kernel is also the ``SparseCUDA`` one (torch 2.13)
+SHARED_COO = frozenset((
+    "_coalesced_ _dimI _dimV _indices _nnz _sparse_broadcast_to _sparse_coo_tensor_with_dims "
+    "_sparse_coo_tensor_with_dims_and_tensors _sparse_mask_projection _to_dense _to_sparse "
+    "_to_sparse.sparse_dim _to_sparse_bsc _to_sparse_bsr _to_sparse_csc _to_sparse_csr _values abs "
+    "abs.out abs_ add.Tensor add_.Tensor any asin asin.out asin_ asinh asinh.out asinh_ atan atan.out "
+    "atan_ atanh atanh.out atanh_ cat ceil ceil.out ceil_ clone conj_physical.out copy_ "
+    "copy_sparse_to_sparse_ deg2rad deg2rad.out deg2rad_ dense_dim div.Tensor div.Tensor_mode div.out "
+    "div.out_mode div_.Tensor div_.Tensor_mode empty.memory_format empty_like erf erf.out erf_ erfinv "
+    "erfinv.out erfinv_ expm1 expm1.out expm1_ floor floor.out floor_ floor_divide floor_divide.out "
+    "floor_divide_.Tensor frac frac.out frac_ indices is_coalesced isinf isnan isneginf isneginf.out "
+    "isposinf isposinf.out log1p log1p.out log1p_ mm mm.out mul.Tensor mul_.Tensor mv nan_to_num "
+    "nan_to_num.out nan_to_num_ narrow_copy native_norm native_norm.ScalarOpt_dim_dtype neg neg.out neg_ "
+    "norm.ScalarOpt_dim norm.ScalarOpt_dim_dtype permute pow.Tensor_Scalar pow.Tensor_Scalar_out rad2deg "
+    "rad2deg.out rad2deg_ relu relu_ resize_as_sparse_ round round.out round_ sgn sgn.out sgn_ sign "
+    "sign.out sign_ signbit signbit.out sin sin.out sin_ sinh sinh.out sinh_ sparse_dim sparse_mask "
+    "sparse_resize_ sparse_resize_and_clear_ sqrt sqrt.out sqrt_ sub.Tensor sub.out sub_.Tensor sum "
+    "sum.dim_IntList tan tan.out tan_ tanh tanh.out tanh_ threshold_backward "
+    "threshold_backward.grad_input trunc trunc.out trunc_ unsqueeze values view_as_complex view_as_real "
+    "zero_ zeros.out").split())
+#: aten ops whose ``SparseCsrCPU`` kernel is also the ``SparseCsrCUDA`` one (torch 2.13)
+SHARED_COMPRESSED = frozenset((
+    "_conj_physical _nnz _to_dense _to_sparse _to_sparse.sparse_dim _to_sparse_bsc _to_sparse_bsr "
+    "_to_sparse_csc _to_sparse_csr abs abs.out abs_ add.Tensor add_.Tensor angle angle.out asin "
+    "asin.out asin_ asinh asinh.out asinh_ atan atan.out atan_ atanh atanh.out atanh_ ccol_indices ceil "
+    "ceil.out ceil_ clone col_indices conj_physical.out conj_physical_ copy_ crow_indices deg2rad "
+    "deg2rad.out deg2rad_ dense_dim empty.memory_format empty_like erf erf.out erf_ erfinv erfinv.out "
+    "erfinv_ expm1 expm1.out expm1_ fill_.Scalar floor floor.out floor_ frac frac.out frac_ isinf isnan "
+    "isneginf isneginf.out isposinf isposinf.out log1p log1p.out log1p_ mul.Scalar mul.Tensor "
+    "mul.out mul_.Scalar mul_.Tensor neg neg.out neg_ normal_ rad2deg rad2deg.out rad2deg_ relu relu_ "
+    "resize_ resize_as_sparse_ round round.out round_ row_indices select.int select_copy.int "
+    "sgn sgn.out sgn_ sign sign.out sign_ signbit signbit.out sin sin.out sin_ sinh sinh.out sinh_ sparse_dim "
+    "sparse_mask sqrt sqrt.out sqrt_ sum sum.dim_IntList tan tan.out tan_ tanh tanh.out tanh_ "
+    "threshold_backward threshold_backward.grad_input trunc trunc.out trunc_ values zero_").split())
+#: dense-to-sparse conversions whose ``CPU`` kernel is also the ``CUDA`` one (``dense_to_sparse``…)
+DENSE_TO_SPARSE = frozenset(("_to_sparse _to_sparse.sparse_dim _to_sparse_csr _to_sparse_csc "
+                             "_to_sparse_bsr _to_sparse_bsc").split())
+
+THRUST_NOTE = ("Thrust temporary storage in sparse coalesce (SparseCUDATensor.cu _coalesce_sparse_cuda: "
+               "sort_by_key and unique_by_key through at::cuda::ThrustAllocator, sized by Thrust's tuning "
+               "for the GPU architecture), freed within the call")
+SPMM_NOTE = ("cuSPARSE SpMM external buffers (sparse @ dense: SparseCUDABlas.cpp _csrmm2 allocates "
+             "cusparseSpMM_bufferSize bytes, a size cuSPARSE reports at run time), freed within the call")
+
+
+def sparse_message(what: str, layout: Any = None) -> str:
+    """The one-line stop for a sparse op on the simulated GPU that is not modelled."""
+    kind = f"sparse ({str(layout).replace('torch.', '')})" if layout is not None else "sparse"
+    return (f"vram run: {what} on a {kind} tensor on the simulated GPU is not modelled (CUDA runs a "
+            "kernel of its own whose buffers are not known here); keep this op's sparse tensors on the "
+            "CPU or use dense ones")
+
+
+def flatten_indices(indices: torch.Tensor, sizes: list[int], force_clone: bool) -> torch.Tensor:
+    """``at::sparse::flatten_indices`` (SparseTensorUtils.cpp): one sparse dim: a squeeze (a
+    contiguous clone with `force_clone`); no entries: ``zeros(nnz)``; else CUDA's
+    ``flatten_indices_cuda_kernel`` (FlattenIndicesCommon.h ``_flatten_indices_impl``): its output
+    is ``arange(nnz)`` (int64), overwritten with each entry's row-major offset. The hash
+    coefficients live in the kernel's arguments up to ``max_sparse_dims`` (8) sparse dims, else in a
+    device copy (``TensorGeometryHolder``), made first and freed on return."""
+    sparse_dim, nnz = indices.size(0), indices.size(1)
+    if sparse_dim == 1:
+        row = indices.squeeze(0)
+        return row.clone(memory_format=torch.contiguous_format) if force_clone else row
+    if indices.numel() == 0:
+        return torch.zeros(nnz, dtype=torch.long, device=indices.device)
+    coeffs = None
+    if sparse_dim > 8:
+        coeffs = torch.empty(sparse_dim, dtype=torch.long, device=indices.device)
+    flat = torch.arange(nnz, dtype=torch.long, device=indices.device)
+    del coeffs
+    return flat
+
+
+def coalesce(self: torch.Tensor, new_nnz: int, note: Callable[[str], None]) -> torch.Tensor:
+    """``_coalesce_sparse_cuda``: fewer than two entries: a clone marked coalesced; else the
+    flattened indices (a clone, `flatten_indices`), ``origIndices`` and ``uniqueOffsets`` (int64,
+    nnz each), Thrust's sort and unique (`THRUST_NOTE`), the flattened indices shrunk in place to
+    `new_nnz`, ``newValues`` (``[new_nnz, *dense]``), a contiguous copy of the values when they
+    are not contiguous and ``newValues`` is not empty, then ``newIndices`` (``[sparse_dim,
+    new_nnz]``, unless one sparse dim, where it is the flattened indices), filled in place."""
+    nnz = self._nnz()
+    if nnz < 2:
+        dst = self.clone()
+        dst._coalesced_(True)
+        return dst
+    values = self._values()
+    sparse_dim = self.sparse_dim()
+    indices = self._indices()
+    flat = flatten_indices(indices, list(self.shape), True)
+    orig = torch.empty(nnz, dtype=indices.dtype, device=indices.device)
+    unique_offsets = torch.empty(nnz, dtype=indices.dtype, device=indices.device)
+    note(THRUST_NOTE)
+    flat.resize_(1, new_nnz)
+    new_values = torch.empty((new_nnz, *values.shape[1:]), dtype=values.dtype, device=values.device)
+    if new_values.numel() > 0:
+        values = values.contiguous()
+    if sparse_dim == 1:
+        new_indices = flat
+    else:
+        new_indices = torch.empty((sparse_dim, new_nnz), dtype=orig.dtype, device=orig.device)
+    del orig, unique_offsets
+    return torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
+        sparse_dim, self.dense_dim(), list(self.shape), new_indices, new_values, dtype=new_values.dtype,
+        layout=torch.sparse_coo, device=new_values.device, is_coalesced=True)
+
+
+def addmm(t: torch.Tensor, sparse_: torch.Tensor, dense: torch.Tensor, beta: Any, alpha: Any,
+          note: Callable[[str], None], out: torch.Tensor | None = None) -> torch.Tensor:
+    """``addmm_sparse_dense_cuda`` / ``addmm_out_sparse_dense_cuda`` (SparseCUDATensorMath.cu):
+    ``self`` expanded to ``[m, n]`` (a view), the result ``empty({0})`` resized to ``[m, n]``
+    (or `out`), ``sparse_.coalesce()``; no entries: ``mul_out(r, t, scalar_tensor(beta))`` (a 0-dim
+    device tensor); else `_addmm_worker`."""
+    m, n = sparse_.size(0), dense.size(1)
+    t = t.expand(m, n)
+    r = torch.empty(0, dtype=t.dtype, device=t.device) if out is None else out
+    r.resize_(m, n)
+    sparse = sparse_.coalesce()
+    if sparse._nnz() == 0:
+        torch.mul(t, torch.scalar_tensor(beta, dtype=r.dtype, device=r.device), out=r)
+        return r
+    _addmm_worker(r, t, sparse, dense, beta, note)
+    return r
+
+
+def _addmm_worker(r: torch.Tensor, t: torch.Tensor, sparse: torch.Tensor, dense: torch.Tensor, beta: Any,
+                  note: Callable[[str], None]) -> None:
+    """``s_addmm_out_sparse_dense_cuda_worker`` then ``s_addmm_out_csr_sparse_dense_cuda_worker``:
+    ``_to_csr_int`` (the row pointers ``empty(m + 1)`` int32, the rows as int32 ``empty(nnz)``,
+    copied, ``cusparseXcoo2csr``; the int32 rows die on return), the columns as int32
+    ``empty(nnz)``, copied; ``r`` zeroed (beta 0) or copied from ``t``; a column-major clone of
+    ``r`` unless it is column-major already; ``dense`` as is when column- or row-major, else a
+    contiguous copy; cuSPARSE's SpMM (`SPMM_NOTE`); the result copied back into ``r``."""
+    m = sparse.size(0)
+    indices, nnz = sparse._indices(), sparse._nnz()
+    rows, cols = indices.select(0, 0), indices.select(0, 1)
+    crow = torch.empty(m + 1, dtype=torch.int32, device=indices.device)
+    rows_int = torch.empty(rows.size(0), dtype=torch.int32, device=indices.device)
+    rows_int.copy_(rows)
+    del rows_int
+    col = torch.empty(cols.size(0), dtype=torch.int32, device=indices.device)
+    col.copy_(cols)
+    if beta == 0:
+        r.zero_()
+    elif not _same(t, r):
+        r.copy_(t)
+    if r.stride(0) == 1 and r.stride(1) == r.size(0):
+        r_col = r
+    else:
+        r_col = r.transpose(0, 1).clone(memory_format=torch.contiguous_format).transpose_(0, 1)
+    if (dense.stride(0) == 1 and dense.stride(1) == dense.size(0)) or (
+            dense.stride(1) == 1 and dense.stride(0) == dense.size(1)):
+        dense_ = dense
+    else:
+        dense_ = dense.contiguous()
+    if nnz and dense_.numel() and r_col.numel():  # _csrmm2 returns early on null pointers
+        note(SPMM_NOTE)
+    if not _same(r_col, r):
+        r.copy_(r_col)
+    del dense_, r_col, col, crow
+
+
+def add_dense_sparse(out: torch.Tensor, dense: torch.Tensor, sparse: torch.Tensor, alpha: Any) -> torch.Tensor:
+    """``add_out_dense_sparse_cuda`` (SparseCUDATensorMath.cu), ``out = dense + alpha * sparse``
+    (``sparse_to_dense``: ``zeros(sizes).add_(self)``): no entries: ``out`` resized and copied
+    from ``dense``; else the result in the common dtype (``out`` itself, or ``empty_like(dense)``),
+    ``dense`` and the values cast to it (copies only when the dtype changes), ``dense`` copied into
+    the result unless it is the same tensor; coalesced: values made contiguous when they have dense
+    dims, one kernel; uncoalesced: the flattened indices (`flatten_indices`), the values reshaped to
+    ``[nnz, columns]`` (a copy when that is not a view), ``index_add_``; the result copied into ``out``."""
+    if sparse._nnz() == 0:
+        out.resize_as_(dense)
+        return out.copy_(dense)
+    common = torch.result_type(dense, sparse)
+    r = out if out.dtype == common else torch.empty_like(dense, dtype=common)
+    dense_buffer = dense.to(common)
+    values = sparse._values().to(common)
+    if not _same(r, dense_buffer):
+        r.resize_as_(dense)
+        r.copy_(dense_buffer)
+    if values.numel() == 0:
+        return out
+    if sparse.is_coalesced():
+        if sparse.dense_dim() > 0:
+            values = values.contiguous()
+    else:
+        sparse_dim = sparse.sparse_dim()
+        flat = flatten_indices(sparse._indices(), list(sparse.shape), False)
+        rows = math.prod(r.shape[:sparse_dim])
+        columns = math.prod(r.shape[sparse_dim:])
+        r.view(rows, columns).index_add_(0, flat, values.reshape(sparse._nnz(), columns), alpha=alpha)
+    if r is not out:
+        out.copy_(r)
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``at::sparse::is_same_tensor``: the same impl, or the same data, sizes and strides."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
+
+
+def sparse_layout(tensors: list[object]) -> bool:
+    """Whether an op's meta outputs include a sparse tensor (an op with no sparse kernel here that
+    made one on meta: stopped with `sparse_message`)."""
+    return any(isinstance(t, torch.Tensor) and t.layout != torch.strided for t in tensors)
+
 
 _SPARSE_BACKEND = re.compile(r"with arguments from the '(Sparse\w*)' backend")
 
 
 def sparse_refusal(error: BaseException, what: str) -> str | None:
-    """The one-line stop for an op PyTorch could not run on a simulated sparse tensor (None when
-    `error` is another one)."""
+    """The one-line stop for PyTorch's own "could not run … with arguments from the 'Sparse…'
+    backend" on a simulated sparse tensor (None when `error` is another one)."""
     m = _SPARSE_BACKEND.search(str(error))
     if m is None or m.group(1) in ("SparseCPU", "SparseCsrCPU"):
         return None
     return sparse_message(what)
-
-
-def sparse_layout(tensors: list[object]) -> bool:
-    """Whether an op's outputs include a tensor of a sparse layout (``to_sparse``, ``to_sparse_csr``
-    on meta make them; the simulated device cannot hold them)."""
-    return any(isinstance(t, torch.Tensor) and t.layout != torch.strided for t in tensors)
-
-
-def sparse_message(what: str) -> str:
-    return (f"vram run: {what} makes or uses a sparse tensor on the simulated GPU, which is not modelled "
-            "(its indices and values storages and cuSPARSE's buffers); keep sparse tensors on the CPU "
-            "or use dense ones")

@@ -1,0 +1,205 @@
+"""Sparse tensors on the simulated GPU: their dispatch keys' kernels (see `vram.run.kernels.sparse`).
+
+A sparse tensor on PrivateUse1 dispatches to ``SparsePrivateUse1`` (COO) or
+``SparseCsrPrivateUse1`` (CSR, CSC, BSR, BSC), where torch registers nothing. Here, for every
+aten op with a ``SparseCPU``/``SparseCsrCPU`` kernel: where that kernel is CUDA's too (`SHARED_*`)
+the ``SparseCPU`` one runs (a device-generic function of ATen ops on the components, which reach
+the engine's fallback as dense ops); where CUDA has its own, the model in `vram.run.kernels.sparse`
+runs (``_coalesce``, ``addmm``), or the op stops in one line; a boxed fallback at both keys stops
+every other op the same way. The dense ``_to_sparse*`` conversions run their CPU kernel, which is
+CUDA's. A shared kernel that reaches a ``DispatchStub`` with no PrivateUse1 kernel stops in one
+line too.
+
+Values: ``_coalesce``'s entry count comes from the indices' known values (a run that does not know
+them runs again with real values); the coalesced indices and values, and an ``addmm``'s result,
+are computed on the CPU when every input's values are known, else unknown.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vram.run.kernels import sparse as _rules
+from vram.run.values import known
+from vram.run.values.placeholders import value_error
+
+_DK = torch._C.DispatchKey
+#: stops a shared kernel can meet on PrivateUse1 (a stub or an op with no PrivateUse1 kernel)
+_UNSUPPORTED = ("DispatchStub", "Could not run", "privateuse1", "PrivateUse1")
+
+
+def _op(qualified: str) -> Any:
+    name, _, overload = qualified.partition(".")
+    return getattr(getattr(torch.ops.aten, name), overload or "default")
+
+
+def _layout_of(args: Any) -> Any:
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.layout != torch.strided:
+            return a.layout
+    return None
+
+
+def _refuse(op: Any, args: Any) -> NotImplementedError:
+    return NotImplementedError(_rules.sparse_message(f"aten::{op._schema.name.split('::')[-1]}", _layout_of(args)))
+
+
+def _shared(op: Any, key: Any) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        try:
+            with torch._C.DisableTorchFunction():
+                return op._op_dk(key, *args, **kwargs)
+        except (RuntimeError, NotImplementedError) as e:
+            text = str(e)
+            if text.startswith("vram") or not any(s in text for s in _UNSUPPORTED):
+                raise
+            raise _refuse(op, args) from None
+    return kernel
+
+
+def _refusing(op: Any) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        raise _refuse(op, args)
+    return kernel
+
+
+def _boxed_refusal(op: Any, *args: Any, **kwargs: Any) -> Any:
+    raise _refuse(op, args)
+
+
+def register(state: Any) -> list[Any]:
+    """Register the sparse kernels on PrivateUse1 (`module docstring`); `state()` is the running
+    simulation. Returns the libraries to keep alive."""
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+    models = {"_coalesce": _coalesce(state), "addmm": _addmm(state), "addmm.out": _addmm(state),
+              "add.out": _add_out(state), "mul.out": _mul_out()}
+    for key, cpu, shared in (("SparsePrivateUse1", _DK.SparseCPU, _rules.SHARED_COO),
+                             ("SparseCsrPrivateUse1", _DK.SparseCsrCPU, _rules.SHARED_COMPRESSED)):
+        for qualified in torch._C._dispatch_get_registrations_for_dispatch_key(cpu.name):
+            if not qualified.startswith("aten::"):
+                continue
+            name = qualified[len("aten::"):]
+            op = _op(name)
+            if key == "SparsePrivateUse1" and name in models:
+                kernel = models[name]
+            elif name in shared:
+                kernel = _shared(op, cpu)
+            else:
+                kernel = _refusing(op)
+            lib.impl(name, kernel, key)
+    for name in _rules.DENSE_TO_SPARSE:
+        lib.impl(name, _shared(_op(name), _DK.CPU), "PrivateUse1")
+    fallback = torch.library.Library("_", "IMPL")  # noqa: TOR901 - every other op on a sparse tensor
+    fallback.fallback(_boxed_refusal, "SparsePrivateUse1")
+    fallback.fallback(_boxed_refusal, "SparseCsrPrivateUse1")
+    return [lib, fallback]
+
+
+def _note(sim: Any) -> Any:
+    def note(text: str) -> None:
+        sim.uncharged[text] = sim.uncharged.get(text, 0) + 1
+    return note
+
+
+def cpu_sparse(sim: Any, s: torch.Tensor) -> torch.Tensor | None:
+    """A simulated COO tensor's CPU copy from its components' known values (None when unknown)."""
+    with torch._C.DisableTorchFunction():
+        indices, values = s._indices(), s._values()
+        i, v = known.cpu_value(sim, indices), known.cpu_value(sim, values)
+        if i is None or v is None:
+            return None
+        return torch.sparse_coo_tensor(i.clone(), v.clone(), s.shape, is_coalesced=s.is_coalesced())
+
+
+def _coalesce(state: Any) -> Any:
+    def kernel(self: torch.Tensor) -> torch.Tensor:
+        sim = state()
+        with torch._C.DisableTorchFunction():
+            indices = self._indices()
+            host = known.cpu_value(sim, indices)
+            if host is None:
+                raise value_error("torch.Tensor.coalesce()", "the number of distinct indices of a sparse tensor")
+            flat = torch.sparse_coo_tensor(host, torch.zeros(host.size(1), dtype=torch.int8), self.shape)
+            new_nnz = flat.coalesce()._nnz()
+            out = _rules.coalesce(self, new_nnz, _note(sim))
+            _define_coalesced(sim, self, out)
+            return out
+    return kernel
+
+
+def _define_coalesced(sim: Any, self: torch.Tensor, out: torch.Tensor) -> None:
+    host = cpu_sparse(sim, self)
+    indices, values = out._indices(), out._values()
+    if host is None:
+        host_i = known.cpu_value(sim, self._indices())
+        assert host_i is not None
+        host = torch.sparse_coo_tensor(host_i, torch.zeros(host_i.size(1), dtype=torch.int8), self.shape)
+        known.define(sim, indices, host.coalesce()._indices(), known.assumed(sim, self._indices()))
+        _forget(sim, values)
+        return
+    c = host.coalesce()
+    assumed = known.assumed(sim, self._indices()) or known.assumed(sim, self._values())
+    known.define(sim, indices, c._indices(), assumed)
+    known.define(sim, values, c._values(), assumed)
+
+
+def _forget(sim: Any, t: torch.Tensor) -> None:
+    b = sim.block_of(t)
+    if b is not None:
+        b.forget()
+
+
+def _add_out(state: Any) -> Any:
+    """``add_out_sparse_cuda``: dense + sparse modelled (`vram.run.kernels.sparse.add_dense_sparse`);
+    sparse + sparse (concatenated indices and values, set into ``out``) stops in one line."""
+    op = torch.ops.aten.add.out
+
+    def kernel(self: torch.Tensor, other: torch.Tensor, *, alpha: Any = 1, out: torch.Tensor) -> torch.Tensor:
+        sim = state()
+        with torch._C.DisableTorchFunction():
+            if self.layout != torch.strided or other.layout != torch.sparse_coo or out.layout != torch.strided:
+                raise _refuse(op, (self, other))
+            host, dense = cpu_sparse(sim, other), known.cpu_value(sim, self)
+            dense = None if dense is None else dense.clone()  # `out` may be `self`
+            r = _rules.add_dense_sparse(out, self, other, alpha)
+            if host is None or dense is None:
+                _forget(sim, r)
+            else:
+                known.define(sim, r, torch.add(dense, host, alpha=alpha).to(r.dtype), known.assumed(sim, self))
+            return r
+    return kernel
+
+
+def _mul_out() -> Any:
+    """``mul_out_sparse_cuda``: with a dense or 0-dim operand it calls the helpers CPU's kernel calls
+    first (``_mul_dense_sparse_out``, ``_mul_sparse_sparse_zero_dim_out``: SparseTensorMath.cpp),
+    so that kernel runs; sparse * sparse stops in one line."""
+    op = torch.ops.aten.mul.out
+    shared = _shared(op, _DK.SparseCPU)
+
+    def kernel(self: torch.Tensor, other: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        if all(isinstance(t, torch.Tensor) and t.is_sparse and t.dim() for t in (self, other)):
+            raise _refuse(op, (self, other))
+        return shared(self, other, out=out)
+    return kernel
+
+
+def _addmm(state: Any) -> Any:
+    def kernel(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1,
+               **kwargs: Any) -> torch.Tensor:
+        sim = state()
+        with torch._C.DisableTorchFunction():
+            if not mat1.is_sparse or mat2.layout != torch.strided or self.layout != torch.strided:
+                raise _refuse(torch.ops.aten.addmm.default, (self, mat1, mat2))
+            host = cpu_sparse(sim, mat1)
+            dense, base = known.cpu_value(sim, mat2), known.cpu_value(sim, self)
+            base = None if base is None else base.clone()  # `out` may be `self`
+            r = _rules.addmm(self, mat1, mat2, beta, alpha, _note(sim), kwargs.get("out"))
+            if host is None or dense is None or base is None:
+                _forget(sim, r)
+            else:
+                known.define(sim, r, torch.addmm(base, host, dense, beta=beta, alpha=alpha), any(
+                    known.assumed(sim, t) for t in (mat1._indices(), mat1._values(), mat2, self)))
+            return r
+    return kernel
