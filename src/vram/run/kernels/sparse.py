@@ -60,12 +60,12 @@ SHARED_COO = frozenset((
 #: aten ops whose ``SparseCsrCPU`` kernel is also the ``SparseCsrCUDA`` one (torch 2.13)
 SHARED_COMPRESSED = frozenset((
     "_conj_physical _nnz _to_dense _to_sparse _to_sparse.sparse_dim _to_sparse_bsc _to_sparse_bsr "
-    "_to_sparse_csc _to_sparse_csr abs abs.out abs_ add.Tensor add_.Tensor angle angle.out asin "
+    "_to_sparse_csc _to_sparse_csr abs abs.out abs_ add.Tensor add_.Tensor addmm angle angle.out asin "
     "asin.out asin_ asinh asinh.out asinh_ atan atan.out atan_ atanh atanh.out atanh_ ccol_indices ceil "
     "ceil.out ceil_ clone col_indices conj_physical.out conj_physical_ copy_ crow_indices deg2rad "
     "deg2rad.out deg2rad_ dense_dim empty.memory_format empty_like erf erf.out erf_ erfinv erfinv.out "
     "erfinv_ expm1 expm1.out expm1_ fill_.Scalar floor floor.out floor_ frac frac.out frac_ isinf isnan "
-    "isneginf isneginf.out isposinf isposinf.out log1p log1p.out log1p_ mul.Scalar mul.Tensor "
+    "isneginf isneginf.out isposinf isposinf.out log1p log1p.out log1p_ mm mm.out mul.Scalar mul.Tensor "
     "mul.out mul_.Scalar mul_.Tensor neg neg.out neg_ normal_ rad2deg rad2deg.out rad2deg_ relu relu_ "
     "resize_ resize_as_sparse_ round round.out round_ row_indices select.int select_copy.int "
     "sgn sgn.out sgn_ sign sign.out sign_ signbit signbit.out sin sin.out sin_ sinh sinh.out sinh_ sparse_dim "

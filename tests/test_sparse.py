@@ -1,0 +1,197 @@
+"""Sparse tensors on the simulated GPU, charged as CUDA allocates them (`vram.run.kernels.sparse`).
+
+Expected bytes come from PyTorch's CUDA source (paths under ``aten/src/ATen/native``):
+``sparse/cuda/SparseCUDATensor.cu`` (``_coalesce_sparse_cuda``), ``sparse/cuda/SparseCUDATensorMath.cu``
+(``s_addmm_out_sparse_dense_cuda`` and its workers), ``sparse/SparseTensorMath.cpp`` (``_sparse_mm``),
+``SparseTensorUtils.cpp`` / ``sparse/FlattenIndicesCommon.h`` (``flatten_indices``), ``TensorShape.cpp``
+(``transpose`` / ``sparse_transpose_`` of a sparse tensor), ``sparse/SparseTensor.cpp``
+(``clone_sparse``, ``sparse_to_dense``) and ``FunctionsManual.cpp`` (``mm_mat2_backward``'s general
+path: ``mat1.t().conj().mm(grad)``). Sizes in the traces are the requested bytes.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from vram.run.kernels import sparse as rules  # noqa: E402
+from vram.run.runtime import active_sim, run_script, simulated_cuda  # noqa: E402
+
+warnings.filterwarnings("ignore", "Sparse invariant checks")
+_CORPUS = Path(__file__).parent / "corpus"
+
+
+def _trace(fn) -> list[tuple[str, int]]:  # type: ignore[no-untyped-def]
+    torch.cuda.memory._record_memory_history()
+    fn()
+    events = [(e["action"], e["size"]) for e in torch.cuda.memory._snapshot()["device_traces"][0]
+              if e["action"] in ("alloc", "free_completed")]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    return events
+
+
+def _notes(text: str) -> int:
+    sim = active_sim()
+    assert sim is not None
+    return sim.uncharged.get(text, 0)
+
+
+def _round(n: int) -> int:
+    return max(512, -(-n // 512) * 512)
+
+
+def test_coo_tensor_made_on_or_moved_to_the_gpu_owns_its_indices_and_values() -> None:
+    """``sparse_coo_tensor(..., device="cuda")`` and ``.cuda()``: an int64 ``[2, nnz]`` indices
+    storage and a ``[nnz]`` values storage on the GPU, nothing else."""
+    i = torch.stack([torch.arange(1000) % 30, torch.arange(1000) % 20])
+    with simulated_cuda(gpu="H200"):
+        s = torch.sparse_coo_tensor(i, torch.ones(1000), (30, 20), device="cuda")
+        assert s.is_cuda and s.device == torch.device("cuda", 0) and s.layout == torch.sparse_coo
+        assert torch.cuda.memory_allocated() == _round(2 * 1000 * 8) + _round(1000 * 4)
+        moved = torch.sparse_coo_tensor(i, torch.ones(1000, dtype=torch.float64), (30, 20)).cuda()
+        assert moved.is_cuda and moved._values().dtype == torch.float64
+        assert torch.cuda.memory_allocated() == 2 * _round(16000) + _round(4000) + _round(8000)
+
+
+def test_coalesce_allocates_cudas_temporaries_and_keeps_the_distinct_entries() -> None:
+    """``_coalesce_sparse_cuda`` on 1000 entries over 60 distinct (row, col) pairs: the flattened
+    indices (``arange(nnz)`` int64), ``origIndices`` and ``uniqueOffsets`` (int64), then
+    ``newValues`` [60] float32 and ``newIndices`` [2, 60] int64; the three nnz-sized buffers die
+    on return; Thrust's sort/unique storage is named, not charged."""
+    i = torch.stack([torch.arange(1000) % 30, torch.arange(1000) % 20])
+    with simulated_cuda(gpu="H200"):
+        s = torch.sparse_coo_tensor(i, torch.ones(1000), (30, 20), device="cuda")
+        keep: list[torch.Tensor] = []
+        ev = _trace(lambda: keep.append(s.coalesce()))
+        assert ev == [("alloc", 8000)] * 3 + [("alloc", 60 * 4), ("alloc", 2 * 60 * 8)] + [("free_completed", 8000)] * 3
+        c = keep[0]
+        assert c.is_coalesced() and c._nnz() == 60
+        host = torch.sparse_coo_tensor(i, torch.ones(1000), (30, 20)).coalesce()
+        assert c.indices().cpu().tolist() == host.indices().tolist()
+        assert c.values().cpu().tolist() == host.values().tolist()
+        assert _notes(rules.THRUST_NOTE) == 1
+
+
+def _coalesced(device: str = "cuda") -> torch.Tensor:
+    rows, cols = torch.arange(1000) // 16, (torch.arange(1000) * 7) % 128   # 1000 distinct entries of 64 x 128
+    return torch.sparse_coo_tensor(torch.stack([rows, cols]), torch.ones(1000), (64, 128), device=device).coalesce()
+
+
+@pytest.mark.parametrize("matmul", [torch.spmm, torch.sparse.mm, torch.mm, lambda a, b: a @ b])
+def test_sparse_times_dense_follows_the_cusparse_path(matmul) -> None:  # type: ignore[no-untyped-def]
+    """``_sparse_mm``: ``zeros(m, n)``; ``s_addmm_out_sparse_dense_cuda``: the result resized to
+    [m, n]; ``_to_csr_int``: row pointers int32 [m + 1], the rows as int32 (dies at once); the
+    columns as int32; a column-major clone of the row-major result; cuSPARSE SpMM (its buffer
+    named); the clone, columns and row pointers die, then ``zeros`` when ``_sparse_mm`` returns."""
+    with simulated_cuda(gpu="H200"):
+        s, d = _coalesced(), torch.randn(128, 32, device="cuda")
+        keep: list[torch.Tensor] = []
+        ev = _trace(lambda: keep.append(matmul(s, d)))
+        mn = 64 * 32 * 4
+        assert ev == [("alloc", mn), ("alloc", mn), ("alloc", 65 * 4), ("alloc", 4000), ("free_completed", 4000),
+                      ("alloc", 4000), ("alloc", mn), ("free_completed", mn), ("free_completed", 4000),
+                      ("free_completed", 65 * 4), ("free_completed", mn)]
+        assert keep[0].shape == (64, 32) and keep[0].layout == torch.strided
+        assert _notes(rules.SPMM_NOTE) == 1
+
+
+def test_sparse_times_dense_gives_the_product_when_values_are_known() -> None:
+    host = torch.arange(128 * 32, dtype=torch.float32).view(128, 32)
+    with simulated_cuda(gpu="H200"):
+        got = torch.sparse.mm(_coalesced(), host.cuda()).cpu()
+    assert torch.equal(got, torch.sparse.mm(_coalesced("cpu"), host))
+
+
+def test_backward_to_the_dense_operand_transposes_and_coalesces() -> None:
+    """``mm_mat2_backward``: ``mat1.t()`` clones the sparse tensor (``clone_sparse``: values then
+    indices) and swaps its index rows through ``zeros_like(row0)``; the transpose is uncoalesced,
+    so its ``mm`` coalesces it (1000 distinct entries) inside ``s_addmm_out_sparse_dense_cuda``
+    (after the result, before the CSR conversion); the gradient [128, 32] is all that stays."""
+    with simulated_cuda(gpu="H200"):
+        s = _coalesced()
+        d = torch.randn(128, 32, device="cuda", requires_grad=True)
+        y = torch.sparse.mm(s, d)
+        g = torch.ones(64, 32, device="cuda")
+        before = torch.cuda.memory_allocated()
+        ev = _trace(lambda: y.backward(g))
+        kn = 128 * 32 * 4
+        assert ev == [("alloc", 4000), ("alloc", 16000), ("alloc", 8000), ("free_completed", 8000),
+                      ("alloc", kn), ("alloc", kn),
+                      ("alloc", 8000), ("alloc", 8000), ("alloc", 8000), ("alloc", 4000), ("alloc", 16000),
+                      ("free_completed", 8000), ("free_completed", 8000), ("free_completed", 8000),
+                      ("alloc", 129 * 4), ("alloc", 4000), ("free_completed", 4000), ("alloc", 4000), ("alloc", kn),
+                      ("free_completed", kn), ("free_completed", 4000), ("free_completed", 129 * 4),
+                      ("free_completed", 4000), ("free_completed", 16000), ("free_completed", kn),
+                      ("free_completed", 4000), ("free_completed", 16000)]
+        assert d.grad is not None and d.grad.shape == (128, 32)
+        assert torch.cuda.memory_allocated() == before + kn
+
+
+def test_to_dense_sum_scale_and_components() -> None:
+    """``sparse_to_dense``: ``zeros(sizes)`` then ``add_`` of a coalesced tensor, one kernel;
+    ``values()``/``indices()`` are views of the components; ``* 2`` makes new values only."""
+    with simulated_cuda(gpu="H200"):
+        s = _coalesced()
+        ev = _trace(lambda: s.to_dense())
+        assert ev == [("alloc", 64 * 128 * 4), ("free_completed", 64 * 128 * 4)]
+        dense = s.to_dense()
+        assert torch.equal(dense.cpu(), _coalesced("cpu").to_dense())
+        assert s.values().data_ptr() == s._values().data_ptr() and s.indices().shape == (2, 1000)
+        base = torch.cuda.memory_allocated()
+        doubled = s * 2
+        assert doubled.layout == torch.sparse_coo and float(torch.sparse.sum(doubled)) == 2000.0
+        assert torch.cuda.memory_allocated() >= base + _round(4000)
+        assert s.t().shape == (128, 64)
+
+
+def test_csr_tensor_owns_its_three_component_storages() -> None:
+    crow, col = torch.tensor([0, 2, 3]), torch.tensor([0, 2, 1])
+    with simulated_cuda(gpu="H200"):
+        c = torch.sparse_csr_tensor(crow, col, torch.ones(3), (2, 3), device="cuda")
+        assert c.layout == torch.sparse_csr and c.is_cuda
+        assert torch.cuda.memory_allocated() == 3 * 512
+        assert c.to_dense().cpu().tolist() == [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize("op, name", [
+    (lambda s, d: s.index_select(0, torch.tensor([0], device="cuda")), "aten::index_select"),
+    (lambda s, d: s + s, "aten::add"),
+    (lambda s, d: torch.sparse.softmax(s, 0), "aten::_sparse_softmax"),
+    (lambda s, d: s.to_sparse_csr() @ d, "aten::addmm"),
+])
+def test_sparse_ops_with_kernels_of_their_own_stop_with_one_line(op, name) -> None:  # type: ignore[no-untyped-def]
+    with simulated_cuda(gpu="H200"):
+        s, d = _coalesced(), torch.randn(128, 4, device="cuda")
+        with pytest.raises(NotImplementedError, match=rf"^vram run: {name} on a sparse \(sparse_\w+\) tensor on the "
+                                                      r"simulated GPU is not modelled") as e:
+            op(s, d)
+        assert "\n" not in str(e.value)
+
+
+def test_pygcn_trains_to_its_end(capsys: pytest.CaptureFixture[str]) -> None:
+    """The pygcn-style GCN (tests/corpus/gcn_pygcn.py) trains five epochs. What stays allocated
+    at the end: the two cuBLAS workspaces of sm90 (32 MiB each: forward thread and autograd
+    thread), the features, the adjacency's indices and values, labels and training ids, the four
+    parameters, their gradients and Adam's two moments (its ``step`` stays on the CPU), and the
+    last epoch's output [2708, 7] and loss."""
+    status = run_script(str(_CORPUS / "gcn_pygcn.py"), [], gpu="H200")
+    out = capsys.readouterr().out
+    assert status == 0
+    lines = out.splitlines()
+    assert [ln.split(":")[0] for ln in lines[:5]] == [f"epoch {e}" for e in range(1, 6)]
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gcn_pygcn", _CORPUS / "gcn_pygcn.py")
+    assert spec is not None and spec.loader is not None
+    gcn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gcn)
+    adj, features, labels = gcn.load_data()
+    nnz = adj._nnz()
+    assert lines[0] == f"epoch 1: nnz {nnz}"
+    params = [1433 * 16 * 4, 16 * 4, 16 * 7 * 4, 7 * 4]
+    expected = (2 * 32 * 1024 * 1024 + _round(2708 * 1433 * 4) + _round(2 * nnz * 8) + _round(nnz * 4)
+                + _round(2708 * 8) + _round(140 * 8) + 4 * sum(_round(p) for p in params)
+                + _round(2708 * 7 * 4) + _round(4))
+    assert lines[5].startswith(f"allocated {expected} ")
