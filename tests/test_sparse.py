@@ -177,6 +177,7 @@ def test_pygcn_trains_to_its_end(capsys: pytest.CaptureFixture[str]) -> None:
     thread), the features, the adjacency's indices and values, labels and training ids, the four
     parameters, their gradients and Adam's two moments (its ``step`` stays on the CPU), and the
     last epoch's output [2708, 7] and loss."""
+    pytest.importorskip("scipy")
     status = run_script(str(_CORPUS / "gcn_pygcn.py"), [], gpu="H200")
     out = capsys.readouterr().out
     assert status == 0

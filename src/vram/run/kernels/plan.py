@@ -31,6 +31,9 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   `vram.run.kernels.cudnn_conv` (`cudnn_plan`; `CUDA_META` restrides convolution outputs).
 * **torch.fft** (cuFFT): operand copies and clones in ``SpectralOps.cpp``'s order; the plan
   workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`).
+* **Sparse tensors** (COO/CSR/BSR): their kernels run on their components' dense ops;
+  ``_coalesce`` and sparse ``addmm`` follow ``sparse/cuda`` step by step, Thrust's and cuSPARSE's
+  buffers named, not charged (`vram.run.kernels.sparse`, registered by ``engine.sparse_layouts``).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
   before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
 * **_grouped_mm** (mixture-of-experts layers): the CUDA kernel's output layout and dtypes, which
