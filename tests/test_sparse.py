@@ -160,7 +160,7 @@ def test_csr_tensor_owns_its_three_component_storages() -> None:
     (lambda s, d: s.index_select(0, torch.tensor([0], device="cuda")), "aten::index_select"),
     (lambda s, d: s + s, "aten::add"),
     (lambda s, d: torch.sparse.softmax(s, 0), "aten::_sparse_softmax"),
-    (lambda s, d: s.to_sparse_csr() @ d, "aten::addmm"),
+    (lambda s, d: s.to_sparse_csc() @ d, "aten::_to_sparse_csr"),
 ])
 def test_sparse_ops_with_kernels_of_their_own_stop_with_one_line(op, name) -> None:  # type: ignore[no-untyped-def]
     with simulated_cuda(gpu="H200"):
@@ -196,3 +196,38 @@ def test_pygcn_trains_to_its_end(capsys: pytest.CaptureFixture[str]) -> None:
                 + _round(2708 * 8) + _round(140 * 8) + 4 * sum(_round(p) for p in params)
                 + _round(2708 * 7 * 4) + _round(4))
     assert lines[5].startswith(f"allocated {expected} ")
+
+
+def _csr_dense() -> torch.Tensor:
+    return (torch.arange(64 * 128).view(64, 128) % 9 == 0).float()   # 911 entries of 64 x 128
+
+
+def test_csr_times_dense_follows_spmm() -> None:
+    """``_sparse_csr_mm``: ``zeros(m, n)``; ``addmm_out_sparse_compressed_cuda``: the result
+    (``empty({0, 0})``) resized to [m, n] and copied from it; ``spmm``: the row-major result and
+    ``mat2`` are BLAS-compatible, so no copies; cuSPARSE's SpMM buffer named; ``zeros`` dies."""
+    host = torch.arange(128 * 32, dtype=torch.float32).view(128, 32)
+    with simulated_cuda(gpu="H200"):
+        c, d = _csr_dense().to_sparse_csr().cuda(), host.cuda()
+        keep: list[torch.Tensor] = []
+        ev = _trace(lambda: keep.append(c @ d))
+        assert ev == [("alloc", 64 * 32 * 4), ("alloc", 64 * 32 * 4), ("free_completed", 64 * 32 * 4)]
+        assert torch.equal(keep[0].cpu(), _csr_dense() @ host)
+        assert _notes(rules.SPMM_NOTE) == 1
+
+
+def test_bsr_times_dense_follows_block_sparse_mm() -> None:
+    """``block_sparse_mm`` (4 x 4 blocks): after ``zeros`` and the result, a column-major clone of
+    the row-major result (``cloneBatchedColumnMajor``), the row pointers [16 + 1] and block columns
+    [512] as int32 for ``bsrmm``, which die first; the clone is copied back and dies, then ``zeros``."""
+    host = torch.arange(128 * 32, dtype=torch.float32).view(128, 32)
+    with simulated_cuda(gpu="H200"):
+        b, d = _csr_dense().to_sparse_bsr((4, 4)).cuda(), host.cuda()
+        assert b._nnz() == 512
+        keep: list[torch.Tensor] = []
+        ev = _trace(lambda: keep.append(b @ d))
+        mn = 64 * 32 * 4
+        assert ev == [("alloc", mn), ("alloc", mn), ("alloc", mn), ("alloc", 17 * 4), ("alloc", 512 * 4),
+                      ("free_completed", 512 * 4), ("free_completed", 17 * 4), ("free_completed", mn),
+                      ("free_completed", mn)]
+        assert torch.equal(keep[0].cpu(), _csr_dense() @ host)

@@ -5,7 +5,8 @@ A sparse tensor on PrivateUse1 dispatches to ``SparsePrivateUse1`` (COO) or
 aten op with a ``SparseCPU``/``SparseCsrCPU`` kernel: where that kernel is CUDA's too (`SHARED_*`)
 the ``SparseCPU`` one runs (a device-generic function of ATen ops on the components, which reach
 the engine's fallback as dense ops); where CUDA has its own, the model in `vram.run.kernels.sparse`
-runs (``_coalesce``, ``addmm``), or the op stops in one line; a boxed fallback at both keys stops
+runs (``_coalesce``, ``addmm`` of COO, CSR and BSR, ``add`` of dense and sparse, ``mul`` with a
+dense or 0-dim operand), or the op stops in one line; a boxed fallback at both keys stops
 every other op the same way. The dense ``_to_sparse*`` conversions run their CPU kernel, which is
 CUDA's. A shared kernel that reaches a ``DispatchStub`` with no PrivateUse1 kernel stops in one
 line too.
@@ -83,6 +84,8 @@ def register(state: Any) -> list[Any]:
             op = _op(name)
             if key == "SparsePrivateUse1" and name in models:
                 kernel = models[name]
+            elif key == "SparseCsrPrivateUse1" and name == "addmm.out":
+                kernel = _addmm_compressed(state)
             elif name in shared:
                 kernel = _shared(op, cpu)
             else:
@@ -182,6 +185,38 @@ def _mul_out() -> Any:
         if all(isinstance(t, torch.Tensor) and t.is_sparse and t.dim() for t in (self, other)):
             raise _refuse(op, (self, other))
         return shared(self, other, out=out)
+    return kernel
+
+
+def _cpu_compressed(sim: Any, s: torch.Tensor) -> torch.Tensor | None:
+    """A simulated CSR/BSR tensor's CPU copy from its components' known values (None when unknown)."""
+    parts = [known.cpu_value(sim, p) for p in (s.crow_indices(), s.col_indices(), s.values())]
+    if any(p is None for p in parts):
+        return None
+    crow, col, values = (p.clone() for p in parts)  # type: ignore[union-attr]
+    return torch.sparse_compressed_tensor(crow, col, values, s.shape, layout=s.layout)
+
+
+def _addmm_compressed(state: Any) -> Any:
+    """``addmm.out`` with a CSR or BSR ``mat1`` and strided ``mat2`` and ``out``
+    (`vram.run.kernels.sparse.addmm_compressed`); other layouts stop in one line."""
+    op = torch.ops.aten.addmm.out
+
+    def kernel(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1,
+               out: torch.Tensor) -> torch.Tensor:
+        sim = state()
+        with torch._C.DisableTorchFunction():
+            if mat1.layout not in (torch.sparse_csr, torch.sparse_bsr) or mat1.dim() != 2 or torch.strided not in (
+                    mat2.layout, out.layout, self.layout) or len({mat2.layout, out.layout, self.layout}) != 1:
+                raise _refuse(op, (self, mat1, mat2))
+            host, dense, base = _cpu_compressed(sim, mat1), known.cpu_value(sim, mat2), known.cpu_value(sim, self)
+            base = None if base is None else base.clone()  # `out` may be `self`
+            r = _rules.addmm_compressed(out, self, mat1, mat2, beta, alpha, _note(sim))
+            if host is None or dense is None or base is None:
+                _forget(sim, r)
+            else:
+                known.define(sim, r, torch.addmm(base, host, dense, beta=beta, alpha=alpha), False)
+            return r
     return kernel
 
 

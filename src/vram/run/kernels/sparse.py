@@ -18,7 +18,10 @@ the ATen ops it calls (``aten/src/ATen/native/sparse/cuda``):
 * ``_coalesce`` (`coalesce`; ``SparseCUDATensor.cu`` ``_coalesce_sparse_cuda``).
 * ``addmm`` with a sparse ``mat1`` (`addmm`; ``SparseCUDATensorMath.cu``
   ``s_addmm_out_sparse_dense_cuda``), which ``mm``/``torch.sparse.mm``/``spmm`` reach through
-  ``_sparse_mm``.
+  ``_sparse_mm``; with a CSR or BSR ``mat1`` (`addmm_compressed`; ``SparseBlas.cpp``
+  ``addmm_out_sparse_compressed_cuda``, ``SparseBlasImpl.cpp`` ``spmm``/``block_sparse_mm``).
+* ``add`` of a dense and a sparse tensor (`add_dense_sparse`; ``add_out_dense_sparse_cuda``), which
+  ``to_dense`` reaches.
 
 Not charged, and named once per run with the calls that had them: the temporary storage of
 Thrust's ``sort_by_key``/``unique_by_key`` in ``_coalesce`` (``ThrustAllocator``: sized by Thrust's
@@ -197,6 +200,63 @@ def _addmm_worker(r: torch.Tensor, t: torch.Tensor, sparse: torch.Tensor, dense:
     if not _same(r_col, r):
         r.copy_(r_col)
     del dense_, r_col, col, crow
+
+
+def _blas_row_major(t: torch.Tensor) -> bool:
+    """``is_blas_compatible_row_major_order`` (LinearAlgebraUtils.h), for a matrix."""
+    return t.stride(1) == 1 and t.stride(0) >= max(1, t.size(1))
+
+
+def _blas_column_major(t: torch.Tensor) -> bool:
+    """``is_blas_compatible_column_major_order`` (LinearAlgebraUtils.h), for a matrix."""
+    return t.stride(0) == 1 and t.stride(1) >= max(1, t.size(0))
+
+
+def addmm_compressed(out: torch.Tensor, t: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, beta: Any,
+                     alpha: Any, note: Callable[[str], None]) -> torch.Tensor:
+    """``addmm_out_sparse_compressed_cuda`` (sparse/cuda/SparseBlas.cpp) for a CSR or BSR ``mat1``
+    and strided ``mat2`` and ``out``: ``self`` expanded to [m, n], ``out`` resized (a new storage
+    when it grows) and copied from it; no entries: zeroed (beta 0) or scaled; else
+    ``addmm_out_sparse_csr`` (SparseBlasImpl.cpp): BSR with blocks over 1: `_block_sparse_mm`; CSR:
+    ``spmm``: ``out`` and ``mat2`` as they are when BLAS-compatible in row- or column-major order,
+    else contiguous clones (``prepare_dense_matrix_for_cusparse``), cuSPARSE's SpMM (`SPMM_NOTE`),
+    the clone of ``out`` copied back; the clones die on return."""
+    m, n = mat1.size(0), mat2.size(1)
+    if out is not t:
+        out.resize_(m, n)
+        out.copy_(t.expand(m, n))
+    if out.numel() == 0:
+        return out
+    if mat1._nnz() == 0:
+        return out.zero_() if beta == 0 else out.mul_(beta)
+    values = mat1.values()
+    if values.dim() == 3 and values.size(-1) > 1:
+        _block_sparse_mm(out, mat1, mat2)
+        return out
+    out_ = out if _blas_row_major(out) or _blas_column_major(out) else out.clone(memory_format=torch.contiguous_format)
+    mat2_ = mat2 if _blas_row_major(mat2) or _blas_column_major(mat2) else mat2.clone(
+        memory_format=torch.contiguous_format)
+    note(SPMM_NOTE)
+    if out_ is not out:
+        out.copy_(out_)
+    del out_, mat2_
+    return out
+
+
+def _block_sparse_mm(out: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor) -> None:
+    """``block_sparse_mm`` (SparseBlasImpl.cpp): ``mat2`` as it is or a contiguous clone, ``out``
+    as it is when column-major or a column-major clone (``cloneBatchedColumnMajor``), the row
+    pointers and columns as int32 (``.to(kInt)``: copies unless already int32) for ``bsrmm``, which
+    takes no buffer; the int32 copies die, the clone is copied back, then the clones die."""
+    mat2_ = mat2 if _blas_row_major(mat2) or _blas_column_major(mat2) else mat2.clone(
+        memory_format=torch.contiguous_format)
+    out_ = out if _blas_column_major(out) else out.mT.clone(memory_format=torch.contiguous_format).transpose_(-2, -1)
+    crow = mat1.crow_indices().to(torch.int32)
+    col = mat1.col_indices().to(torch.int32)
+    del col, crow
+    if out_ is not out:
+        out.copy_(out_)
+    del out_, mat2_
 
 
 def add_dense_sparse(out: torch.Tensor, dense: torch.Tensor, sparse: torch.Tensor, alpha: Any) -> torch.Tensor:
