@@ -157,7 +157,6 @@ def test_csr_tensor_owns_its_three_component_storages() -> None:
 
 
 @pytest.mark.parametrize("op, name", [
-    (lambda s, d: s.index_select(0, torch.tensor([0], device="cuda")), "aten::index_select"),
     (lambda s, d: s + s, "aten::add"),
     (lambda s, d: torch.sparse.softmax(s, 0), "aten::_sparse_softmax"),
     (lambda s, d: s.to_sparse_csc() @ d, "aten::_to_sparse_csr"),
@@ -231,3 +230,25 @@ def test_bsr_times_dense_follows_block_sparse_mm() -> None:
                       ("free_completed", 512 * 4), ("free_completed", 17 * 4), ("free_completed", mn),
                       ("free_completed", mn)]
         assert torch.equal(keep[0].cpu(), _csr_dense() @ host)
+
+
+def test_index_select_along_a_sparse_dim_follows_cudas_kernel() -> None:
+    """``index_select_sparse_cuda``, dim 0 of a coalesced tensor (no sort), index [3, 5, -1, 3]
+    (16 entries per row: 48 selected): ``nneg_index``, ``arange(4)``, ``arange(nnz)``, the match
+    counts and first matches (int64 [4] each), their ``sum`` (8 B, read and freed), the result rows
+    and selected entries (int64 [48] each), the counts' ``cumsum`` and a one-element dummy (freed in
+    reverse), the result's indices [2, 48] and values [48]; then the block's locals die in reverse."""
+    rows, cols = torch.arange(1000) // 16, (torch.arange(1000) * 7) % 128
+    host = torch.sparse_coo_tensor(torch.stack([rows, cols]), torch.arange(1000.0), (64, 128)).coalesce()
+    index = torch.tensor([3, 5, -1, 3])
+    with simulated_cuda(gpu="H200"):
+        s, i = host.cuda(), index.cuda()
+        keep: list[torch.Tensor] = []
+        ev = _trace(lambda: keep.append(s.index_select(0, i)))
+        assert ev == [("alloc", 32), ("alloc", 32), ("alloc", 8000), ("alloc", 32), ("alloc", 32),
+                      ("alloc", 8), ("free_completed", 8), ("alloc", 384), ("alloc", 384), ("alloc", 32),
+                      ("alloc", 8), ("free_completed", 8), ("free_completed", 32), ("alloc", 2 * 48 * 8),
+                      ("alloc", 48 * 4), ("free_completed", 384), ("free_completed", 384), ("free_completed", 32),
+                      ("free_completed", 32), ("free_completed", 8000), ("free_completed", 32), ("free_completed", 32)]
+        got = keep[0].cpu()
+    assert got._nnz() == 48 and torch.equal(got.to_dense(), host.index_select(0, index).to_dense())

@@ -74,7 +74,7 @@ def register(state: Any) -> list[Any]:
     simulation. Returns the libraries to keep alive."""
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
     models = {"_coalesce": _coalesce(state), "addmm": _addmm(state), "addmm.out": _addmm(state),
-              "add.out": _add_out(state), "mul.out": _mul_out()}
+              "add.out": _add_out(state), "mul.out": _mul_out(), "index_select": _index_select(state)}
     for key, cpu, shared in (("SparsePrivateUse1", _DK.SparseCPU, _rules.SHARED_COO),
                              ("SparseCsrPrivateUse1", _DK.SparseCsrCPU, _rules.SHARED_COMPRESSED)):
         for qualified in torch._C._dispatch_get_registrations_for_dispatch_key(cpu.name):
@@ -186,6 +186,64 @@ def _mul_out() -> Any:
             raise _refuse(op, (self, other))
         return shared(self, other, out=out)
     return kernel
+
+
+def _index_select(state: Any) -> Any:
+    """``index_select_sparse_cuda`` (`vram.run.kernels.sparse.index_select`); along a sparse dim the
+    entry count comes from the index's and the indices' known values (a run that does not know them
+    runs again with real values), and what CUDA's kernels write is computed on the CPU: for each
+    index in turn, the matching entries in the sorted order of that dim's indices (a stable sort
+    here; CUDA's sort may order equal indices otherwise, which changes no size)."""
+    def kernel(self: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+        sim = state()
+        with torch._C.DisableTorchFunction():
+            d = dim % max(self.dim(), 1)
+            host = known.cpu_value(sim, self._indices()) if d < self.sparse_dim() else None
+            idx = known.cpu_value(sim, index) if d < self.sparse_dim() else None
+            if d < self.sparse_dim() and index.numel() and (host is None or idx is None):
+                raise value_error("Tensor.index_select()", "the entries a sparse tensor's index_select keeps")
+            plan = None if host is None or idx is None else _selection(host[d], idx, self.size(d),
+                                                                       d == 0 and self.is_coalesced())
+
+            def written(t: torch.Tensor, value: torch.Tensor | None) -> None:
+                if value is None:
+                    _forget(sim, t)
+                else:
+                    known.define(sim, t, value, False)
+            out = _rules.index_select(self, d, index, None if plan is None else plan[:2], written)
+            if plan is not None:
+                _define_selected(sim, self, out, d, plan)
+            return out
+    return kernel
+
+
+def _selection(dim_indices: torch.Tensor, index: torch.Tensor, size: int, in_order: bool) -> tuple[Any, ...]:
+    """On the CPU: the index made non-negative, each index's match count, the selected entries and
+    the result row of each, in CUDA's order (`_index_select`)."""
+    nneg = torch.where(index < 0, index + size, index)
+    order = torch.arange(dim_indices.numel()) if in_order else torch.sort(dim_indices, stable=True)[1]
+    ordered = dim_indices[order]
+    lower = torch.searchsorted(ordered, nneg, right=False)
+    upper = torch.searchsorted(ordered, nneg, right=True)
+    counts = upper - lower
+    selected = torch.cat([order[lo:hi] for lo, hi in zip(lower.tolist(), upper.tolist())]) if len(nneg) else order[:0]
+    rows = torch.repeat_interleave(torch.arange(len(nneg)), counts)
+    return nneg, counts, selected, rows
+
+
+def _define_selected(sim: Any, self: torch.Tensor, out: torch.Tensor, dim: int, plan: tuple[Any, ...]) -> None:
+    _, _, selected, rows = plan
+    host_i = known.cpu_value(sim, self._indices())
+    assert host_i is not None
+    res_i = host_i[:, selected].clone()
+    res_i[dim] = rows
+    assumed = known.assumed(sim, self._indices())
+    known.define(sim, out._indices(), res_i, assumed)
+    host_v = known.cpu_value(sim, self._values())
+    if host_v is None:
+        _forget(sim, out._values())
+    else:
+        known.define(sim, out._values(), host_v[selected], assumed or known.assumed(sim, self._values()))
 
 
 def _cpu_compressed(sim: Any, s: torch.Tensor) -> torch.Tensor | None:

@@ -293,6 +293,69 @@ def add_dense_sparse(out: torch.Tensor, dense: torch.Tensor, sparse: torch.Tenso
     return out
 
 
+def index_select(self: torch.Tensor, dim: int, index: torch.Tensor, host: tuple[torch.Tensor, torch.Tensor] | None,
+                 written: Callable[[torch.Tensor, torch.Tensor | None], None]) -> torch.Tensor:
+    """``index_select_sparse_cuda`` (sparse/cuda/SparseCUDATensorMath.cu). A dense dim: the values'
+    ``index_select``, the indices shared. A sparse dim: ``nneg_index`` (``empty_like(index)``), the
+    dim's indices made contiguous, ``arange(len(index))``, ``arange(nnz)``, a ``sort`` of the dim's
+    indices (not for dim 0 of a coalesced tensor), ``zeros_like(nneg_index)`` twice (match counts,
+    first matches), their ``sum`` (read on the host: the result's entry count), then
+    ``empty(res_len)`` twice (result rows, selected entries), the counts' ``cumsum`` less the
+    counts, a one-element dummy output; the result's indices and values are ``index_select``s of
+    the input's, its row written in place. `host`: the CPU values of ``nneg_index`` and of the
+    counts (None: unknown, when the run cannot know the entry count); `written` tells the engine
+    what a CUDA kernel wrote into a tensor (None: unknown)."""
+    dim = dim % self.dim()
+    sparse_dim, dense_dim = self.sparse_dim(), self.dense_dim()
+    indices, values = self._indices(), self._values()
+    sizes = list(self.shape)
+    sizes[dim] = index.size(0)
+
+    def make_output(selected: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        res_indices = indices.index_select(1, selected)
+        res_indices[dim] = rows
+        res_values = values.index_select(0, selected)
+        return torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
+            sparse_dim, dense_dim, sizes, res_indices, res_values, dtype=values.dtype, layout=torch.sparse_coo,
+            device=values.device)
+    if dim >= sparse_dim:
+        res_values = values.index_select(dim - sparse_dim + 1, index)
+        return torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
+            sparse_dim, dense_dim, sizes, indices, res_values, dtype=values.dtype, layout=torch.sparse_coo,
+            device=values.device)
+    if index.size(0) == 0:
+        return make_output(index, index)
+    assert host is not None
+    nneg_index = torch.empty_like(index, memory_format=torch.contiguous_format)
+    written(nneg_index, host[0])
+    dim_indices = indices[dim].contiguous()
+    idx_nneg = torch.arange(index.size(0), dtype=index.dtype, device=index.device)
+    idx_dim = torch.arange(values.size(0), dtype=dim_indices.dtype, device=dim_indices.device)
+    ordered, argsort = (dim_indices, idx_dim) if dim == 0 and self.is_coalesced() else dim_indices.sort()
+    counts, first = torch.zeros_like(nneg_index), torch.zeros_like(nneg_index)
+    written(counts, host[1])
+    written(first, None)
+    total = counts.sum()  # read on the host (``.item()``): a 0-dim device tensor, dying at once
+    del total
+    res_len = int(host[1].sum())
+    if res_len == 0:
+        rows = torch.empty(0, dtype=nneg_index.dtype, device=nneg_index.device)
+        out = make_output(rows, rows)
+    else:
+        rows = torch.empty(res_len, dtype=nneg_index.dtype, device=nneg_index.device)
+        selected = torch.empty_like(rows)
+        offsets = counts.cumsum(0).sub_(counts)
+        dummy = torch.empty(1, dtype=dim_indices.dtype, device=dim_indices.device)
+        written(rows, None)
+        written(selected, None)
+        del dummy, offsets  # the lambda's locals, in C++'s reverse order
+        out = make_output(selected, rows)
+        del selected
+    # the block's locals die in reverse order of construction once the result is made
+    del rows, first, counts, argsort, ordered, idx_dim, idx_nneg, dim_indices, nneg_index
+    return out
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``at::sparse::is_same_tensor``: the same impl, or the same data, sizes and strides."""
     return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
