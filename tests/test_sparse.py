@@ -252,3 +252,26 @@ def test_index_select_along_a_sparse_dim_follows_cudas_kernel() -> None:
                       ("free_completed", 32), ("free_completed", 8000), ("free_completed", 32), ("free_completed", 32)]
         got = keep[0].cpu()
     assert got._nnz() == 48 and torch.equal(got.to_dense(), host.index_select(0, index).to_dense())
+
+
+def test_gradient_to_sparse_values_masks_the_sparse_gradient() -> None:
+    """A sparse tensor made from values that require grad: the gradient of its values is
+    ``grad.sparse_mask(result)._values()`` (derivatives.yaml), where ``grad`` is sparse and
+    coalesced; CUDA's intersection kernel (SparseBinaryOpIntersectionCommon.h): ``arange(nnz)``,
+    the gradient's hashes ``empty(nnz)`` (int64), the intersection buffer [2, nnz] (int64), a
+    one-element dummy, the mask's indices cloned, the result values; the buffer, hashes and
+    arange die. Both gradients match the CPU's."""
+    rows, cols = torch.arange(1000) // 16, (torch.arange(1000) * 7) % 128
+    indices, dense = torch.stack([rows, cols]), torch.arange(128 * 32, dtype=torch.float32).view(128, 32)
+    values_cpu, dense_cpu = torch.arange(1000.0).requires_grad_(), dense.clone().requires_grad_()
+    torch.sparse.mm(torch.sparse_coo_tensor(indices, values_cpu, (64, 128)), dense_cpu).sum().backward()
+    with simulated_cuda(gpu="H200"):
+        values, d = torch.arange(1000.0).cuda().requires_grad_(), dense.cuda().requires_grad_()
+        y = torch.sparse.mm(torch.sparse_coo_tensor(indices.cuda(), values, (64, 128)), d)
+        ev = _trace(lambda: y.sum().backward())
+        mask = [("alloc", 8000), ("alloc", 8000), ("alloc", 16000), ("alloc", 8), ("free_completed", 8),
+                ("alloc", 16000), ("alloc", 4000), ("free_completed", 16000), ("free_completed", 8000),
+                ("free_completed", 8000)]
+        assert any(ev[i:i + len(mask)] == mask for i in range(len(ev)))
+        assert values.grad is not None and d.grad is not None
+        assert torch.equal(values.grad.cpu(), values_cpu.grad) and torch.equal(d.grad.cpu(), dense_cpu.grad)

@@ -74,7 +74,8 @@ def register(state: Any) -> list[Any]:
     simulation. Returns the libraries to keep alive."""
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
     models = {"_coalesce": _coalesce(state), "addmm": _addmm(state), "addmm.out": _addmm(state),
-              "add.out": _add_out(state), "mul.out": _mul_out(), "index_select": _index_select(state)}
+              "add.out": _add_out(state), "mul.out": _mul_out(), "index_select": _index_select(state),
+              "sparse_mask": _sparse_mask(state)}
     for key, cpu, shared in (("SparsePrivateUse1", _DK.SparseCPU, _rules.SHARED_COO),
                              ("SparseCsrPrivateUse1", _DK.SparseCsrCPU, _rules.SHARED_COMPRESSED)):
         for qualified in torch._C._dispatch_get_registrations_for_dispatch_key(cpu.name):
@@ -185,6 +186,28 @@ def _mul_out() -> Any:
         if all(isinstance(t, torch.Tensor) and t.is_sparse and t.dim() for t in (self, other)):
             raise _refuse(op, (self, other))
         return shared(self, other, out=out)
+    return kernel
+
+
+def _sparse_mask(state: Any) -> Any:
+    """``sparse_mask``: a sparse ``self`` with entries, under a mask with entries, as CUDA's
+    intersection kernel runs it (`vram.run.kernels.sparse.sparse_mask_sparse`); every other case
+    runs the shared kernel (a dense ``self``: ``self.mul(mask_template)``)."""
+    shared = _shared(torch.ops.aten.sparse_mask.default, _DK.SparseCPU)
+
+    def kernel(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        with torch._C.DisableTorchFunction():
+            if not (self.is_sparse and mask.is_sparse and self._nnz() and mask._nnz() and mask.numel()) or \
+                    self.shape != mask.shape or self is mask:
+                return shared(self, mask)
+            sim = state()
+            out = _rules.sparse_mask_sparse(self, mask)
+            host, host_mask = cpu_sparse(sim, self), cpu_sparse(sim, mask)
+            if host is None or host_mask is None:
+                _forget(sim, out._values())
+            else:
+                known.define(sim, out._values(), host.sparse_mask(host_mask)._values(), False)
+            return out
     return kernel
 
 

@@ -356,6 +356,45 @@ def index_select(self: torch.Tensor, dim: int, index: torch.Tensor, host: tuple[
     return out
 
 
+def sparse_mask_sparse(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sparse_mask`` of a sparse ``t`` (SparseTensor.cpp: both with entries; the autograd formula
+    of a sparse tensor's values) on CUDA: ``sparse_mask_like_prepare_sparse_inputs`` (an
+    uncoalesced ``t`` sorted by its flattened indices: their ``sort``, whose values die at once,
+    the indices, values and hashes ``index_select``-ed by it) then
+    ``sparse_mask_intersection_out_cuda_kernel`` (SparseBinaryOpIntersectionCommon.h
+    ``_sparse_binary_op_intersection_kernel_impl``, where the prepared ``t`` is the coalesced side
+    and the mask the searched one): ``arange(max(nnz))``, ``t``'s hashes (``empty(nnz)`` unless
+    prepared), the intersection buffer ``empty({2, mask nnz})``, a one-element dummy (dies at
+    once), the mask's indices cloned, the result values ``empty`` (the values cast to a common
+    dtype first when they differ); the buffer, hashes and arange die on return."""
+    def by(order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return t._indices().index_select(1, order), t._values().index_select(0, order)
+    if t.is_coalesced():
+        lhs_indices, lhs_values, lhs_hash = t._indices(), t._values(), None
+    else:
+        flat = flatten_indices(t._indices(), list(t.shape), False)
+        argsort = flat.sort(0)[1]
+        lhs_indices, lhs_values = by(argsort)
+        lhs_hash = flat.index_select(0, argsort)
+        del flat, argsort
+    pc_nnz, src_nnz = lhs_values.size(0), mask._nnz()
+    device = mask._indices().device
+    nnz_arange = torch.arange(max(pc_nnz, src_nnz), dtype=torch.long, device=device)
+    pc_hash = lhs_hash.contiguous() if lhs_hash is not None else torch.empty(pc_nnz, dtype=torch.long, device=device)
+    buffer = torch.empty(2, src_nnz, dtype=torch.long, device=device)
+    dummy = torch.empty(1, dtype=torch.long, device=device)
+    del dummy
+    res_indices = mask._indices().clone()
+    common = torch.result_type(mask._values(), lhs_values)
+    src_values, pc_values = mask._values().to(common), lhs_values.to(common)
+    res_values = torch.empty((src_nnz, *torch.broadcast_shapes(src_values.shape[1:], pc_values.shape[1:])),
+                             dtype=common, device=device).to(t.dtype)
+    del src_values, pc_values, buffer, pc_hash, nnz_arange
+    return torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
+        mask.sparse_dim(), mask.dense_dim(), list(mask.shape), res_indices, res_values, dtype=t.dtype,
+        layout=torch.sparse_coo, device=device, is_coalesced=mask.is_coalesced())
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``at::sparse::is_same_tensor``: the same impl, or the same data, sizes and strides."""
     return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
