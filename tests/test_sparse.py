@@ -157,7 +157,7 @@ def test_csr_tensor_owns_its_three_component_storages() -> None:
 
 
 @pytest.mark.parametrize("op, name", [
-    (lambda s, d: s + s, "aten::add"),
+    (lambda s, d: s * s, "aten::mul"),
     (lambda s, d: torch.sparse.softmax(s, 0), "aten::_sparse_softmax"),
     (lambda s, d: s.to_sparse_csc() @ d, "aten::_to_sparse_csr"),
 ])
@@ -275,3 +275,25 @@ def test_gradient_to_sparse_values_masks_the_sparse_gradient() -> None:
         assert any(ev[i:i + len(mask)] == mask for i in range(len(ev)))
         assert values.grad is not None and d.grad is not None
         assert torch.equal(values.grad.cpu(), values_cpu.grad) and torch.equal(d.grad.cpu(), dense_cpu.grad)
+
+
+def test_sparse_plus_sparse_concatenates_as_cuda_does() -> None:
+    """``add_out_sparse_cuda``: the indices and values concatenated (``cat``), uncoalesced; with
+    ``alpha`` the second values are scaled first (a copy, dying on return); when the entries
+    outnumber the elements the result is coalesced and takes the coalesced components."""
+    rows, cols = torch.arange(1000) // 16, (torch.arange(1000) * 7) % 128
+    host = torch.sparse_coo_tensor(torch.stack([rows, cols]), torch.arange(1000.0), (64, 128))
+    small = torch.sparse_coo_tensor(torch.tensor([[0, 0, 1], [0, 0, 1]]), torch.ones(3), (2, 2))
+    with simulated_cuda(gpu="H200"):
+        s, t = host.cuda(), small.cuda()
+        keep: list[torch.Tensor] = []
+        assert _trace(lambda: keep.append(s + s)) == [("alloc", 2 * 2000 * 8), ("alloc", 2000 * 4)]
+        assert _trace(lambda: keep.append(s.add(s, alpha=2))) == [
+            ("alloc", 4000), ("alloc", 2 * 2000 * 8), ("alloc", 2000 * 4), ("free_completed", 4000)]
+        assert not keep[0].is_coalesced() and keep[0]._nnz() == 2000
+        ev = _trace(lambda: keep.append(t + t))   # 6 entries > 4 elements: coalesced into 2
+        assert ev == [("alloc", 96), ("alloc", 24), ("alloc", 48), ("alloc", 48), ("alloc", 48), ("alloc", 8),
+                      ("alloc", 32), ("free_completed", 48), ("free_completed", 48), ("free_completed", 48),
+                      ("free_completed", 96), ("free_completed", 24)]
+        assert keep[2].is_coalesced() and keep[2].cpu().to_dense().tolist() == [[4.0, 0.0], [0.0, 2.0]]
+        assert torch.equal(keep[1].cpu().to_dense(), host.add(host, alpha=2).to_dense())

@@ -162,6 +162,11 @@ def _add_out(state: Any) -> Any:
     def kernel(self: torch.Tensor, other: torch.Tensor, *, alpha: Any = 1, out: torch.Tensor) -> torch.Tensor:
         sim = state()
         with torch._C.DisableTorchFunction():
+            if self.layout == other.layout == out.layout == torch.sparse_coo and out.dtype == torch.result_type(
+                    self, other):
+                r = _rules.add_sparse_sparse(out, self, other, alpha)
+                _define_sum(sim, self, other, alpha, r)
+                return r
             if self.layout != torch.strided or other.layout != torch.sparse_coo or out.layout != torch.strided:
                 raise _refuse(op, (self, other))
             host, dense = cpu_sparse(sim, other), known.cpu_value(sim, self)
@@ -173,6 +178,23 @@ def _add_out(state: Any) -> Any:
                 known.define(sim, r, torch.add(dense, host, alpha=alpha).to(r.dtype), known.assumed(sim, self))
             return r
     return kernel
+
+
+def _define_sum(sim: Any, a: torch.Tensor, b: torch.Tensor, alpha: Any, r: torch.Tensor) -> None:
+    """The values of a sparse sum (`vram.run.kernels.sparse.add_sparse_sparse`): the inputs'
+    indices and values concatenated as CUDA does (coalesced when it coalesces), else unknown."""
+    ha, hb = cpu_sparse(sim, a), cpu_sparse(sim, b)
+    if ha is None or hb is None:
+        _forget(sim, r._indices())
+        _forget(sim, r._values())
+        return
+    if hb._nnz() == 0 or ha._nnz() == 0 or r.is_coalesced():
+        host = (ha + hb * alpha).coalesce() if r.is_coalesced() else (ha if hb._nnz() == 0 else hb * alpha)
+    else:
+        host = torch.sparse_coo_tensor(torch.cat([ha._indices(), hb._indices()], 1),
+                                       torch.cat([ha._values(), hb._values() * alpha]), ha.shape)
+    known.define(sim, r._indices(), host._indices(), False)
+    known.define(sim, r._values(), host._values().to(r.dtype), False)
 
 
 def _mul_out() -> Any:

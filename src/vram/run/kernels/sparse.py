@@ -395,6 +395,36 @@ def sparse_mask_sparse(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         layout=torch.sparse_coo, device=device, is_coalesced=mask.is_coalesced())
 
 
+def add_sparse_sparse(out: torch.Tensor, t: torch.Tensor, src: torch.Tensor, alpha: Any) -> torch.Tensor:
+    """``add_out_sparse_cuda`` (SparseCUDATensorMath.cu) of two sparse tensors, as autograd sums
+    two sparse gradients: no entries in ``src``: ``copy_sparse_to_sparse_(out, t)``; none in ``t``:
+    ``out = src * alpha``; else the values cast to the common dtype (copies only when it differs),
+    ``src``'s scaled by ``alpha`` unless it is 1, then the indices and values concatenated
+    (``cat``) and set into ``out``, uncoalesced; when that leaves more entries than elements,
+    ``out`` is coalesced and takes the coalesced components. The concatenations are written into
+    ``out``'s own components (``cat(..., out=)``: one allocation of the same size each, as the
+    tensors ``alias_into_sparse`` hands over)."""
+    if src._nnz() == 0:
+        return out.copy_(t)
+    if t._nnz() == 0:
+        return torch.mul(src, alpha, out=out)
+    common = torch.result_type(t, src)
+    t_values, s_values = t._values().to(common), src._values().to(common)
+    if alpha != 1:
+        s_values = s_values.mul(alpha)
+    out.sparse_resize_(src.shape, src.sparse_dim(), src.dense_dim())
+    torch.cat([t._indices(), src._indices()], 1, out=out._indices())
+    torch.cat([t_values, s_values], 0, out=out._values())
+    del t_values, s_values
+    out._coalesced_(out._nnz() < 2)
+    if out._nnz() > out.numel():
+        c = out.coalesce()
+        out._indices().set_(c._indices())
+        out._values().set_(c._values())
+        out._coalesced_(True)
+    return out
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``at::sparse::is_same_tensor``: the same impl, or the same data, sizes and strides."""
     return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
