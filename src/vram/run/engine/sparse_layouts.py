@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from vram.run.kernels import sparse as _rules
+from vram.run.kernels import sparse_ops as _ops
 from vram.run.values import known
 from vram.run.values.placeholders import value_error
 
@@ -155,7 +156,7 @@ def _forget(sim: Any, t: torch.Tensor) -> None:
 
 
 def _add_out(state: Any) -> Any:
-    """``add_out_sparse_cuda``: dense + sparse modelled (`vram.run.kernels.sparse.add_dense_sparse`);
+    """``add_out_sparse_cuda``: dense + sparse modelled (`vram.run.kernels.sparse_ops.add_dense_sparse`);
     sparse + sparse (concatenated indices and values, set into ``out``) stops in one line."""
     op = torch.ops.aten.add.out
 
@@ -164,14 +165,14 @@ def _add_out(state: Any) -> Any:
         with torch._C.DisableTorchFunction():
             if self.layout == other.layout == out.layout == torch.sparse_coo and out.dtype == torch.result_type(
                     self, other):
-                r = _rules.add_sparse_sparse(out, self, other, alpha)
+                r = _ops.add_sparse_sparse(out, self, other, alpha)
                 _define_sum(sim, self, other, alpha, r)
                 return r
             if self.layout != torch.strided or other.layout != torch.sparse_coo or out.layout != torch.strided:
                 raise _refuse(op, (self, other))
             host, dense = cpu_sparse(sim, other), known.cpu_value(sim, self)
             dense = None if dense is None else dense.clone()  # `out` may be `self`
-            r = _rules.add_dense_sparse(out, self, other, alpha)
+            r = _ops.add_dense_sparse(out, self, other, alpha)
             if host is None or dense is None:
                 _forget(sim, r)
             else:
@@ -181,7 +182,7 @@ def _add_out(state: Any) -> Any:
 
 
 def _define_sum(sim: Any, a: torch.Tensor, b: torch.Tensor, alpha: Any, r: torch.Tensor) -> None:
-    """The values of a sparse sum (`vram.run.kernels.sparse.add_sparse_sparse`): the inputs'
+    """The values of a sparse sum (`vram.run.kernels.sparse_ops.add_sparse_sparse`): the inputs'
     indices and values concatenated as CUDA does (coalesced when it coalesces), else unknown."""
     ha, hb = cpu_sparse(sim, a), cpu_sparse(sim, b)
     if ha is None or hb is None:
@@ -213,7 +214,7 @@ def _mul_out() -> Any:
 
 def _sparse_mask(state: Any) -> Any:
     """``sparse_mask``: a sparse ``self`` with entries, under a mask with entries, as CUDA's
-    intersection kernel runs it (`vram.run.kernels.sparse.sparse_mask_sparse`); every other case
+    intersection kernel runs it (`vram.run.kernels.sparse_ops.sparse_mask_sparse`); every other case
     runs the shared kernel (a dense ``self``: ``self.mul(mask_template)``)."""
     shared = _shared(torch.ops.aten.sparse_mask.default, _DK.SparseCPU)
 
@@ -223,7 +224,7 @@ def _sparse_mask(state: Any) -> Any:
                     self.shape != mask.shape or self is mask:
                 return shared(self, mask)
             sim = state()
-            out = _rules.sparse_mask_sparse(self, mask)
+            out = _ops.sparse_mask_sparse(self, mask)
             host, host_mask = cpu_sparse(sim, self), cpu_sparse(sim, mask)
             if host is None or host_mask is None:
                 _forget(sim, out._values())
@@ -234,7 +235,7 @@ def _sparse_mask(state: Any) -> Any:
 
 
 def _index_select(state: Any) -> Any:
-    """``index_select_sparse_cuda`` (`vram.run.kernels.sparse.index_select`); along a sparse dim the
+    """``index_select_sparse_cuda`` (`vram.run.kernels.sparse_ops.index_select`); along a sparse dim the
     entry count comes from the index's and the indices' known values (a run that does not know them
     runs again with real values), and what CUDA's kernels write is computed on the CPU: for each
     index in turn, the matching entries in the sorted order of that dim's indices (a stable sort
@@ -255,7 +256,7 @@ def _index_select(state: Any) -> Any:
                     _forget(sim, t)
                 else:
                     known.define(sim, t, value, False)
-            out = _rules.index_select(self, d, index, None if plan is None else plan[:2], written)
+            out = _ops.index_select(self, d, index, None if plan is None else plan[:2], written)
             if plan is not None:
                 _define_selected(sim, self, out, d, plan)
             return out
