@@ -159,6 +159,7 @@ def test_csr_tensor_owns_its_three_component_storages() -> None:
 @pytest.mark.parametrize("op, name", [
     (lambda s, d: s * s, "aten::mul"),
     (lambda s, d: torch.sparse.softmax(s, 0), "aten::_sparse_softmax"),
+    (lambda s, d: torch.bmm(s.unsqueeze(0), d.unsqueeze(0)), "aten::bmm"),
     (lambda s, d: s.to_sparse_csc() @ d, "aten::_to_sparse_csr"),
 ])
 def test_sparse_ops_with_kernels_of_their_own_stop_with_one_line(op, name) -> None:  # type: ignore[no-untyped-def]
@@ -297,3 +298,33 @@ def test_sparse_plus_sparse_concatenates_as_cuda_does() -> None:
                       ("free_completed", 96), ("free_completed", 24)]
         assert keep[2].is_coalesced() and keep[2].cpu().to_dense().tolist() == [[4.0, 0.0], [0.0, 2.0]]
         assert torch.equal(keep[1].cpu().to_dense(), host.add(host, alpha=2).to_dense())
+
+
+def test_sparse_sum_backward_along_one_sparse_dim() -> None:
+    """``_sparse_sum_backward_cuda`` for ``torch.sparse.sum(a, [1])`` of an uncoalesced [64, 128]
+    tensor with 1000 entries over 63 rows: the input coalesced (three int64 [nnz] buffers, values,
+    indices), the gradient values ``empty_like(values)``, the gradient's indices flattened
+    (``zeros(63)``), the input's over the kept dim (``zeros(nnz)``), the lower-bound positions
+    (``empty_like``), those three freed in reverse, then the indices cloned. Its gradient matches the CPU's."""
+    rows, cols = torch.arange(1000) // 16, (torch.arange(1000) * 7) % 128
+    indices = torch.stack([rows, cols])
+    values_cpu = torch.arange(1000.0).requires_grad_()
+    torch.sparse.sum(torch.sparse_coo_tensor(indices, values_cpu, (64, 128)), [1]).to_dense().pow(2).sum().backward()
+    with simulated_cuda(gpu="H200"):
+        values = torch.arange(1000.0).cuda().requires_grad_()
+        loss = torch.sparse.sum(torch.sparse_coo_tensor(indices.cuda(), values, (64, 128)), [1]).to_dense().pow(2).sum()
+        ev = _trace(lambda: loss.backward())
+        step = [("alloc", 8000)] * 3 + [("alloc", 4000), ("alloc", 16000)] + [("free_completed", 8000)] * 3 + [
+            ("alloc", 4000), ("alloc", 63 * 8), ("alloc", 8000), ("alloc", 8000), ("free_completed", 8000),
+            ("free_completed", 8000), ("free_completed", 63 * 8), ("alloc", 16000)]
+        assert any(ev[i:i + len(step)] == step for i in range(len(ev)))
+        assert values.grad is not None and torch.equal(values.grad.cpu(), values_cpu.grad)
+
+
+def test_half_sparse_matmul_fails_as_on_cuda() -> None:
+    """``s_addmm_out_csr_sparse_dense_cuda_worker`` dispatches on floating and complex types only."""
+    rows, cols = torch.arange(1000) // 16, (torch.arange(1000) * 7) % 128
+    with simulated_cuda(gpu="H200"):
+        s = torch.sparse_coo_tensor(torch.stack([rows, cols]), torch.ones(1000), (64, 128)).cuda().half()
+        with pytest.raises(RuntimeError, match=r"^\"addmm_sparse_cuda\" not implemented for 'Half'$"):
+            torch.sparse.mm(s, torch.ones(128, 2, device="cuda", dtype=torch.half))

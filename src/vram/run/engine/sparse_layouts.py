@@ -76,7 +76,7 @@ def register(state: Any) -> list[Any]:
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
     models = {"_coalesce": _coalesce(state), "addmm": _addmm(state), "addmm.out": _addmm(state),
               "add.out": _add_out(state), "mul.out": _mul_out(), "index_select": _index_select(state),
-              "sparse_mask": _sparse_mask(state)}
+              "sparse_mask": _sparse_mask(state), "_sparse_sum_backward": _sum_backward(state)}
     for key, cpu, shared in (("SparsePrivateUse1", _DK.SparseCPU, _rules.SHARED_COO),
                              ("SparseCsrPrivateUse1", _DK.SparseCsrCPU, _rules.SHARED_COMPRESSED)):
         for qualified in torch._C._dispatch_get_registrations_for_dispatch_key(cpu.name):
@@ -230,6 +230,26 @@ def _sparse_mask(state: Any) -> Any:
                 _forget(sim, out._values())
             else:
                 known.define(sim, out._values(), host.sparse_mask(host_mask)._values(), False)
+            return out
+    return kernel
+
+
+def _sum_backward(state: Any) -> Any:
+    """``_sparse_sum_backward`` (`vram.run.kernels.sparse_ops.sparse_sum_backward`); the gradient's
+    values, written by CUDA's kernel, computed on the CPU when the inputs' values are known."""
+    def kernel(grad: torch.Tensor, self: torch.Tensor, dim: list[int]) -> torch.Tensor:
+        sim = state()
+        with torch._C.DisableTorchFunction():
+            out = _ops.sparse_sum_backward(grad, self, list(dim))
+            if not out.is_sparse:
+                return out
+            host = cpu_sparse(sim, self)
+            g = cpu_sparse(sim, grad) if grad.is_sparse else known.cpu_value(sim, grad)
+            if host is None or g is None:
+                _forget(sim, out._values())
+            else:
+                value = torch.ops.aten._sparse_sum_backward(g, host, list(dim))
+                known.define(sim, out._values(), value.coalesce()._values(), False)
             return out
     return kernel
 

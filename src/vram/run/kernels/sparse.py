@@ -181,6 +181,11 @@ def _addmm_worker(r: torch.Tensor, t: torch.Tensor, sparse: torch.Tensor, dense:
     del rows_int
     col = torch.empty(cols.size(0), dtype=torch.int32, device=indices.device)
     col.copy_(cols)
+    values = sparse._values()
+    if values.dtype not in _CSRMM2_TYPES:  # AT_DISPATCH_FLOATING_AND_COMPLEX_TYPES (SparseBlasLegacy.cpp)
+        del col, crow
+        name = _SCALAR_NAMES.get(values.dtype, values.dtype)
+        raise RuntimeError(f'"addmm_sparse_cuda" not implemented for \'{name}\'')
     if beta == 0:
         r.zero_()
     elif not same_tensor(t, r):
@@ -199,6 +204,12 @@ def _addmm_worker(r: torch.Tensor, t: torch.Tensor, sparse: torch.Tensor, dense:
     if not same_tensor(r_col, r):
         r.copy_(r_col)
     del dense_, r_col, col, crow
+
+
+#: the value types ``s_addmm_out_csr_sparse_dense_cuda_worker`` dispatches on, and c10's names of others
+_CSRMM2_TYPES = frozenset({torch.float32, torch.float64, torch.complex64, torch.complex128})
+_SCALAR_NAMES = {torch.float16: "Half", torch.bfloat16: "BFloat16", torch.int64: "Long", torch.int32: "Int",
+                 torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool"}
 
 
 def _blas_row_major(t: torch.Tensor) -> bool:

@@ -7,7 +7,8 @@ each allocates, in order, step by step in the ATen ops it calls (see `vram.run.k
 * ``index_select`` (`index_select`; ``index_select_sparse_cuda``).
 * ``sparse_mask`` of a sparse tensor (`sparse_mask_sparse`; the intersection kernel), the gradient
   of a sparse tensor's values.
-* ``torch.sparse.sum``'s backward (`sparse_sum_backward`; ``_sparse_sum_backward_cuda``).
+* ``torch.sparse.sum``'s backward (`sparse_sum_backward`; ``_sparse_sum_backward_cuda``,
+  SparseCUDATensorMath.cu).
 """
 from __future__ import annotations
 
@@ -184,3 +185,58 @@ def add_sparse_sparse(out: torch.Tensor, t: torch.Tensor, src: torch.Tensor, alp
         out._values().set_(c._values())
         out._coalesced_(True)
     return out
+
+
+def _flatten_by_dims(indices: torch.Tensor, sizes: list[int], dims: list[int]) -> torch.Tensor:
+    """``flatten_indices_by_dims`` (SparseTensorUtils.cpp): ``zeros(nnz)``, then in place per dim."""
+    flat = torch.zeros(indices.size(1), dtype=indices.dtype, device=indices.device)
+    for d in dims:
+        flat.mul_(sizes[d])
+        flat.add_(indices.select(0, d))
+    return flat
+
+
+def sparse_sum_backward(grad_: torch.Tensor, input_: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """``_sparse_sum_backward_cuda``: an empty gradient: ``zeros_like(input)``; else the input
+    coalesced; every sparse dim summed: the (dense) gradient expanded over the entries and cloned,
+    then the indices cloned; otherwise the sparse gradient coalesced, its values expanded and
+    cloned when dense dims were summed, and when sparse dims were: ``empty_like(values)``, the
+    gradient's and the input's indices flattened over the kept dims (`_flatten_by_dims`), the
+    lower-bound positions (``empty_like``), then the indices cloned."""
+    if ((grad_.layout != torch.strided) and grad_._nnz() == 0) or grad_.numel() == 0:
+        return torch.zeros_like(input_)
+    inp = input_.coalesce()
+    ndim, sparse_dim = inp.dim(), inp.sparse_dim()
+    summed = {d % ndim for d in dims}
+    keep = [d for d in range(sparse_dim) if d not in summed]
+    dense_summed = [d + 1 - sparse_dim for d in range(sparse_dim, ndim) if d in summed]
+    indices, values = inp._indices(), inp._values()
+
+    def make(grad_values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
+            sparse_dim, inp.dense_dim(), list(inp.shape), indices.clone(memory_format=torch.contiguous_format),
+            grad_values, dtype=dtype, layout=torch.sparse_coo, device=values.device)
+    if not keep:
+        g = grad_
+        for d in dense_summed:
+            g = g.unsqueeze(d - 1)
+        g = g.expand(values.shape).clone(memory_format=torch.contiguous_format)
+        return make(g, grad_.dtype)
+    grad = grad_.coalesce()
+    grad_values = grad._values()
+    expand = grad_values
+    if dense_summed:
+        size = list(values.shape)
+        if len(keep) < sparse_dim:
+            size[0] = grad_values.size(0)
+        for d in dense_summed:
+            expand = expand.unsqueeze(d)
+        expand = expand.expand(size).clone(memory_format=torch.contiguous_format)
+    if len(keep) == sparse_dim:
+        return make(expand, grad.dtype)
+    out_values = torch.empty_like(values, dtype=grad_values.dtype, memory_format=torch.contiguous_format)
+    grad_flat = _flatten_by_dims(grad._indices(), list(grad.shape), list(range(grad.sparse_dim())))
+    input_flat = _flatten_by_dims(indices, list(inp.shape), keep)
+    positions = torch.empty_like(input_flat, memory_format=torch.contiguous_format)
+    del positions, input_flat, grad_flat
+    return make(out_values, grad.dtype)
