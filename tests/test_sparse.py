@@ -160,7 +160,7 @@ def test_csr_tensor_owns_its_three_component_storages() -> None:
     (lambda s, d: s * s, "aten::mul"),
     (lambda s, d: torch.sparse.softmax(s, 0), "aten::_sparse_softmax"),
     (lambda s, d: torch.bmm(s.unsqueeze(0), d.unsqueeze(0)), "aten::bmm"),
-    (lambda s, d: s.to_sparse_csc() @ d, "aten::_to_sparse_csr"),
+    (lambda s, d: s.to_sparse_bsc((4, 4)).to_sparse_bsr((4, 4)), "aten::_to_sparse_bsr"),
 ])
 def test_sparse_ops_with_kernels_of_their_own_stop_with_one_line(op, name) -> None:  # type: ignore[no-untyped-def]
     with simulated_cuda(gpu="H200"):
@@ -328,3 +328,33 @@ def test_half_sparse_matmul_fails_as_on_cuda() -> None:
         s = torch.sparse_coo_tensor(torch.stack([rows, cols]), torch.ones(1000), (64, 128)).cuda().half()
         with pytest.raises(RuntimeError, match=r"^\"addmm_sparse_cuda\" not implemented for 'Half'$"):
             torch.sparse.mm(s, torch.ones(128, 2, device="cuda", dtype=torch.half))
+
+
+def test_csc_to_csr_flips_as_sparse_compressed_to_flipped() -> None:
+    """``sparse_compressed_to_flipped`` for a 64 x 128 CSC tensor with 910 entries (int64 indices),
+    what autograd's ``t()`` of a CSR matrix needs before its matmul: the batch offset (8 B, its
+    ``cumsum`` 8 B; the first dies), the 128 column offsets plus it (1024 B) copied into
+    ``empty(129)`` (1032 B; the sum dies), the COO indices [2, 910], the batches (``div``, 7280 B)
+    and their scaled copy (dies at once; then the batches die), the hashes (``arange``), ``sort``
+    (values, dying at once, and indices), the sorted COO indices [2, 910] and values [910], the
+    row pointers [65] spread into ``zeros`` [1, 65] through a [1, 64] difference (dies, then the
+    pointers), and on return argsort, hashes, COO indices, the offsets and the batch offset die."""
+    dense = (torch.arange(64 * 128).view(64, 128) % 9 == 0).float() * torch.arange(64 * 128).view(64, 128)
+    with simulated_cuda(gpu="H200"):
+        c = dense.to_sparse_csc().cuda()
+        assert c._nnz() == 910
+        keep: list[torch.Tensor] = []
+        ev = _trace(lambda: keep.append(c.to_sparse_csr()))
+        n = 910 * 8
+        assert ev == [("alloc", 8), ("alloc", 8), ("free_completed", 8), ("alloc", 1024), ("alloc", 1032),
+                      ("free_completed", 1024), ("alloc", 2 * n), ("alloc", n), ("alloc", n), ("free_completed", n),
+                      ("free_completed", n), ("alloc", n), ("alloc", n), ("alloc", n), ("free_completed", n),
+                      ("alloc", 2 * n), ("alloc", 910 * 4), ("alloc", 520), ("alloc", 520), ("alloc", 512),
+                      ("free_completed", 512), ("free_completed", 520), ("free_completed", n),
+                      ("free_completed", n), ("free_completed", 2 * n), ("free_completed", 1032),
+                      ("free_completed", 8)]
+        r = keep[0]
+        assert r.layout == torch.sparse_csr and torch.equal(r.cpu().to_dense(), dense)
+        d = torch.randn(128, 32, device="cuda", requires_grad=True)
+        torch.sparse.mm(dense.to_sparse_csr().cuda(), d).sum().backward()   # the backward's t() is CSC
+        assert d.grad is not None and d.grad.shape == (128, 32)

@@ -88,6 +88,8 @@ def register(state: Any) -> list[Any]:
                 kernel = models[name]
             elif key == "SparseCsrPrivateUse1" and name == "addmm.out":
                 kernel = _addmm_compressed(state)
+            elif key == "SparseCsrPrivateUse1" and name in ("_to_sparse_csr", "_to_sparse_csc"):
+                kernel = _flip(state, op, cpu)
             elif name in shared:
                 kernel = _shared(op, cpu)
             else:
@@ -310,6 +312,29 @@ def _define_selected(sim: Any, self: torch.Tensor, out: torch.Tensor, dim: int, 
         _forget(sim, out._values())
     else:
         known.define(sim, out._values(), host_v[selected], assumed or known.assumed(sim, self._values()))
+
+
+def _flip(state: Any, op: Any, cpu: Any) -> Any:
+    """``_to_sparse_csr`` of a 2-D CSC tensor and ``_to_sparse_csc`` of a 2-D CSR one
+    (`vram.run.kernels.sparse.flip_compressed`; the shared kernel's ``flatten_indices`` is a
+    ``DispatchStub``); every other conversion runs the shared kernel or stops in one line."""
+    shared = _shared(op, cpu)
+    target = torch.sparse_csr if op._schema.name.endswith("csr") else torch.sparse_csc
+
+    def kernel(self: torch.Tensor, dense_dim: Any = None) -> torch.Tensor:
+        flips = {torch.sparse_csc: torch.sparse_csr, torch.sparse_csr: torch.sparse_csc}
+        if flips.get(self.layout) != target or self.dim() != 2 or self.values().dim() != 1:
+            return shared(self, dense_dim)
+        sim = state()
+
+        def written(t: torch.Tensor, value: torch.Tensor | None) -> None:
+            if value is None:
+                _forget(sim, t)
+            else:
+                known.define(sim, t, value, False)
+        with torch._C.DisableTorchFunction():
+            return _rules.flip_compressed(self, (lambda t: known.cpu_value(sim, t), written))
+    return kernel
 
 
 def _cpu_compressed(sim: Any, s: torch.Tensor) -> torch.Tensor | None:

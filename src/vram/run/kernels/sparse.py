@@ -33,6 +33,7 @@ its own (sparse-sparse matmul, ``index_select``, softmax, ``bmm``, ``hspmm``…)
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -80,8 +81,9 @@ DENSE_TO_SPARSE = frozenset(("_to_sparse _to_sparse.sparse_dim _to_sparse_csr _t
 THRUST_NOTE = ("Thrust temporary storage in sparse coalesce (SparseCUDATensor.cu _coalesce_sparse_cuda: "
                "sort_by_key and unique_by_key through at::cuda::ThrustAllocator, sized by Thrust's tuning "
                "for the GPU architecture), freed within the call")
-SPMM_NOTE = ("cuSPARSE SpMM external buffers (sparse @ dense: SparseCUDABlas.cpp _csrmm2 allocates "
-             "cusparseSpMM_bufferSize bytes, a size cuSPARSE reports at run time), freed within the call")
+SPMM_NOTE = ("cuSPARSE SpMM external buffers (sparse @ dense: SparseCUDABlas.cpp _csrmm2 for COO, "
+             "SparseBlasImpl.cpp spmm for CSR, allocate cusparseSpMM_bufferSize bytes, a size cuSPARSE "
+             "reports at run time), freed within the call")
 
 
 def sparse_message(what: str, layout: Any = None) -> str:
@@ -92,7 +94,14 @@ def sparse_message(what: str, layout: Any = None) -> str:
             "CPU or use dense ones")
 
 
-def flatten_indices(indices: torch.Tensor, sizes: list[int], force_clone: bool) -> torch.Tensor:
+#: what the engine knows of a tensor's values (None: unknown), and how a model tells it what a CUDA
+#: kernel wrote into one (None: unknown)
+ValueOf = Callable[[torch.Tensor], "torch.Tensor | None"]
+Written = Callable[[torch.Tensor, "torch.Tensor | None"], None]
+
+
+def flatten_indices(indices: torch.Tensor, sizes: list[int], force_clone: bool,
+                    values: tuple[ValueOf, Written] | None = None) -> torch.Tensor:
     """``at::sparse::flatten_indices`` (SparseTensorUtils.cpp): one sparse dim: a squeeze (a
     contiguous clone with `force_clone`); no entries: ``zeros(nnz)``; else CUDA's
     ``flatten_indices_cuda_kernel`` (FlattenIndicesCommon.h ``_flatten_indices_impl``): its output
@@ -110,6 +119,10 @@ def flatten_indices(indices: torch.Tensor, sizes: list[int], force_clone: bool) 
         coeffs = torch.empty(sparse_dim, dtype=torch.long, device=indices.device)
     flat = torch.arange(nnz, dtype=torch.long, device=indices.device)
     del coeffs
+    if values is not None:  # the offsets the kernel writes, from the indices' known values
+        host = values[0](indices)
+        strides = torch.tensor([math.prod(sizes[d + 1:sparse_dim]) for d in range(sparse_dim)], dtype=torch.long)
+        values[1](flat, None if host is None else (host.long() * strides[:, None]).sum(0))
     return flat
 
 
@@ -267,6 +280,55 @@ def _block_sparse_mm(out: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor) 
     if out_ is not out:
         out.copy_(out_)
     del out_, mat2_
+
+
+def flip_compressed(self: torch.Tensor, values: tuple[ValueOf, Written]) -> torch.Tensor:
+    """``sparse_compressed_to_flipped`` (TensorConversions.cpp) for a 2-D CSR or CSC tensor (its
+    transpose's layout; autograd's ``t()`` of a CSR matrix is CSC): the batch offsets
+    (``at::tensor({nnz})`` on the GPU, its ``cumsum``, the first dying), the compressed indices
+    plus offsets (a copy) written into ``empty(n + 1)``, the COO indices
+    (``_convert_indices_from_csr_to_coo``, transposed), the batch of each entry (``div``) and its
+    scaled copy (``b * size``, dying at once), their hashes (`flatten_indices`), ``sort``'s indices
+    (its values die at once), the COO indices and the values ``index_select``-ed by them, the new
+    compressed indices (``_convert_indices_from_coo_to_csr``) spread by
+    ``compressed_to_batched_compressed_indices`` (``zeros`` and a difference, dying at once); the
+    plain indices stay a view of the sorted COO indices."""
+    csc = self.layout == torch.sparse_csc
+    compressed, plain = (self.ccol_indices(), self.row_indices()) if csc else (self.crow_indices(), self.col_indices())
+    compressed, plain, vals = compressed.unsqueeze(0), plain.unsqueeze(0), self.values().unsqueeze(0)
+    nnz, (rows, cols), dev = plain.size(-1), self.shape, compressed.device
+    wrapped = torch.tensor([nnz], dtype=compressed.dtype, device=dev)
+    offset = wrapped.expand(1).cumsum(-1).sub_(wrapped).reshape(1)
+    del wrapped
+    offsets_2d = compressed[..., :-1].add(offset.unsqueeze(-1).expand_as(compressed[..., :-1])).reshape(-1)
+    compressed_2d = torch.empty(offsets_2d.numel() + 1, dtype=compressed.dtype, device=dev)
+    compressed_2d[:-1].copy_(offsets_2d)
+    compressed_2d[-1:].fill_(nnz)
+    host = values[0](offsets_2d)  # written whole, in two pieces
+    values[1](compressed_2d, None if host is None else torch.cat([host, host.new_tensor([nnz])]))
+    del offsets_2d
+    int32 = compressed.dtype == torch.int32
+    coo = torch._convert_indices_from_csr_to_coo(compressed_2d, plain.flatten(0, 1), out_int32=int32, transpose=True)
+    i, j = coo.select(0, 1), coo.select(0, 0)
+    b = i.div(cols if csc else rows, rounding_mode="trunc")
+    i.fmod_(cols if csc else rows)
+    j.add_(b * (rows if csc else cols))
+    del b, i, j
+    hashed = flatten_indices(coo, [rows, cols] if csc else [cols, rows], False, values)
+    argsort = hashed.sort()[1]
+    sorted_coo = coo.index_select(1, argsort)
+    new_values = vals.flatten(0, 1).index_select(0, argsort)
+    size = rows if csc else cols
+    csr_of = torch._convert_indices_from_coo_to_csr(sorted_coo.select(0, 0), size, out_int32=int32)
+    batched = torch.zeros(1, size + 1, dtype=csr_of.dtype, device=dev)
+    if size > 0:
+        batched.narrow(-1, 1, size).copy_(csr_of[1:].reshape(1, -1) - csr_of[0:-1:size].reshape(1, -1))
+    del csr_of
+    out = torch.ops.aten._sparse_compressed_tensor_unsafe(
+        batched.squeeze(0), sorted_coo.select(0, 1), new_values, list(self.shape), dtype=new_values.dtype,
+        layout=torch.sparse_csr if csc else torch.sparse_csc, device=dev)
+    del argsort, hashed, coo, compressed_2d, offset  # the locals that die on return, in C++'s reverse order
+    return out
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
