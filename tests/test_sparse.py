@@ -358,3 +358,27 @@ def test_csc_to_csr_flips_as_sparse_compressed_to_flipped() -> None:
         d = torch.randn(128, 32, device="cuda", requires_grad=True)
         torch.sparse.mm(dense.to_sparse_csr().cuda(), d).sum().backward()   # the backward's t() is CSC
         assert d.grad is not None and d.grad.shape == (128, 32)
+
+
+def test_pyg_gcn_with_a_csr_adjacency_trains_to_its_end(capsys: pytest.CaptureFixture[str]) -> None:
+    """PyG's ``GCNConv`` on a ``ToSparseTensor`` adjacency (tests/corpus/pyg_gcn.py --sparse): a
+    ``torch.sparse_csr`` ``adj_t`` on the GPU, trained three epochs. What stays allocated after each
+    epoch: the two sm90 cuBLAS workspaces, the features and labels, the CSR row pointers [2709],
+    columns and values (one per distinct edge, int64 and float32), the four parameters, their
+    gradients and Adam's two moments, and the loss."""
+    pytest.importorskip("torch_geometric")
+    import torch_geometric.transforms as T
+    from torch_geometric.data import Data
+
+    nodes, features = 2708, 1433
+    torch.manual_seed(0)   # the program's graph, built on the CPU
+    data = T.ToSparseTensor()(Data(x=torch.randn(nodes, features), edge_index=torch.randint(0, nodes, (2, 10556)),
+                                   y=torch.randint(0, 7, (nodes,))))
+    nnz = data.adj_t._nnz()
+    status = run_script(str(_CORPUS / "pyg_gcn.py"), ["--sparse"], gpu="H200")
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 0
+    params = [16 * features * 4, 16 * 4, 7 * 16 * 4, 7 * 4]
+    expected = (2 * 32 * 1024 * 1024 + _round(nodes * features * 4) + _round(nodes * 8) + _round(2709 * 8)
+                + _round(nnz * 8) + _round(nnz * 4) + 4 * sum(_round(p) for p in params) + 512)
+    assert lines[:3] == [f"epoch {e}: torch.sparse_csr cuda:0 allocated {expected}" for e in (1, 2, 3)]
