@@ -85,7 +85,7 @@ def register(devices: int = 1) -> None:
     _LIB.append(lib)
     _LIB.append(_structured_kernels())
     _LIB.append(views.math_bit_copies(_fallback))
-    _LIB.extend(sparse_layouts.register(lambda: _STATE[-1]))
+    _LIB.extend(sparse_layouts.register(_STATE))
 
 
 def _structured_kernels() -> Any:

@@ -5,15 +5,16 @@ A sparse tensor on PrivateUse1 dispatches to ``SparsePrivateUse1`` (COO) or
 aten op with a ``SparseCPU``/``SparseCsrCPU`` kernel: where that kernel is CUDA's too (`SHARED_*`)
 the ``SparseCPU`` one runs (a device-generic function of ATen ops on the components, which reach
 the engine's fallback as dense ops); where CUDA has its own, the model in `vram.run.kernels.sparse`
-runs (``_coalesce``, ``addmm`` of COO, CSR and BSR, ``add`` of dense and sparse, ``mul`` with a
-dense or 0-dim operand), or the op stops in one line; a boxed fallback at both keys stops
-every other op the same way. The dense ``_to_sparse*`` conversions run their CPU kernel, which is
-CUDA's. A shared kernel that reaches a ``DispatchStub`` with no PrivateUse1 kernel stops in one
-line too.
+or `vram.run.kernels.sparse_ops` runs (``_coalesce``; ``addmm`` of COO, CSR and BSR; CSR <-> CSC;
+``add`` of dense and sparse and of two sparse tensors; ``mul`` with a dense or 0-dim operand;
+``index_select``; ``sparse_mask`` of a sparse tensor; ``_sparse_sum_backward``), or the op stops
+in one line; a boxed fallback at both keys stops every other op the same way. The dense
+``_to_sparse*`` conversions run their CPU kernel, which is CUDA's. A shared kernel that reaches a
+``DispatchStub`` with no PrivateUse1 kernel stops in one line too.
 
-Values: ``_coalesce``'s entry count comes from the indices' known values (a run that does not know
-them runs again with real values); the coalesced indices and values, and an ``addmm``'s result,
-are computed on the CPU when every input's values are known, else unknown.
+Values: a data-dependent entry count (``_coalesce``, ``index_select``) comes from the indices'
+known values (a run that does not know them runs again with real values); what CUDA's own kernels
+write is computed on the CPU when every input's values are known, else unknown.
 """
 from __future__ import annotations
 
@@ -70,9 +71,13 @@ def _boxed_refusal(op: Any, *args: Any, **kwargs: Any) -> Any:
     raise _refuse(op, args)
 
 
-def register(state: Any) -> list[Any]:
-    """Register the sparse kernels on PrivateUse1 (`module docstring`); `state()` is the running
-    simulation. Returns the libraries to keep alive."""
+def register(states: list[Any]) -> list[Any]:
+    """Register the sparse kernels on PrivateUse1 (`module docstring`); `states` holds the running
+    simulations, innermost last. Returns the libraries to keep alive."""
+    def state() -> Any:
+        if not states:
+            raise RuntimeError("vram: a sparse vramsim tensor outside a simulated run")
+        return states[-1]
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
     models = {"_coalesce": _coalesce(state), "addmm": _addmm(state), "addmm.out": _addmm(state),
               "add.out": _add_out(state), "mul.out": _mul_out(), "index_select": _index_select(state),

@@ -15,8 +15,9 @@ carries out on the simulated allocator.
 - `sdpa`: ``scaled_dot_product_attention``: which backend ``sdp_utils.cpp`` picks, what it
   allocates forward and backward.
 - `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named).
-- `sparse`: sparse COO/CSR tensors: which sparse kernels CUDA shares with the CPU, ``_coalesce``
-  and sparse ``addmm`` step by step (Thrust's and cuSPARSE's buffers named).
+- `sparse`: sparse COO/CSR/BSR tensors: which sparse kernels CUDA shares with the CPU, ``_coalesce``,
+  sparse ``addmm`` and CSR <-> CSC step by step (Thrust's and cuSPARSE's buffers named);
+  `sparse_ops`: sparse ``add``, ``index_select``, ``sparse_mask``, ``torch.sparse.sum``'s backward.
 - `grouped_mm`: ``torch._grouped_mm`` as ``GroupedBlas.cpp`` runs it.
 - `vision`: torchvision's ``nms`` (its sort, sorted boxes and suppression mask).
 - `fastpath`: ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` inference fast paths.
