@@ -186,7 +186,7 @@ class FunctionMode(TorchFunctionMode):
         reads of values, ``data_ptr``, ``get_device``, ``record_stream``, ``cuda()``, copies to
         the host, ``pin_memory()``; `_UNHANDLED` for the rest."""
         sim = self.sim
-        if name in ("__repr__", "__format__") and b0 is None and t0 is not None and t0.layout != torch.strided \
+        if name in ("__repr__", "__format__") and b0 is None and t0 is not None and t0.layout in _sparse.LAYOUTS \
                 and (idx := sim.seen_idx(t0)) is not None:  # a sparse tensor: from its host copy
             return _reads.sparse_repr(t0, idx, args, kwargs)
         if b0 is not None and t0 is not None:

@@ -78,6 +78,9 @@ SHARED_COMPRESSED = frozenset((
 DENSE_TO_SPARSE = frozenset(("_to_sparse _to_sparse.sparse_dim _to_sparse_csr _to_sparse_csc "
                              "_to_sparse_bsr _to_sparse_bsc").split())
 
+#: the sparse layouts (a tensor of one owns no storage but its components')
+LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
+
 THRUST_NOTE = ("Thrust temporary storage in sparse coalesce (SparseCUDATensor.cu _coalesce_sparse_cuda: "
                "sort_by_key and unique_by_key through at::cuda::ThrustAllocator, sized by Thrust's tuning "
                "for the GPU architecture), freed within the call")
