@@ -299,7 +299,8 @@ def _selection(dim_indices: torch.Tensor, index: torch.Tensor, size: int, in_ord
     lower = torch.searchsorted(ordered, nneg, right=False)
     upper = torch.searchsorted(ordered, nneg, right=True)
     counts = upper - lower
-    selected = torch.cat([order[lo:hi] for lo, hi in zip(lower.tolist(), upper.tolist())]) if len(nneg) else order[:0]
+    starts = torch.repeat_interleave(lower - (counts.cumsum(0) - counts), counts)
+    selected = order[starts + torch.arange(int(counts.sum()))]
     rows = torch.repeat_interleave(torch.arange(len(nneg)), counts)
     return nneg, counts, selected, rows
 
