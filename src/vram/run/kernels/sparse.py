@@ -20,16 +20,18 @@ the ATen ops it calls (``aten/src/ATen/native/sparse/cuda``):
   ``s_addmm_out_sparse_dense_cuda``), which ``mm``/``torch.sparse.mm``/``spmm`` reach through
   ``_sparse_mm``; with a CSR or BSR ``mat1`` (`addmm_compressed`; ``SparseBlas.cpp``
   ``addmm_out_sparse_compressed_cuda``, ``SparseBlasImpl.cpp`` ``spmm``/``block_sparse_mm``).
+* CSR <-> CSC (`flip_compressed`; TensorConversions.cpp ``sparse_compressed_to_flipped``, whose
+  ``flatten_indices`` is a ``DispatchStub``), autograd's ``t()`` of a CSR matrix before its matmul.
 * ``add``, ``index_select``, ``sparse_mask`` of sparse tensors and ``torch.sparse.sum``'s backward
   in `vram.run.kernels.sparse_ops`.
 
 Not charged, and named once per run with the calls that had them: the temporary storage of
 Thrust's ``sort_by_key``/``unique_by_key`` in ``_coalesce`` (``ThrustAllocator``: sized by Thrust's
 tuning for the architecture, `THRUST_NOTE`), and cuSPARSE's SpMM external buffer
-(``SparseCUDABlas.cpp`` ``_csrmm2``: ``allocator.allocate(bufferSize)`` with the size
-``cusparseSpMM_bufferSize`` reports at run time, `SPMM_NOTE`). Every other kernel CUDA has of
-its own (sparse-sparse matmul, ``index_select``, softmax, ``bmm``, ``hspmm``…) stops with
-`sparse_message`.
+(``SparseCUDABlas.cpp`` ``_csrmm2``, ``SparseBlasImpl.cpp`` ``spmm``:
+``allocator.allocate(bufferSize)`` with the size ``cusparseSpMM_bufferSize`` reports at run time,
+`SPMM_NOTE`). Every other kernel CUDA has of its own (sparse-sparse matmul, ``mul`` of two sparse
+tensors, softmax, ``bmm``, ``hspmm``, BSR <-> BSC…) stops with `sparse_message`.
 """
 from __future__ import annotations
 
