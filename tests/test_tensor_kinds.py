@@ -51,20 +51,6 @@ def test_rfft_backward_runs() -> None:
         assert x.grad is not None and x.grad.shape == x.shape
 
 
-@pytest.mark.parametrize("make", [
-    lambda d: torch.sparse_coo_tensor(torch.zeros(2, 1, dtype=torch.long, device="cuda"),
-                                      torch.ones(1, device="cuda"), (3, 4)),
-    lambda d: d.to_sparse(),
-    lambda d: d.to_sparse_csr(),
-])
-def test_sparse_tensors_stop_with_one_line(make) -> None:
-    with simulated_cuda():
-        d = torch.randn(3, 4, device="cuda")
-        with pytest.raises(NotImplementedError, match=r"^vram run: .* sparse tensor on the simulated GPU, which is "
-                                                      r"not modelled"):
-            make(d)
-
-
 def test_vmap_over_simulated_tensors() -> None:
     # vmap's BatchedTensor wraps a simulated tensor without a storage of its own (FlexAttention's
     # create_block_mask vmaps its mask function this way)

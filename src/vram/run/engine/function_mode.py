@@ -186,6 +186,9 @@ class FunctionMode(TorchFunctionMode):
         reads of values, ``data_ptr``, ``get_device``, ``record_stream``, ``cuda()``, copies to
         the host, ``pin_memory()``; `_UNHANDLED` for the rest."""
         sim = self.sim
+        if name in ("__repr__", "__format__") and b0 is None and t0 is not None and t0.layout in _sparse.LAYOUTS \
+                and (idx := sim.seen_idx(t0)) is not None:  # a sparse tensor: from its host copy
+            return _reads.sparse_repr(t0, idx, args, kwargs)
         if b0 is not None and t0 is not None:
             if name in _CPU_COPY or (name in _SCALAR and t0.numel() == 1):
                 return _reads.read(self.sim, func, name, t0, args, kwargs)
@@ -195,8 +198,6 @@ class FunctionMode(TorchFunctionMode):
                 return b0.device
             if name in _cudnn.RNN_OPS:
                 raise NotImplementedError(_cudnn.rnn_refusal(name))
-            if name.startswith("to_sparse"):
-                raise NotImplementedError(_sparse.sparse_message(describe(func)))
             if name == "record_stream" and len(args) > 1:  # an empty storage has no block: nothing
                 if b0.ptr:  # to do (CUDACachingAllocator.cpp, recordStream); never C++'s, which
                     _memory.get_allocator(b0.device).record_stream(b0.ptr, args[1].cuda_stream)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from vram.run.memory.lazy_host import seeded
 from vram.run.memory.storages import SimState
@@ -55,6 +55,11 @@ class LazyHostMode(TorchDispatchMode):
         if not (host.live and any(host.of(t) is not None for t in inputs)):
             if host.ledger.owing and seeded(func) and draws_host_default(func, kwargs, inputs, sim):
                 host.ledger.settle()  # the CPU generator is about to be used: pay the deferred draws
+            return func(*args, **kwargs)
+        if kwargs.get("layout") not in (None, torch.strided):
+            # a sparse tensor made of lazy components (``sparse_coo_tensor(indices, torch.ones(nnz))``):
+            # it holds them, as on the CPU, so they are computed now
+            args, kwargs = tree_map(lambda t: host.real(t) if host.of(t) is not None else t, (args, kwargs))
             return func(*args, **kwargs)
         device = kwargs.get("device")
         if sim.target is not None or any(sim.block_of(t) is not None for t in inputs) or (

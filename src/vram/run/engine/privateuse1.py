@@ -29,7 +29,7 @@ from vram.run.memory.storages import ChargedStorage, SimState
 from vram.run.values import known
 from vram.run.values.placeholders import describe, needs_data, value_error
 
-from . import formulas, lazy, meta_cache, native, op_info, views
+from . import formulas, lazy, meta_cache, native, op_info, sparse_layouts, views
 from .cuda_ops import cuda_kernel_ops
 from .dlpack import new_storage
 from .function_mode import FunctionMode
@@ -85,6 +85,7 @@ def register(devices: int = 1) -> None:
     _LIB.append(lib)
     _LIB.append(_structured_kernels())
     _LIB.append(views.math_bit_copies(_fallback))
+    _LIB.extend(sparse_layouts.register(_STATE))
 
 
 def _structured_kernels() -> Any:
@@ -131,8 +132,8 @@ def _structured_kernels() -> Any:
         if not whole and any(_has(qualified, k) for k in (_IMPLICIT, _EXPLICIT)):
             continue  # a composite that decomposes into ops that come here
         op = getattr(getattr(torch.ops.aten, name), overload or "default")
-        if whole and (op is _COPY_FROM or op in _SET_SOURCE):
-            continue
+        if (whole and (op is _COPY_FROM or op in _SET_SOURCE)) or qualified[6:] in _sparse.DENSE_TO_SPARSE:
+            continue  # (the dense-to-sparse conversions: `sparse_layouts`)
         lib.impl(qualified[len("aten::"):], _whole(op), "PrivateUse1")
     formulas.register(lib)
     return lib

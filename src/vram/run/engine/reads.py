@@ -121,3 +121,13 @@ def copy_to_host(sim: SimState, dst: torch.Tensor, src: torch.Tensor) -> torch.T
     value = read(sim, torch.Tensor.cpu, "cpu", src, (src,), {})
     with torch._C.DisableTorchFunction():
         return dst.copy_(value)
+
+
+def sparse_repr(t: torch.Tensor, idx: int, args: Any, kwargs: Any) -> str:
+    """``repr``/``format`` of a simulated sparse tensor: its host copy's (``t.cpu()``: the components'
+    known values, or placeholders recorded as reads), with the CUDA device it is on."""
+    host = t.cpu()
+    if len(args) > 1 and args[1]:  # format(t, spec): as torch, the repr unless t is a scalar
+        with torch._C.DisableTorchFunction():
+            return torch.Tensor.__format__(host, *args[1:], **kwargs)
+    return _repr_as(host, t, f"cuda:{idx}")

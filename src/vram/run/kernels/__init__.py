@@ -16,6 +16,9 @@ carries out on the simulated allocator.
   allocates forward and backward.
 - `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named).
 - `linalg`: ``torch.linalg``'s factorizations: outputs charged, cuSOLVER's run-time scratch named.
+- `sparse`: sparse COO/CSR/BSR tensors: which sparse kernels CUDA shares with the CPU, ``_coalesce``,
+  sparse ``addmm`` and CSR <-> CSC step by step (Thrust's and cuSPARSE's buffers named);
+  `sparse_ops`: sparse ``add``, ``index_select``, ``sparse_mask``, ``torch.sparse.sum``'s backward.
 - `grouped_mm`: ``torch._grouped_mm`` as ``GroupedBlas.cpp`` runs it.
 - `vision`: torchvision's ``nms`` (its sort, sorted boxes and suppression mask).
 - `fastpath`: ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` inference fast paths.

@@ -33,6 +33,9 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`).
 * **torch.linalg** (cuSOLVER, MAGMA): outputs charged; the library's workspaces and working
   copies, sized at run time, named (`vram.run.kernels.linalg`).
+* **Sparse tensors** (COO/CSR/BSR): their kernels run on their components' dense ops;
+  ``_coalesce`` and sparse ``addmm`` follow ``sparse/cuda`` step by step, Thrust's and cuSPARSE's
+  buffers named, not charged (`vram.run.kernels.sparse`, registered by ``engine.sparse_layouts``).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
   before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
 * **_grouped_mm** (mixture-of-experts layers): the CUDA kernel's output layout and dtypes, which

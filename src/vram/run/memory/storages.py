@@ -21,6 +21,8 @@ from .lazy_host import LazyHost
 from .storage_api import raw_device
 
 _META = torch.device("meta")
+#: layouts whose tensors own no storage but dense component tensors (indices, values)
+_SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
 #: intra-op threads for the ops run on value copies (`vram.run.values.known.run_on_cpu`); None: the
 #: script's ``torch.get_num_threads()``. One: on a busy machine torch's default pool made them
 #: several times slower (benchmarks/bench_real_values.py measures both)
@@ -107,6 +109,9 @@ class SimState:
         b = self.block_of(t)
         if b is not None:
             return b.device
+        if isinstance(t, torch.Tensor) and t.layout in _SPARSE:  # a sparse tensor: its values' GPU
+            with torch._C.DisableTorchFunction():
+                return self.seen_idx(t._values() if t.layout == torch.sparse_coo else t.values())
         flatten = getattr(t, "__tensor_flatten__", None)
         if flatten is None or not isinstance(t, torch.Tensor):
             return None
