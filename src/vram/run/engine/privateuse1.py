@@ -360,7 +360,7 @@ def _charge(sim: BackendState, info: op_info.OpInfo, idx: int, margs: Any, mkwar
     name = info.name
     props = sim.props[idx]
     plan = _plan.op_plan(name, margs, outs, props.multi_processor_count, props.max_threads_per_multi_processor,
-                      (props.major, props.minor))
+                         (props.major, props.minor), mkwargs)
     returns = info.returns
 
     def on_out(arg: int) -> None:

@@ -33,6 +33,12 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`).
 * **torch.linalg** (cuSOLVER, MAGMA): outputs charged; the library's workspaces and working
   copies, sized at run time, named (`vram.run.kernels.linalg`).
+* **sort, topk, cumsum/cumprod, multinomial, nonzero, scatter_reduce(mean)**: index ranges, dim-last
+  copies, the segmented radix sort's key and index buffers, multinomial's exponential noise and
+  checks (``Sort.cpp``, ``SortStable.cu``, ``TensorTopK.cpp``, ``ScanUtils.cuh``,
+  ``Distributions.cpp``, ``Nonzero.cu``) in `vram.run.kernels.sorting`; cub's temporary storage,
+  and ops whose scratch is not modelled (``unique``, ``index_put_(accumulate=True)``,
+  ``embedding_bag``, ``median``…), named per call.
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
   before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
 * **_grouped_mm** (mixture-of-experts layers): the CUDA kernel's output layout and dtypes, which
@@ -69,6 +75,7 @@ from .cufft import fft_plan
 from .grouped_mm import CUDA_META as _GROUPED_MM_META
 from .grouped_mm import grouped_mm_plan
 from .linalg import linalg_plan
+from .sorting import sorting_plan
 from .vision import nms_plan
 
 #: ops whose meta kernel is not what the CUDA kernel does -> the CUDA kernel's output, on meta
@@ -76,7 +83,8 @@ CUDA_META = {**_GROUPED_MM_META, **_CONV_META}
 
 
 def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
-            max_threads_sm: int = 2048, cc: tuple[int, int] = (9, 0)) -> list[tuple[str, Any]]:
+            max_threads_sm: int = 2048, cc: tuple[int, int] = (9, 0),
+            kwargs: dict[str, Any] | None = None) -> list[tuple[str, Any]]:
     """The order in which a CUDA kernel allocates: ("out", i), ("tmp", nbytes) or ("free", j).
 
     ``("free", j)`` frees the j-th "tmp" of the plan. SDPA kernels follow `vram.run.kernels.sdpa.op_plan`,
@@ -84,7 +92,9 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     step is a workspace allocation that survives an OOM), reductions
     `vram.run.kernels.reductions.reduction_plan` (staging buffers of multi-block launches, on a
     device of `sms` SMs of `max_threads_sm` threads), ``_grouped_mm`` `vram.run.kernels.grouped_mm` (by
-    the capability `cc`); ops without special knowledge allocate their outputs in output order.
+    the capability `cc`), sorting, top-k, scans, sampling and ``nonzero`` `vram.run.kernels.sorting`
+    (which reads keyword-only arguments from `kwargs`); ops without special knowledge allocate their
+    outputs in output order.
     """
     plan = _sdpa.op_plan(name, args, outs, sms, cc)
     if plan is None:
@@ -95,6 +105,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         plan = grouped_mm_plan(name, args, outs, cc)
     if plan is None:
         plan = linalg_plan(name, outs)
+    if plan is None:
+        plan = sorting_plan(name, args, kwargs or {}, outs, sms, max_threads_sm)
     if plan is None:
         plan = _reductions.reduction_plan(name, args, outs, sms, max_threads_sm)
     if plan is None:
