@@ -32,6 +32,7 @@ torch = pytest.importorskip("torch")
 
 from vram.run.kernels.plan import op_plan  # noqa: E402
 from vram.run.kernels.sorting import UNMODELLED, cub_note, dense_strides_dim_last  # noqa: E402
+from vram.run.kernels.unique import unique_outputs  # noqa: E402
 from vram.run.runtime import active_sim, simulated_cuda  # noqa: E402
 
 H200 = 132
@@ -167,3 +168,37 @@ def test_top_p_sampling_step_on_the_simulated_h200() -> None:
         assert torch.cuda.max_memory_allocated() - before == 512 * 5 + 201216
         notes = active_sim().uncharged
         assert notes[cub_note("sort")] == 1 and notes[cub_note("cumsum")] == 1
+
+
+def test_unique_keeps_worst_case_outputs_and_its_sort_buffers() -> None:
+    """``UniqueCub.cu`` (``_unique2`` -> ``unique_cuda_template(self, consecutive=false)``), 8,000
+    int64 ids, inverse and counts: ``sorted = empty(self.sizes())`` 64,000; ``range = arange(8000)``
+    64,000 and ``sorted_indices`` 64,000 around the cub pair sort, range freed at the end of its
+    block; ``compute_unique``: ``inverse_indices`` 64,000 (output), ``inv_loc_out`` 64,000 freed
+    after the scan; ``data_out = empty({num_inp})`` 64,000 (output), ``length`` 8,
+    ``counts.resize_(num_inp)`` 64,000 (output); length, sorted_indices, sorted die. The outputs
+    keep their 8,000-element storage after ``resize_(num_out)``, and their values."""
+    with simulated_cuda(gpu="H200"):
+        ids = torch.tensor([3, 1, 3, 7, 1, 1, 9, 3] * 1000, device="cuda")
+        torch.cuda.memory._record_memory_history()
+        u, inv, cnt = torch.unique(ids, return_inverse=True, return_counts=True)
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        assert u.untyped_storage().nbytes() == cnt.untyped_storage().nbytes() == 64000
+        assert u.tolist() == [1, 3, 7, 9] and cnt.tolist() == [3000, 3000, 1000, 1000]
+        assert inv.shape == (8000,)
+    got = [(e["action"][0], e["size"]) for e in trace if e["action"] in ("alloc", "free_requested")]
+    assert got == [("a", 64000), ("a", 64000), ("a", 64000), ("f", 64000), ("a", 64000), ("a", 64000), ("f", 64000),
+                   ("a", 64000), ("a", 8), ("a", 64000), ("f", 8), ("f", 64000), ("f", 64000)]
+
+
+def test_unique_of_bools_counts_trues_and_keeps_two_element_outputs() -> None:
+    # bool, not consecutive: DeviceArray<int>(1) 4 B, cub reduce; output empty({2}) bool (2 B),
+    # counts empty({2}) int64 (16 B) even without return_counts; the inverse 3 x 8 = 24 B
+    b = _meta(3, dtype=torch.bool)
+    outs = [_meta(2, dtype=torch.bool), _meta(3, dtype=torch.long), _meta(0, dtype=torch.long)]
+    assert op_plan("_unique2", (b, True, True), outs, H200) == [
+        ("tmp", 4), ("note", cub_note("unique")), ("out", 0), ("out", 2), ("out", 1), ("free", 0)]
+
+    values, _, counts = unique_outputs("_unique2", (b, True, True), {}, tuple(outs))
+    assert values.untyped_storage().nbytes() == 2 and counts.untyped_storage().nbytes() == 16

@@ -76,10 +76,19 @@ from .grouped_mm import CUDA_META as _GROUPED_MM_META
 from .grouped_mm import grouped_mm_plan
 from .linalg import linalg_plan
 from .sorting import sorting_plan
+from .unique import UNIQUE_OPS, unique_outputs, unique_plan
 from .vision import nms_plan
 
 #: ops whose meta kernel is not what the CUDA kernel does -> the CUDA kernel's output, on meta
 CUDA_META = {**_GROUPED_MM_META, **_CONV_META}
+#: ops whose outputs CUDA allocates for the worst case and shrinks with ``resize_`` (`cuda_outputs`)
+SHRUNK_BY_RESIZE = UNIQUE_OPS
+
+
+def cuda_outputs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+    """The meta outputs with the storage the CUDA kernel gives them (`unique_outputs`: worst-case
+    buffers shrunk by ``resize_``); other ops' `out` as it is."""
+    return unique_outputs(name, args, kwargs, out)
 
 
 def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
@@ -105,6 +114,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         plan = grouped_mm_plan(name, args, outs, cc)
     if plan is None:
         plan = linalg_plan(name, outs)
+    if plan is None:
+        plan = unique_plan(name, args, kwargs or {}, outs)
     if plan is None:
         plan = sorting_plan(name, args, kwargs or {}, outs, sms, max_threads_sm)
     if plan is None:

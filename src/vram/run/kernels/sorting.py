@@ -42,25 +42,23 @@ INT_MAX = 2**31 - 1
 
 #: ops with buffers beyond their outputs that no plan models yet: named, not charged
 UNMODELLED = {
-    "_unique2": "torch.unique (Unique.cu: sorted copy, inverse/count buffers, cub select/run-length)",
-    "unique_consecutive": "torch.unique_consecutive (Unique.cu: inverse/count buffers, cub run-length)",
-    "unique_dim": "torch.unique(dim=...) (Unique.cu: sort of the rows, inverse/count buffers)",
-    "unique_dim_consecutive": "torch.unique_consecutive(dim=...) (Unique.cu: inverse/count buffers)",
-    "_embedding_bag": "embedding_bag (EmbeddingBag.cu: sorted indices, offset2bag, bag sizes)",
-    "_embedding_bag_forward_only": "embedding_bag (EmbeddingBag.cu: offset2bag, bag sizes)",
-    "_embedding_bag_backward": "embedding_bag backward (EmbeddingBag.cu: the sort path's buffers)",
-    "_embedding_bag_dense_backward": "embedding_bag backward (EmbeddingBag.cu: the sort path's buffers)",
-    "index_reduce": "index_reduce (Indexing.cu: counts for mean, index copies)",
-    "bincount": "bincount (SummaryOps.cu: min/max of the input before the histogram)",
-    "histc": "histc (SummaryOps.cu: min/max of the input when no range is given)",
-    "kthvalue": "kthvalue (Sorting.cu: contiguous copy of the input slices)",
-    "median": "median (Sorting.cu: contiguous copy of the input, sort of the values)",
-    "nanmedian": "nanmedian (Sorting.cu: contiguous copy of the input, sort of the values)",
-    "mode": "mode (TensorModeKernel.cu: contiguous copy of the input, sort buffers)",
+    "unique_consecutive": "torch.unique_consecutive(dim=...) (Unique.cu unique_dim_cuda_template): "
+                          "buffers beyond its outputs",
+    "unique_dim": "torch.unique(dim=...) (Unique.cu unique_dim_cuda_template): buffers beyond its outputs",
+    "unique_dim_consecutive": "torch.unique_consecutive(dim=...) (Unique.cu): buffers beyond its outputs",
+    "_embedding_bag_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
+    "_embedding_bag_dense_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
+    "index_reduce": "index_reduce (Indexing.cu): buffers beyond its outputs",
+    "bincount": "bincount (SummaryOps.cu): buffers beyond its outputs",
+    "histc": "histc (SummaryOps.cu): buffers beyond its outputs",
+    "kthvalue": "kthvalue (Sorting.cu): buffers beyond its outputs",
+    "median": "median (Sorting.cu): buffers beyond its outputs",
+    "nanmedian": "nanmedian (Sorting.cu): buffers beyond its outputs",
+    "mode": "mode (TensorModeKernel.cu): buffers beyond its outputs",
     "_index_put_impl_": "index_put_(accumulate=True) (Indexing.cu index_put_with_sort_kernel: linear "
                         "indices, their sorted copy and original positions, expanded values)",
-    "multinomial": "multinomial with replacement and more than one sample (MultinomialKernel.cu: "
-                   "normalised distribution and prefix sums)",
+    "multinomial": "multinomial with replacement and more than one sample (MultinomialKernel.cu): "
+                   "buffers beyond its output",
     "topk": "topk multi-block radix select (TensorTopK.cu mbtopk::launch: kth values, semaphores, "
             "counts per block, sized by the device's registers per SM)",
 }
