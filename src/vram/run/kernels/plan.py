@@ -37,8 +37,10 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   copies, the segmented radix sort's key and index buffers, multinomial's exponential noise and
   checks (``Sort.cpp``, ``SortStable.cu``, ``TensorTopK.cpp``, ``ScanUtils.cuh``,
   ``Distributions.cpp``, ``Nonzero.cu``) in `vram.run.kernels.sorting`; cub's temporary storage,
-  and ops whose scratch is not modelled (``unique``, ``index_put_(accumulate=True)``,
-  ``embedding_bag``, ``median``…), named per call.
+  and ops whose scratch is not modelled (``index_put_(accumulate=True)``, ``unique(dim=...)``,
+  ``embedding_bag`` backward, ``median``…), named per call.
+* **torch.unique / unique_consecutive**: worst-case outputs shrunk by ``resize_`` keep their storage
+  (`cuda_outputs`), and the sort and scan buffers of ``UniqueCub.cu`` (`vram.run.kernels.unique`).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
   before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
 * **_grouped_mm** (mixture-of-experts layers): the CUDA kernel's output layout and dtypes, which

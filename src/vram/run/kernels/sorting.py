@@ -13,6 +13,10 @@
 * ``multinomial`` without replacement or with one sample: `multinomial_plan` (``native/Distributions.cpp``
   ``multinomial_out``).
 * ``nonzero``: `nonzero_plan` (``native/cuda/Nonzero.cu`` ``nonzero_cuda_out_impl``).
+* ``scatter_reduce(reduce="mean")``: `scatter_reduce_plan` (``native/TensorAdvancedIndexing.cpp``).
+
+``torch.unique`` lives in `vram.run.kernels.unique` (its outputs' storage differs from the meta
+kernel's).
 
 cub's own temporary storage (``cuda/cub.cuh`` ``CUB_WRAPPER``: ``func(nullptr, bytes, ...)`` then
 ``caching_allocator.allocate(bytes)``, freed when the call returns) is sized at run time by cub's
