@@ -74,6 +74,19 @@ def cub_note(op: str) -> str:
             "and CCCL release, ATen/cuda/cub.cuh CUB_WRAPPER), freed within the call")
 
 
+def once(steps: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """`steps` with each note kept at its first place only: a run counts op calls, not cub calls."""
+    seen: set[Any] = set()
+    kept: list[tuple[str, Any]] = []
+    for step, arg in steps:
+        if step == "note":
+            if arg in seen:
+                continue
+            seen.add(arg)
+        kept.append((step, arg))
+    return kept
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -364,7 +377,7 @@ def nonzero_plan(args: tuple[Any, ...], outs: list[Any]) -> list[tuple[str, Any]
     if x.dim() > 0:
         p.steps.append(("note", cub_note("nonzero")))
     p.free("num_nonzeros", "self_")
-    return p.steps
+    return once(p.steps)
 
 
 def sorting_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any], sms: int,

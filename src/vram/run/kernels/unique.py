@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .scratch import _Plan
-from .sorting import cub_note
+from .sorting import cub_note, once
 
 UNIQUE_OPS = ("_unique2", "unique_consecutive")
 
@@ -98,4 +98,4 @@ def unique_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     p.tmp("length", 8)
     p.steps += [("out", 2), ("note", cub_note("unique"))]
     p.free("length", "sorted_indices", "sorted", "self_c")
-    return p.steps
+    return once(p.steps)
