@@ -129,10 +129,16 @@ def test_sorted_topk_of_more_than_4096_sorts_a_copy() -> None:
     assert plan == [("out", 0), ("out", 1), ("tmp", 120000), ("tmp", 60000), ("tmp", 120000), ("tmp", 120000),
                     ("tmp", 60000), ("free", 4), ("free", 3), ("free", 2), ("tmp", 120000), ("free", 5),
                     ("free", 1), ("free", 0)]
-    # top-50 of two rows of logits: the multi-block radix select, named
+    # top-50 of two rows of logits: 2 slices <= 20 of 50,257 >= 20,000: the multi-block radix
+    # select (mbtopk::launch): items_per_thread = clamp(ceil(100,514 / (132 SMs * 6 * 256)), 4, 64)
+    # = 4, blocks_per_slice = ceil(50,257 / 1,024) = 50, 100 blocks: kthValues 2*4, semaphores 2*4,
+    # ks_to_find 2*2*4, desired 2*2*4, counts 100*256*2 = 51,200, withinKCounts and kthCounts
+    # 100*4; two cub scans by key (named once); freed in reverse
     logits = _meta(2, VOCAB)
     v, i = torch.topk(logits, 50)
-    assert op_plan("topk", (logits, 50), [v, i], H200) == [("out", 0), ("out", 1), ("note", UNMODELLED["topk"])]
+    assert op_plan("topk", (logits, 50), [v, i], H200) == [
+        ("out", 0), ("out", 1), ("tmp", 8), ("tmp", 8), ("tmp", 16), ("tmp", 16), ("tmp", 51200), ("tmp", 400),
+        ("tmp", 400), ("note", cub_note("topk")), *(("free", k) for k in range(6, -1, -1))]
 
 
 def test_scatter_reduce_mean_counts_and_nonzero_count() -> None:

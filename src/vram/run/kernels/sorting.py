@@ -44,6 +44,13 @@ LARGE_SEGMENT = 1_000_000
 FULL_SORT_SEGMENTS = 128
 INT_MAX = 2**31 - 1
 
+#: ``TensorTopK.cu`` ``mbtopk``: threads per block, radix digits, items per thread (clamped), and
+#: the occupancy ``get_items_per_thread`` assumes: 40 registers a thread of the 65,536 every CUDA
+#: GPU since sm 5.0 has per SM (``regsPerMultiprocessor``), so min(65536 / (40 * 256), the 16-32
+#: ``maxBlocksPerMultiProcessor``) = 6 blocks per SM
+MB_BLOCK_THREADS, MB_RADIX_DIGITS, MB_MIN_ITEMS, MB_MAX_ITEMS = 256, 256, 4, 64
+MB_BLOCKS_PER_SM = 65536 // (40 * MB_BLOCK_THREADS)
+
 #: ops with buffers beyond their outputs that no plan models yet: named, not charged
 UNMODELLED = {
     "unique_consecutive": "torch.unique_consecutive(dim=...) (Unique.cu unique_dim_cuda_template): "
@@ -63,8 +70,6 @@ UNMODELLED = {
                         "indices, their sorted copy and original positions, expanded values)",
     "multinomial": "multinomial with replacement and more than one sample (MultinomialKernel.cu): "
                    "buffers beyond its output",
-    "topk": "topk multi-block radix select (TensorTopK.cu mbtopk::launch: kth values, semaphores, "
-            "counts per block, sized by the device's registers per SM)",
 }
 
 
@@ -206,15 +211,35 @@ def sort_plan(args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any]) ->
     return p.steps
 
 
-def topk_plan(args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any],
+def multiblock_topk(p: _Plan, slices: int, slice_size: int, dtype: torch.dtype, sms: int) -> None:
+    """``mbtopk::launch`` (TensorTopK.cu): ``items_per_thread = clamp(ceil(slice_size * slices /
+    (SMs * 6 * 256)), 4, 64)``, ``blocks_per_slice = ceil(slice_size / (items * 256))``; then
+    ``kthValues`` (a value per slice), ``semaphores`` (uint32 per slice), ``ks_to_find`` (2 uint32
+    per slice), ``desired`` (2 radix words per slice: 8 bytes for double/int64, else 4), ``counts``
+    (256 shorts per block), ``withinKCounts`` and ``kthCounts`` (uint32 per block), cub's
+    ``inclusive_sum_by_key`` twice (named); all freed in reverse when it returns."""
+    items = min(max(-(-slice_size * slices // (sms * MB_BLOCKS_PER_SM * MB_BLOCK_THREADS)), MB_MIN_ITEMS),
+                MB_MAX_ITEMS)
+    blocks = slices * -(-slice_size // (items * MB_BLOCK_THREADS))
+    radix = 8 if dtype in (torch.float64, torch.int64) else 4
+    sizes = {"kthValues": slices * dtype.itemsize, "semaphores": slices * 4, "ks_to_find": 2 * slices * 4,
+             "desired": 2 * slices * radix, "counts": blocks * MB_RADIX_DIGITS * 2,
+             "withinKCounts": blocks * 4, "kthCounts": blocks * 4}
+    for key, nbytes in sizes.items():
+        p.tmp(key, nbytes)
+    p.steps.append(("note", cub_note("topk")))
+    p.free(*reversed(sizes))
+
+
+def topk_plan(args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any], sms: int,
               existing: bool = False) -> list[tuple[str, Any]] | None:
     """``topk_out_cuda`` (TensorTopK.cpp; structured: values and indices first, unless `existing`:
     ``topk_out`` into tensors a caller made). ``k == 0``: nothing. ``launch_gather_topk_kernel``
     (TensorTopK.cu) takes ``self.contiguous()``; the multi-block radix select
-    (``should_use_multiblock``) allocates buffers sized by the device's registers per SM: named
-    (`UNMODELLED`). Sorted results of more than 4,096 per slice: ``sortedIndices`` and
-    ``sortedValues`` (``empty_like``), ``sort_out_cuda`` (`sort_kernel` on the values), then
-    ``indices.gather(dim, sortedIndices)`` (a new int64 tensor, freed after the copy)."""
+    (``should_use_multiblock``) allocates `multiblock_topk`'s buffers. Sorted results of more than
+    4,096 per slice: ``sortedIndices`` and ``sortedValues`` (``empty_like``), ``sort_out_cuda``
+    (`sort_kernel` on the values), then ``indices.gather(dim, sortedIndices)`` (a new int64
+    tensor, freed after the copy)."""
     x = args[0] if args else None
     if not isinstance(x, torch.Tensor) or len(outs) != 2 or not isinstance(outs[0], torch.Tensor):
         return None
@@ -233,7 +258,7 @@ def topk_plan(args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any],
             p.tmp("input", _nbytes(x))
         slices = x.numel() // slice_size
         if _multiblock(slices, slice_size):
-            p.steps.append(("note", UNMODELLED["topk"]))
+            multiblock_topk(p, slices, slice_size, x.dtype, sms)
         p.free("input")
     if is_sorted and values.numel() > 1 and values.dim() and values.size(dim) > SMALL_SORT:
         p.tmp("sortedIndices", _nbytes(indices))
@@ -332,7 +357,7 @@ def multinomial_plan(args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[A
     else:
         vals = torch.empty(outs[0].shape, dtype=x.dtype, device="meta")
         p.tmp("vals", _nbytes(vals))
-        inner = topk_plan((q, n), {}, [vals, outs[0]], existing=True)
+        inner = topk_plan((q, n), {}, [vals, outs[0]], sms, existing=True)
         _splice(p, inner or [], [], "topk")
         p.free("vals")
     p.free("q", "zero_prob_condition", "is_valid", "self_min", "self_max")
@@ -386,7 +411,7 @@ def sorting_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs:
     if name == "sort":
         return sort_plan(args, kwargs, outs)
     if name == "topk":
-        return topk_plan(args, kwargs, outs)
+        return topk_plan(args, kwargs, outs, sms)
     if name in ("cumsum", "cumprod"):
         return scan_plan(name, args, kwargs, outs)
     if name == "multinomial":
@@ -401,6 +426,6 @@ def sorting_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs:
         dim = kwargs.get("dim")
         return _reductions.reduction_plan(name, (args[0],) if dim is None else (args[0], dim), outs,
                                           sms, max_threads_sm)
-    if name in UNMODELLED and name not in ("topk", "multinomial"):
+    if name in UNMODELLED and name != "multinomial":
         return [*(("out", i) for i in range(len(outs))), ("note", UNMODELLED[name])]
     return None
