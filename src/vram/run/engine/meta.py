@@ -117,7 +117,7 @@ class DispatchMode(TorchDispatchMode):
         name = func.overloadpacket.__name__
         props = sim.props[idx]
         plan = _plan.op_plan(name, args, outs, props.multi_processor_count, props.max_threads_per_multi_processor,
-                          (props.major, props.minor))
+                             (props.major, props.minor), kwargs)
         done: list[Any] = []
         seen: set[int] = set()
 

@@ -298,7 +298,7 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
         out = known.meta_outputs(computed)
     info = op_info.of(op)
     name = info.name
-    out = _cudnn.cudnn_batch_norm_outputs(name, margs, out)
+    out = _plan.cuda_outputs(name, margs, mkwargs, _cudnn.cudnn_batch_norm_outputs(name, margs, out))
     single = not isinstance(out, tuple)
     outs = [out] if single else list(out)
     if _sparse.sparse_layout(outs):
@@ -320,9 +320,12 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     for i, o in enumerate(outs):  # outputs the kernel's plan leaves out live on the host (SDPA's
         if results[i] is o and isinstance(o, torch.Tensor):  # philox seed and offset)
             results[i] = torch.zeros(o.shape, dtype=o.dtype)
+    if computed is not None and name in _plan.SHRUNK_BY_RESIZE:
+        sim.zeroed_tails(results)
     final = results[0] if single else tuple(results)
     known.propagate(sim, op, args, kwargs, final, inputs, computed, computed_assumed)
     return final
+
 
 
 def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -361,7 +364,7 @@ def _charge(sim: BackendState, info: op_info.OpInfo, idx: int, margs: Any, mkwar
     name = info.name
     props = sim.props[idx]
     plan = _plan.op_plan(name, margs, outs, props.multi_processor_count, props.max_threads_per_multi_processor,
-                      (props.major, props.minor))
+                         (props.major, props.minor), mkwargs)
     returns = info.returns
 
     def on_out(arg: int) -> None:

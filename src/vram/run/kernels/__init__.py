@@ -12,6 +12,10 @@ carries out on the simulated allocator.
 - `autocast`: CUDA autocast's cast policy (lower precision, float32, promote, banned).
 - `reductions`: the staging buffers and semaphores of ``Reduce.cuh``'s reductions.
 - `scratch`: embedding backward's sort path, layer-norm / RMS-norm backward's partial sums.
+- `sorting`: sort / argsort, topk, cumsum / cumprod, multinomial, nonzero, scatter_reduce(mean): their
+  copies, index and key buffers; cub's temporary storage and the ops not modelled
+  (index_put_ accumulate, unique(dim=...), embedding_bag backward…) named, not charged.
+- `unique`: torch.unique's worst-case outputs (their storage as CUDA leaves it) and sort buffers.
 - `sdpa`: ``scaled_dot_product_attention``: which backend ``sdp_utils.cpp`` picks, what it
   allocates forward and backward.
 - `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named).

@@ -36,6 +36,14 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
 * **Sparse tensors** (COO/CSR/BSR): their kernels run on their components' dense ops;
   ``_coalesce`` and sparse ``addmm`` follow ``sparse/cuda`` step by step, Thrust's and cuSPARSE's
   buffers named, not charged (`vram.run.kernels.sparse`, registered by ``engine.sparse_layouts``).
+* **sort, topk, cumsum/cumprod, multinomial, nonzero, scatter_reduce(mean)**: index ranges, dim-last
+  copies, the segmented radix sort's key and index buffers, multinomial's exponential noise and
+  checks (``Sort.cpp``, ``SortStable.cu``, ``TensorTopK.cpp``, ``ScanUtils.cuh``,
+  ``Distributions.cpp``, ``Nonzero.cu``) in `vram.run.kernels.sorting`; cub's temporary storage,
+  and ops whose scratch is not modelled (``index_put_(accumulate=True)``, ``unique(dim=...)``,
+  ``embedding_bag`` backward, ``median``…), named per call.
+* **torch.unique / unique_consecutive**: worst-case outputs shrunk by ``resize_`` keep their storage
+  (`cuda_outputs`), and the sort and scan buffers of ``UniqueCub.cu`` (`vram.run.kernels.unique`).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
   before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
 * **_grouped_mm** (mixture-of-experts layers): the CUDA kernel's output layout and dtypes, which
@@ -72,14 +80,25 @@ from .cufft import fft_plan
 from .grouped_mm import CUDA_META as _GROUPED_MM_META
 from .grouped_mm import grouped_mm_plan
 from .linalg import linalg_plan
+from .sorting import sorting_plan
+from .unique import UNIQUE_OPS, unique_outputs, unique_plan
 from .vision import nms_plan
 
 #: ops whose meta kernel is not what the CUDA kernel does -> the CUDA kernel's output, on meta
 CUDA_META = {**_GROUPED_MM_META, **_CONV_META}
+#: ops whose outputs CUDA allocates for the worst case and shrinks with ``resize_`` (`cuda_outputs`)
+SHRUNK_BY_RESIZE = UNIQUE_OPS
+
+
+def cuda_outputs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+    """The meta outputs with the storage the CUDA kernel gives them (`unique_outputs`: worst-case
+    buffers shrunk by ``resize_``); other ops' `out` as it is."""
+    return unique_outputs(name, args, kwargs, out)
 
 
 def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
-            max_threads_sm: int = 2048, cc: tuple[int, int] = (9, 0)) -> list[tuple[str, Any]]:
+            max_threads_sm: int = 2048, cc: tuple[int, int] = (9, 0),
+            kwargs: dict[str, Any] | None = None) -> list[tuple[str, Any]]:
     """The order in which a CUDA kernel allocates: ("out", i), ("tmp", nbytes) or ("free", j).
 
     ``("free", j)`` frees the j-th "tmp" of the plan. SDPA kernels follow `vram.run.kernels.sdpa.op_plan`,
@@ -87,7 +106,9 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     step is a workspace allocation that survives an OOM), reductions
     `vram.run.kernels.reductions.reduction_plan` (staging buffers of multi-block launches, on a
     device of `sms` SMs of `max_threads_sm` threads), ``_grouped_mm`` `vram.run.kernels.grouped_mm` (by
-    the capability `cc`); ops without special knowledge allocate their outputs in output order.
+    the capability `cc`), sorting, top-k, scans, sampling and ``nonzero`` `vram.run.kernels.sorting`
+    (which reads keyword-only arguments from `kwargs`); ops without special knowledge allocate their
+    outputs in output order.
     """
     plan = _sdpa.op_plan(name, args, outs, sms, cc)
     if plan is None:
@@ -98,6 +119,10 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         plan = grouped_mm_plan(name, args, outs, cc)
     if plan is None:
         plan = linalg_plan(name, outs)
+    if plan is None:
+        plan = unique_plan(name, args, kwargs or {}, outs)
+    if plan is None:
+        plan = sorting_plan(name, args, kwargs or {}, outs, sms, max_threads_sm)
     if plan is None:
         plan = _reductions.reduction_plan(name, args, outs, sms, max_threads_sm)
     if plan is None:

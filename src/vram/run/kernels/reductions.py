@@ -1,7 +1,7 @@
 """Scratch that CUDA reduction kernels take from the caching allocator, for `vram.run.kernels.plan`.
 
 Every ``gpu_reduce_kernel`` launch (``aten/src/ATen/native/cuda/Reduce.cuh``: sum, nansum, prod,
-mean, amax/amin, max/min (all or along a dim), argmax/argmin, any/all, var/std(_mean), norm,
+mean, amax/amin, aminmax, max/min (all or along a dim), argmax/argmin, any/all, var/std(_mean), norm,
 linalg_vector_norm) computes a `ReduceConfig` from the TensorIterator's geometry and the device's
 ``multiProcessorCount`` and ``maxThreadsPerMultiProcessor`` (``setReduceConfig``). When the
 config splits each output's inputs across thread blocks (``should_global_reduce()``), the launch
@@ -44,11 +44,13 @@ _OPMATH = frozenset({"sum", "nansum", "prod", "mean", "norm", "linalg_vector_nor
 _SAME = frozenset({"amax", "amin", "any", "all"})
 #: ``MinMaxReductionOps``/``ArgReductionOps``: ``pair<acc_t, int64_t>``
 _PAIR = frozenset({"argmax", "argmin"})
+#: ``MinMaxOps<scalar_t, scalar_t, int32_t>`` (``ReduceAMinMaxKernel.cu``): ``pair<scalar_t, scalar_t>``
+_MINMAX = frozenset({"aminmax"})
 #: ``WelfordOps``: ``WelfordData<acc_t, int32_t>`` (mean, m2, n, nf)
 _WELFORD = frozenset({"var", "std", "var_mean", "std_mean"})
 #: ops that convert their input to the computation dtype first (``make_reduction_from_out_ty``)
 _CASTS = frozenset({"sum", "nansum", "prod", "mean", "norm", "linalg_vector_norm"})
-REDUCTIONS = _OPMATH | _SAME | _PAIR | _WELFORD | {"max", "min"}
+REDUCTIONS = _OPMATH | _SAME | _PAIR | _MINMAX | _WELFORD | {"max", "min"}
 
 
 @dataclass
@@ -255,6 +257,8 @@ def _acc_size(name: str, dtype: torch.dtype) -> int | None:
     low = dtype in (torch.float16, torch.bfloat16)
     if name in _SAME or name in ("max", "min"):
         return size
+    if name in _MINMAX:
+        return 2 * size
     if dtype.is_complex:
         return None if name not in ("sum", "prod", "mean") else max(size, 8)
     if name in _OPMATH:

@@ -282,6 +282,15 @@ class SimState:
         self.reserve(nbytes)
         return torch.UntypedStorage(nbytes).fill_(0)
 
+    def zeroed_tails(self, tensors: list[Any]) -> None:
+        """Outputs allocated for the worst case and shrunk by ``resize_`` (unique's): the storage past
+        the values holds uninitialized memory, taken as zeros, so the values the op computes make
+        the whole storage known (within the run's value limit)."""
+        for t in tensors:
+            b = self.block_of(t) if isinstance(t, torch.Tensor) else None
+            if b is not None and b.value is None and b.nbytes <= self.value_limit * t.element_size():
+                b.value, b.why = self.zeros(b.nbytes), ""
+
     def carry(self, old: torch.UntypedStorage | None, new: ChargedStorage) -> None:
         """A storage grew (``resize_``: CUDA allocates anew and copies the old bytes): the new
         block's copy starts with the `old` copy's bytes, then zeros (uninitialized memory, as a
