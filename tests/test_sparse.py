@@ -331,14 +331,15 @@ def test_half_sparse_matmul_fails_as_on_cuda() -> None:
 
 
 def test_csc_to_csr_flips_as_sparse_compressed_to_flipped() -> None:
-    """``sparse_compressed_to_flipped`` for a 64 x 128 CSC tensor with 910 entries (int64 indices),
-    what autograd's ``t()`` of a CSR matrix needs before its matmul: the batch offset (8 B, its
-    ``cumsum`` 8 B; the first dies), the 128 column offsets plus it (1024 B) copied into
-    ``empty(129)`` (1032 B; the sum dies), the COO indices [2, 910], the batches (``div``, 7280 B)
-    and their scaled copy (dies at once; then the batches die), the hashes (``arange``), ``sort``
-    (values, dying at once, and indices), the sorted COO indices [2, 910] and values [910], the
-    row pointers [65] spread into ``zeros`` [1, 65] through a [1, 64] difference (dies, then the
-    pointers), and on return argsort, hashes, COO indices, the offsets and the batch offset die."""
+    """``sparse_compressed_to_flipped`` for a 64 x 128 CSC tensor with 910 entries (int64 indices), what autograd's
+    ``t()`` of a CSR matrix needs before its matmul: the batch offset (8 B, its ``cumsum`` 8 B; the first
+    dies), the 128 column offsets plus it (1024 B) copied into ``empty(129)`` (1032 B; the sum dies), the COO
+    indices [2, 910], the batches (``div``, 7280 B) and their scaled copy (dies at once; then the batches
+    die), the hashes (``arange``), ``sort`` (values and indices, then ``fillSliceWithIndex``'s int64
+    ``arange`` of the 910 keys, a small-sort slice: tests/test_sorting_kernels.py; the range dies on return,
+    the values at once), the sorted COO indices [2, 910] and values [910], the row pointers [65] spread into
+    ``zeros`` [1, 65] through a [1, 64] difference (dies, then the pointers), and on return argsort, hashes,
+    COO indices, the offsets and the batch offset die."""
     dense = (torch.arange(64 * 128).view(64, 128) % 9 == 0).float() * torch.arange(64 * 128).view(64, 128)
     with simulated_cuda(gpu="H200"):
         c = dense.to_sparse_csc().cuda()
@@ -348,8 +349,9 @@ def test_csc_to_csr_flips_as_sparse_compressed_to_flipped() -> None:
         n = 910 * 8
         assert ev == [("alloc", 8), ("alloc", 8), ("free_completed", 8), ("alloc", 1024), ("alloc", 1032),
                       ("free_completed", 1024), ("alloc", 2 * n), ("alloc", n), ("alloc", n), ("free_completed", n),
-                      ("free_completed", n), ("alloc", n), ("alloc", n), ("alloc", n), ("free_completed", n),
-                      ("alloc", 2 * n), ("alloc", 910 * 4), ("alloc", 520), ("alloc", 520), ("alloc", 512),
+                      ("free_completed", n), ("alloc", n), ("alloc", n), ("alloc", n), ("alloc", n),
+                      ("free_completed", n), ("free_completed", n), ("alloc", 2 * n), ("alloc", 910 * 4),
+                      ("alloc", 520), ("alloc", 520), ("alloc", 512),
                       ("free_completed", 512), ("free_completed", 520), ("free_completed", n),
                       ("free_completed", n), ("free_completed", 2 * n), ("free_completed", 1032),
                       ("free_completed", 8)]

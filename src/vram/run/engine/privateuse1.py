@@ -327,7 +327,6 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     return final
 
 
-
 def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> None:
     """``_copy_from(src, dst)`` between the host and a simulated GPU (``copy_impl`` in
     ``ATen/native/Copy.cpp`` hands cross-device copies of PrivateUse1 tensors to it): a simulated
