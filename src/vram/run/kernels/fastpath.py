@@ -13,8 +13,8 @@ true, so a simulated run took the layer-by-layer slow path, which allocates diff
   CUDA source makes (cited per step); the ops they call are vram's usual models;
 * `fused_values` gives the outputs the values of the fused op's CPU kernel (the composites leave
   their scratch unwritten, so what they computed is not the op's value);
-* the nested-tensor path (``TransformerEncoder`` with ``src_key_padding_mask``) stops with a clear
-  message: nested tensors are not modelled.
+* the nested-tensor path (``TransformerEncoder`` with ``src_key_padding_mask``) packs the batch
+  into a `vram.run.kernels.nested_fastpath.SimulatedNestedTensor` and runs each layer on its buffer.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 from vram.run.values import known
 
 from .functions import clone_with_globals
+from .nested_fastpath import SimulatedNestedTensor, from_mask, left_aligned, nested_attention
 from .sdpa_choice import sdpa_args, select_sdpa_backend
 
 _FUSED_SDPA = ("flash", "efficient", "cudnn")
@@ -39,7 +40,7 @@ _FUSED_SDPA = ("flash", "efficient", "cudnn")
 def _overridden(a: Any) -> bool:
     """C++ ``check_has_torch_function``: not exactly a Tensor/Parameter and a ``__torch_function__``
     other than ``_disabled_torch_function_impl``."""
-    if type(a) in (torch.Tensor, nn.Parameter):
+    if type(a) in (torch.Tensor, nn.Parameter, SimulatedNestedTensor):  # the last: a nested tensor on a GPU
         return False
     tf = getattr(a, "__torch_function__", None)
     return tf is not None and tf is not torch._C._disabled_torch_function_impl
@@ -195,17 +196,28 @@ def encoder_layer_cuda(args: tuple[Any, ...], kwargs: dict[str, Any], major: int
     p.update(zip(names, args))
     p.update(kwargs)
     src, d, eps = p["src"], p["embed_dim"], p["layer_norm_eps"]
-    if src.is_nested:
+    nested = src if isinstance(src, SimulatedNestedTensor) else None
+    if nested is not None:  # the layer runs on the buffer as [1, sum(L_i), D]
+        if nested.buffer.numel() == 0:
+            return SimulatedNestedTensor(nested.buffer, nested.sizes)
+        src = nested.rows().unsqueeze(0)
+    elif src.is_nested:
         raise NotImplementedError(_NESTED)
-    if src.numel() == 0:
+    elif src.numel() == 0:
         return src.clone()
 
     def norm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, [d], w, bias, eps)
 
     x = norm(src, p["ln1_w"], p["ln1_b"]) if p["norm_first"] else src
-    x = native_mha_cuda((x, x, x, d, p["num_heads"], p["qkv_weight"], p["qkv_bias"], p["proj_weight"],
-                         p["proj_bias"], p["mask"], False, True, p["mask_type"]), {}, major, minor)[0]
+    if nested is not None:
+        attention_input = SimulatedNestedTensor(x.view(-1), nested.sizes)
+        x = nested_attention(attention_input, p["num_heads"], p["qkv_weight"], p["qkv_bias"], p["proj_weight"],
+                             p["proj_bias"], major, minor).unsqueeze(0)
+        del attention_input
+    else:
+        x = native_mha_cuda((x, x, x, d, p["num_heads"], p["qkv_weight"], p["qkv_bias"], p["proj_weight"],
+                             p["proj_bias"], p["mask"], False, True, p["mask_type"]), {}, major, minor)[0]
     x.add_(src)
     if not p["norm_first"]:
         x = norm(x, p["ln1_w"], p["ln1_b"])
@@ -222,15 +234,11 @@ def encoder_layer_cuda(args: tuple[Any, ...], kwargs: dict[str, Any], major: int
     if not p["norm_first"]:
         x = norm(x, p["ln2_w"], p["ln2_b"])
     del pre_ffn  # freed when the C++ function returns
-    return x
+    return x if nested is None else SimulatedNestedTensor(x.view(-1), nested.sizes)
 
 
-_NESTED = ("vram run: nn.TransformerEncoder's nested-tensor fast path (eval, no grad, src_key_padding_mask) "
-           "is not modelled; build the encoder with enable_nested_tensor=False to measure the dense path")
-
-
-def _refuse_nested(args: tuple[Any, ...], kwargs: dict[str, Any], major: int, minor: int) -> Any:
-    raise NotImplementedError(_NESTED)
+_NESTED = ("vram run: nested tensors into nn.MultiheadAttention / TransformerEncoderLayer's fused kernels "
+           "outside nn.TransformerEncoder's nested-tensor fast path are not modelled")
 
 
 #: the aten op behind each fused function: its CPU kernel gives the composite's outputs their values
@@ -244,7 +252,7 @@ def fused_values(sim: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     the CUDA kernels allocate but never write their scratch (``empty`` q/k/v, the persistent
     softmax's output), so what they computed is not the op's value (``--values real`` read it)."""
     op = _ATEN.get(func)
-    if op is not None:
+    if op is not None and not isinstance(out, SimulatedNestedTensor):  # a nested output's values stay unknown
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         with _disable_current_modes():  # the CPU kernel on host copies, below the simulation
             known.propagate(sim, op, args, kwargs, out, inputs)
@@ -254,5 +262,12 @@ def fused_values(sim: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
 FUSED: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], int, int], Any]] = {
     torch._native_multi_head_attention: native_mha_cuda,
     torch._transformer_encoder_layer_fwd: encoder_layer_cuda,
-    torch._nested_tensor_from_mask: _refuse_nested,
+    torch._nested_tensor_from_mask: from_mask,
+    torch._nested_tensor_from_mask_left_aligned: left_aligned,
 }
+
+
+def fused_device_block(sim: Any, args: tuple[Any, ...]) -> Any:
+    """The simulated block a fused call's first argument lives in (a nested tensor's: its buffer's)."""
+    first = args[0] if args else None
+    return sim.block_of(first.buffer if isinstance(first, SimulatedNestedTensor) else first)

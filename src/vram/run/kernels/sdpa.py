@@ -10,7 +10,7 @@
 * **cuDNN attention** (preferred on sm90/sm100, or forced with ``sdpa_kernel``): its seed/offset,
   output, logsumexp and workspace, in `vram.run.kernels.sdpa_cudnn`.
 
-Not modelled: nested tensors (left to PyTorch's composite), FA3, batches > 65535 (chunked), the
+Jagged nested tensors: `vram.run.kernels.sdpa_jagged`. Not modelled: FA3, batches > 65535 (chunked), the
 shared-memory fit of mem-efficient kernels (``sizeof(SharedStorage) > sharedMemPerBlockOptin``
 skips a kernel: sm80/sm90 fit the first kernel by ``kMaxK``; sm75/sm86/sm89 may fall back to one
 with other tiles).
@@ -26,13 +26,8 @@ import torch.nn.functional as F
 
 from .sdpa_choice import HALF, deterministic_algorithms, qkv, requires_grad
 from .sdpa_cudnn import cudnn_backward_plan, cudnn_forward_plan
+from .sdpa_jagged import varlen_plan
 
-#: jagged nested tensors into SDPA: a CUDA build runs torch/nested/_internal/sdpa.py's choice
-#: (flash/efficient/cuDNN over cumulative sequence lengths, ``_flash_attention_forward`` varlen),
-#: whose kernels' allocations are not modelled here; the CPU build would run the math path
-NESTED_REFUSAL = ("vram run: scaled_dot_product_attention on nested (jagged) tensors on the simulated GPU is not "
-                  "modelled (CUDA runs the variable-length flash/efficient/cuDNN kernels); pad the batch to a "
-                  "dense tensor to measure it")
 #: capability of the device an efficient-attention forward ran on, by its logsumexp storage
 _EFFICIENT_CC: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
 
@@ -312,6 +307,9 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         return cudnn_forward_plan(args, cc)
     if name == "_scaled_dot_product_cudnn_attention_backward":
         return cudnn_backward_plan(args, cc)
+    varlen = varlen_plan(name, args, sms)
+    if varlen is not None:
+        return varlen
     if name == "_safe_softmax":  # softmax, isneginf, all(keepdim), scalar 0: where_out into softmax
         x = args[0]
         rows = x.numel() // max(x.size(args[1]), 1) if x.dim() else x.numel()
