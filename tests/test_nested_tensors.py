@@ -1,4 +1,5 @@
-"""Nested tensors on the simulated GPU: jagged nested tensors into ``scaled_dot_product_attention``.
+"""Nested tensors on the simulated GPU: jagged nested tensors into ``scaled_dot_product_attention``,
+and ``nn.TransformerEncoder``'s nested-tensor fast path.
 
 Every expected sequence is read off PyTorch's source (paths under ``aten/src/ATen/native/transformers/``
 and ``torch/nested/_internal/sdpa.py``) for four sequences of lengths 37, 120, 64 and 5 (226 tokens),
@@ -16,6 +17,8 @@ and ``torch/nested/_internal/sdpa.py``) for four sequences of lengths 37, 120, 6
   23,616 B, dq_accum ``[226 + 512, 8, 64]`` float = 1,511,424 B, freed in reverse.
 * memory-efficient forward without grad: the output ``[1, 226, 8, 64]`` float = 462,848 B and a
   logsumexp of ``[4, 8, 0]`` (nothing).
+
+The encoder sequence (`ENCODER`) is derived in `test_encoder_nested_path_allocates_what_cuda_does`.
 """
 from __future__ import annotations
 
@@ -120,3 +123,86 @@ def test_unmodelled_jagged_paths_stop_with_one_line(dtype: Any, dim: int, grad: 
         q = _jagged(dtype, grad=grad, dim=dim)
         with pytest.raises(NotImplementedError, match=rf"^vram run: .*{message}"):
             F.scaled_dot_product_attention(q, q, q)
+
+
+# -- nn.TransformerEncoder's nested-tensor fast path ----------------------------------------------------
+def _encoder_events(dtype: Any, lengths: tuple[int, ...], layers: int = 1) -> list[tuple[str, int]]:
+    with simulated_cuda("80GiB"):
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+        enc = torch.nn.TransformerEncoder(layer, layers).cuda().to(dtype).eval()
+        x = torch.randn(len(lengths), 16, 64, device="cuda", dtype=dtype)
+        pad = torch.arange(16, device="cuda")[None, :] >= torch.tensor(lengths, device="cuda")[:, None]
+        with torch.inference_mode():
+            enc(x, src_key_padding_mask=pad)  # the cuBLAS / cuBLASLt workspaces, once
+            out = _events(lambda: enc(x, src_key_padding_mask=pad))
+    return out
+
+
+def _mask_sizes(n: int, length: int) -> list[tuple[str, int]]:
+    """``zeros({N, 1})``, ``cat({mask, pad}, 1)`` (bool), ``.to(kInt)``, ``argmin(1)`` (int64), the
+    temporaries freed last made first, then ``cumsum(1)``: its int64 output and the int64 copy
+    of the bool mask it scans (freed)."""
+    return [("a", n), ("a", n * (length + 1)), ("a", 4 * n * (length + 1)), ("a", 8 * n),
+            ("f", 4 * n * (length + 1)), ("f", n * (length + 1)), ("a", 8 * n * length), ("a", 8 * n * length),
+            ("f", 8 * n * length)]
+
+
+def test_encoder_nested_path_allocates_what_cuda_does() -> None:
+    """Three sequences of 5, 16 and 9 tokens padded to 16, d_model 64, 4 heads of 16, ffn 128,
+    float32, one layer (30 tokens, so a [30, 64] float buffer is 7,680 B):
+
+    * ``TransformerEncoder.forward``: ``_canonical_mask`` makes the bool mask a float one (192 B);
+      each mask function gets ``mask.logical_not()`` (48 B), freed when it returns;
+    * ``_nested_tensor_from_mask_left_aligned``: `_mask_sizes`, then ``cuda_equal``: ``eq`` (3 B),
+      ``all`` (1 B), freed; the locals ``nums``, ``tmp_pad``, ``sizes`` die;
+    * ``_nested_tensor_from_mask``: `_mask_sizes`, ``full_like(sizes, D)`` (24 B), ``cat(.., 1)``
+      (48 B) copied to the host; the cumsum and the cat die; ``nested_from_padded_cuda``: the
+      buffer, the int32 metadata (3 x 3 + 4 ints = 52 B) and, the copy being non-blocking, its
+      int64 staging copy on the GPU (104 B, freed), then the metadata; ``d``, ``nums``, ``tmp_pad``;
+    * the layer: ``nested_linear`` qkv (30 x 192 x 4 = 23,040 B), the int32 cumulative lengths of q
+      and k (16 B each), the memory-efficient output (7,680 B; no logsumexp), the lengths die with the
+      nested kernel's locals, the output projection, then the attention output and qkv; the rest
+      is the dense layer's sequence over 30 rows (layer norm mean/rstd 120 B);
+    * the old nested input dies on ``output = mod(output)``; ``to_padded_tensor(0.0, src.size())``:
+      the [3, 16, 64] output (12,288 B), the int32 metadata (3 x 3 + 1 ints = 40 B), freed; the last
+      nested output; the float mask when ``forward`` returns.
+    """
+    buf, norm = 7680, [("a", 7680), ("a", 120), ("a", 120), ("f", 120), ("f", 120)]
+    expected = [("a", 192), ("a", 48), *_mask_sizes(3, 16), ("a", 3), ("a", 1), ("f", 1), ("f", 3), ("f", 24),
+                ("f", 3), ("f", 384), ("f", 48),
+                ("a", 48), *_mask_sizes(3, 16), ("a", 24), ("a", 48), ("f", 384), ("f", 48),
+                ("a", buf), ("a", 52), ("a", 104), ("f", 104), ("f", 52), ("f", 24), ("f", 24), ("f", 3), ("f", 48),
+                ("a", 23040), ("a", 16), ("a", 16), ("a", buf), ("f", 16), ("f", 16), ("a", buf), ("f", buf),
+                ("f", 23040), *norm, ("f", buf), ("a", 15360), ("a", buf), ("f", 15360), *norm, ("f", buf),
+                ("f", buf), ("f", buf),
+                ("a", 12288), ("a", 40), ("f", 40), ("f", buf), ("f", 192),
+                ("f", 12288)]  # the output, dropped by the caller
+    assert _encoder_events(torch.float32, (5, 16, 9)) == expected
+
+
+def test_encoder_nested_path_in_half_takes_varlen_flash() -> None:
+    # float16: the nested flash kernel; mha_varlen_fwd's out (3,840 B), logsumexp [4, 30] float
+    # (480 B), rng_state and _unused; scaled_dot_product_attention's tuple dies in order:
+    # logsumexp, the cumulative lengths, rng_state, _unused
+    got = _encoder_events(torch.float16, (5, 16, 9))
+    i = got.index(("a", 11520))  # qkv: 30 x 192 x 2
+    assert got[i:i + 14] == [("a", 11520), ("a", 16), ("a", 16), ("a", 3840), ("a", 480), ("a", 16), ("a", 8),
+                             ("f", 480), ("f", 16), ("f", 16), ("f", 16), ("f", 8), ("a", 3840), ("f", 3840)]
+
+
+def test_encoder_nested_path_is_taken_and_dense_path_still_runs() -> None:
+    nested = _encoder_events(torch.float32, (5, 16, 9), layers=2)
+    assert ("a", 23040) in nested and ("a", 3 * 16 * 192 * 4) not in nested  # packed, not padded, qkv
+
+
+@pytest.mark.parametrize("dtype, lengths, message", [
+    (torch.float32, (5, 1, 9), "leaves the SDPA branch"),
+    (torch.bfloat16, (5, 16, 9), "bfloat16 input"),
+    (torch.float32, (7,), "a batch of one sequence"),
+])
+def test_unmodelled_encoder_nested_cases_stop_with_one_line(dtype: Any, lengths: tuple[int, ...],
+                                                            message: str) -> None:
+    with pytest.raises(NotImplementedError, match=rf"^vram run: nn.TransformerEncoder's nested-tensor fast path: "
+                                                  rf".*{message}"):
+        _encoder_events(dtype, lengths)
