@@ -196,8 +196,24 @@ def test_encoder_nested_path_is_taken_and_dense_path_still_runs() -> None:
     assert ("a", 23040) in nested and ("a", 3 * 16 * 192 * 4) not in nested  # packed, not padded, qkv
 
 
+def test_encoder_nested_path_with_a_one_token_sequence_pads_again() -> None:
+    """Lengths 5, 1, 9 (15 tokens): ``check_for_seq_len_1_nested_tensor`` sends the layer to the
+    general branch: ``gemm_nt`` on the buffer (15 x 192 x 4 = 11,520 B), the q/k/v block padded to
+    16 (the longest, 9, rounded up to 8: 3 x 3 x 4 x 16 x 16 x 4 = 36,864 B) and its int32 offsets
+    and sizes (7 ints = 28 B, freed), the projection dies, ``bmm_nt`` (12 x 16 x 16 x 4 = 12,288 B),
+    the ``[3, 16]`` bool mask (48 B), the persistent softmax's output, the mask and the scores die;
+    ``bmm_nn`` writes q's storage, the probabilities die; ``nested_from_padded`` (0213): the
+    buffer (3,840 B), the int32 metadata (6 sizes + 4 + 4 offsets = 56 B) and its int64 staging
+    (112 B); ``addmm`` (3,840 B); ``nested_a``, then the q/k/v block."""
+    got = _encoder_events(torch.float32, (5, 1, 9))
+    i = got.index(("a", 11520))
+    assert got[i:i + 21] == [("a", 11520), ("a", 36864), ("a", 28), ("f", 28), ("f", 11520), ("a", 12288),
+                             ("a", 48), ("a", 12288), ("f", 48), ("f", 12288), ("f", 12288), ("a", 3840),
+                             ("a", 56), ("a", 112), ("f", 112), ("f", 56), ("a", 3840), ("f", 3840), ("f", 36864),
+                             ("a", 3840), ("a", 60)]  # then the first layer norm's output and mean
+
+
 @pytest.mark.parametrize("dtype, lengths, message", [
-    (torch.float32, (5, 1, 9), "leaves the SDPA branch"),
     (torch.bfloat16, (5, 16, 9), "bfloat16 input"),
     (torch.float32, (7,), "a batch of one sequence"),
 ])

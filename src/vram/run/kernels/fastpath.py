@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from vram.run.values import known
 
 from .functions import clone_with_globals
-from .nested_fastpath import SimulatedNestedTensor, from_mask, left_aligned, nested_attention
+from .nested_fastpath import SimulatedNestedTensor, from_mask, left_aligned, nested_attention, padded_metadata
 from .sdpa_choice import sdpa_args, select_sdpa_backend
 
 _FUSED_SDPA = ("flash", "efficient", "cudnn")
@@ -175,6 +175,39 @@ def native_mha_cuda(args: tuple[Any, ...], kwargs: dict[str, Any], major: int, m
     return proj, qkt
 
 
+def _padded_nested_attention(nt: SimulatedNestedTensor, heads: int, qkv_w: torch.Tensor, qkv_b: torch.Tensor,
+                             proj_w: torch.Tensor, proj_b: torch.Tensor) -> torch.Tensor:
+    """``native_multi_head_attention_cuda``'s general branch on a nested input (no mask, no weights):
+    ``gemm_nt`` (``NestedTensor_matmul``: ``mm`` on the buffer), ``transform_bias_rescale_qkv_cuda``
+    (the block padded to the longest sequence rounded up to 8, then its int32 offsets and sizes,
+    ``2 * N + 1`` ints, freed), ``bmm_nt``, ``_nested_tensor_softmax_with_shape``
+    (``NestedTensor_to_mask`` copied to the GPU, ``[N, T]`` bool, then ``_masked_softmax`` with mask
+    type 1; the mask dies on return, then the scores), ``bmm_nn`` into q's storage, and
+    ``transform0213_gemm_nt_bias``: ``nested_from_padded`` with the 0213 transform, then ``addmm``."""
+    lengths = nt.lengths()
+    n, d, total = len(lengths), int(nt.sizes[0, 1]), sum(lengths)
+    dh, t = d // heads, max(lengths) + (8 - max(lengths) % 8) % 8
+    qkv = torch.mm(nt.rows(), qkv_w.t())
+    block = torch.empty((3, n, heads, t, dh), dtype=qkv_b.dtype, device=qkv_b.device)
+    metadata = torch.empty(2 * n + 1, dtype=torch.int32, device=qkv_b.device)
+    del metadata
+    q, k, v = block.view(3 * n, heads, t, dh).split(n, 0)
+    del qkv, block
+    scores = torch.bmm(q.view(n * heads, t, dh), k.view(n * heads, t, dh).transpose(2, 1)).view(n, heads, t, t)
+    mask = torch.empty((n, t), dtype=torch.bool, device=scores.device)
+    probs = masked_softmax_cuda(scores, mask, 3, 1)
+    del mask
+    scores = probs
+    del probs
+    ctx = torch.bmm(scores.view(n * heads, t, t), v.view(n * heads, t, dh), out=q.reshape(n * heads, t, dh))
+    del scores
+    rows = torch.empty((total, d), dtype=ctx.dtype, device=ctx.device)  # nested_from_padded's output,
+    padded_metadata(ctx.view(n, heads, t, dh), nt.sizes)  # then its metadata
+    proj = torch.addmm(proj_b, rows, proj_w.t())
+    del rows, ctx, q, k, v  # nested_a when transform0213 returns; the q/k/v block when the function does
+    return proj
+
+
 def _qkv_projection(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, d: int,
                     w: torch.Tensor) -> torch.Tensor:
     """attention.cpp ``qkv_projection``: ``gemm_nt`` is ``at::native::matmul(x, w.t())``."""
@@ -212,9 +245,10 @@ def encoder_layer_cuda(args: tuple[Any, ...], kwargs: dict[str, Any], major: int
     x = norm(src, p["ln1_w"], p["ln1_b"]) if p["norm_first"] else src
     if nested is not None:
         attention_input = SimulatedNestedTensor(x.view(-1), nested.sizes)
-        x = nested_attention(attention_input, p["num_heads"], p["qkv_weight"], p["qkv_bias"], p["proj_weight"],
-                             p["proj_bias"], major, minor).unsqueeze(0)
-        del attention_input
+        weights = (p["num_heads"], p["qkv_weight"], p["qkv_bias"], p["proj_weight"], p["proj_bias"])
+        fused = nested_attention(attention_input, *weights, major, minor)
+        x = (fused if fused is not None else _padded_nested_attention(attention_input, *weights)).unsqueeze(0)
+        del attention_input, fused
     else:
         x = native_mha_cuda((x, x, x, d, p["num_heads"], p["qkv_weight"], p["qkv_bias"], p["proj_weight"],
                              p["proj_bias"], p["mask"], False, True, p["mask_type"]), {}, major, minor)[0]

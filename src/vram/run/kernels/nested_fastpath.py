@@ -29,10 +29,10 @@ The layers' norms, feed-forward and residual adds run on the buffer as ``[sum(L_
 (``nested_layer_norm``, ``NestedTensor_times_Tensor_plus_Tensor_addmm``, the in-place nested add) in
 `vram.run.kernels.fastpath`. Refused in one line: batches of one (``cumsum`` then runs cub's
 device scan, whose temporary storage is not modelled), dtypes other than float32/float16 (the
-generic ``nested_from_padded`` / ``to_padded_tensor`` paths), and a layer whose attention leaves the
-SDPA branch (a sequence of length <= 1, a head dim not a multiple of 8, no fused kernel), where CUDA
-pads the batch again (``transform_bias_rescale_qkv`` with padding, ``NestedTensor_to_mask``,
-``nested_from_padded`` with the 0213 transform).
+generic ``nested_from_padded`` / ``to_padded_tensor`` paths). A layer whose attention leaves the
+SDPA branch (a sequence of length <= 1, a head dim not a multiple of 8, no fused kernel) pads the
+batch again (``transform_bias_rescale_qkv`` with padding, ``NestedTensor_to_mask``,
+``nested_from_padded`` with the 0213 transform): `vram.run.kernels.fastpath`.
 """
 from __future__ import annotations
 
@@ -187,6 +187,19 @@ def _nested_from_padded(padded: torch.Tensor, sizes: torch.Tensor, lengths: list
     return SimulatedNestedTensor(output, sizes)
 
 
+def padded_metadata(padded: torch.Tensor, sizes: torch.Tensor) -> None:
+    """``nested_from_padded_cuda`` with the 0213 transform (4-D ``[N, NH, T, DH]``): the int32
+    metadata of ``2 * N`` sizes, 4 padded sizes and ``N + 1`` offsets, and its int64 staging copy."""
+    if padded.dtype not in _SUPPORTED:
+        raise _refuse(f"a {padded.dtype} attention output (nested_from_padded_generic)")
+    count = sizes.numel() + padded.dim() + sizes.size(0) + 1
+    metadata = torch.empty(count, dtype=torch.int32, device=padded.device)
+    staging = torch.empty(count, dtype=torch.int64, device=padded.device)
+    del staging
+    contiguous = padded.contiguous()
+    del contiguous, metadata
+
+
 def to_padded(nt: SimulatedNestedTensor, padding: float, output_size: Any = None) -> torch.Tensor:
     """``NestedTensor_to_padded_tensor_cuda`` for a 3-D nested tensor."""
     lengths, d = nt.lengths(), int(nt.sizes[0, 1])
@@ -237,16 +250,16 @@ def _nested_backend(dtype: torch.dtype, dh: int, lengths: list[int], major: int,
 
 
 def nested_attention(nt: SimulatedNestedTensor, heads: int, qkv_w: torch.Tensor, qkv_b: torch.Tensor,
-                     proj_w: torch.Tensor, proj_b: torch.Tensor, major: int, minor: int) -> torch.Tensor:
+                     proj_w: torch.Tensor, proj_b: torch.Tensor, major: int, minor: int) -> torch.Tensor | None:
     """``native_multi_head_attention_cuda``'s SDPA branch on a nested input, no mask, no weights:
-    the projection ``[sum(L_i), D]`` as a dense tensor (the nested output's buffer)."""
+    the projection ``[sum(L_i), D]`` as a dense tensor (the nested output's buffer); None when the
+    branch does not apply (`vram.run.kernels.fastpath` runs the general one)."""
     lengths = nt.lengths()
     d = int(nt.sizes[0, 1])
     dh = d // heads
     backend = _nested_backend(nt.dtype, dh, lengths, major, minor) if dh % 8 == 0 else "none"
     if min(lengths) <= 1 or backend not in ("flash", "efficient"):
-        raise _refuse("an encoder layer whose attention leaves the SDPA branch (a sequence of length <= 1, "
-                      "a head dim not a multiple of 8 or no fused kernel: CUDA pads the batch again)")
+        return None  # check_for_seq_len_1_nested_tensor, or math: the general branch
     total = sum(lengths)
     x = F.linear(nt.rows(), qkv_w, qkv_b)  # nested_linear: [sum(L_i), 3D]
     q, k, v = (x.as_strided((total, heads, dh), (3 * d, dh, 1), x.storage_offset() + i * d) for i in range(3))
