@@ -16,7 +16,8 @@ and ``torch/nested/_internal/sdpa.py``) for four sequences of lengths 37, 120, 6
   expanded gradient of ``sum``: 231,424 B), dq/dk/dv, softmax_d ``[8, 226 + 128 x 4]`` float =
   23,616 B, dq_accum ``[226 + 512, 8, 64]`` float = 1,511,424 B, freed in reverse.
 * memory-efficient forward without grad: the output ``[1, 226, 8, 64]`` float = 462,848 B and a
-  logsumexp of ``[4, 8, 0]`` (nothing).
+  logsumexp of ``[4, 8, 0]`` (nothing); its backward in
+  `test_jagged_float32_backward_allocates_what_efficient_backward_does`.
 
 The encoder sequence (`ENCODER`) is derived in `test_encoder_nested_path_allocates_what_cuda_does`.
 """
@@ -114,9 +115,30 @@ def test_jagged_backend_choice_follows_torch_nested_sdpa(dtype: Any, grad: bool,
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+def test_jagged_float32_backward_allocates_what_efficient_backward_does() -> None:
+    """float32 with grad: memory-efficient (a jagged tensor is not strided-nested, so
+    ``check_requires_grad_and_nested`` does not apply). Forward: the output (462,848 B) and the
+    logsumexp ``[4, 8, ceil(120 / 32) * 32]`` float = 16,384 B. ``_efficient_attention_backward``:
+    ``grad_out.contiguous()`` (462,848 B), dq/dk/dv; float32 does not compute the delta in the kernel:
+    ``(grad_out * out)`` (462,848 B), ``.sum(-1)`` ``[1, 226, 8]`` (7,232 B), the transposed
+    contiguous delta (7,232 B), the first two freed; the workspace: the sm80 float kernel with
+    kMaxK 64 has 64 x 64 tiles and accumulates grad_q only: 120 keys give 2 key splits, grad_q
+    ``ceil(120 / 64) x ceil(64 / 64) x (4 + 64 x 64)`` = 8,200 floats per (batch, head), times 4
+    sequences x 8 heads x 4 B = 1,049,600 B; then the delta, the workspace and the copy die."""
+    with simulated_cuda("80GiB"):
+        leaves = [_jagged(torch.float32, grad=True) for _ in range(3)]
+        loss = F.scaled_dot_product_attention(*leaves).values().sum()
+        got = _events(loss.backward)
+    out32 = 226 * 8 * 64 * 4
+    assert got[:14] == [("a", 4), ("a", out32), ("a", out32), ("a", out32), ("a", out32), ("a", out32),
+                        ("a", 7232), ("a", 7232), ("f", 7232), ("f", out32), ("a", 1049600), ("f", 7232),
+                        ("f", 1049600), ("f", out32)]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("dtype, dim, grad, message", [
     (torch.float16, 12, False, "takes the math path"),
-    (torch.float32, 64, True, "backward of memory-efficient attention on jagged"),
+    (torch.float16, 12, True, "takes the math path"),
 ])
 def test_unmodelled_jagged_paths_stop_with_one_line(dtype: Any, dim: int, grad: bool, message: str) -> None:
     with simulated_cuda("80GiB"):

@@ -18,9 +18,9 @@ calls the variable-length kernels on the values with cumulative sequence lengths
   and ``cuda/attention_backward.cu`` ``_flash_attention_backward``; ``attention.cu``
   ``_efficient_attention_forward`` with ``cu_seqlens``).
 
-Refused in one line: the math path (it converts to strided nested tensors, which the simulated
-GPU does not hold), cuDNN's nested kernels, and a memory-efficient call whose backward would run
-(``_efficient_attention_backward`` over ``cu_seqlens`` is not modelled).
+Their backward: ``_flash_attention_backward`` here, ``_efficient_attention_backward`` in
+`vram.run.kernels.sdpa`. Refused in one line: the math path (it converts to strided nested tensors,
+which the simulated GPU does not hold) and cuDNN's nested kernels.
 """
 from __future__ import annotations
 
@@ -41,10 +41,6 @@ _MATH = ("vram run: scaled_dot_product_attention on jagged nested tensors takes 
          "strided nested tensors; those are not modelled on the simulated GPU")
 _CUDNN = ("vram run: scaled_dot_product_attention on jagged nested tensors would run cuDNN's nested "
           "kernels (torch/nested/_internal/sdpa.py: flash, memory-efficient and math refused); not modelled")
-_EFFICIENT_BACKWARD = ("vram run: the backward of memory-efficient attention on jagged nested tensors "
-                       "(_efficient_attention_backward over cu_seqlens) is not modelled; use float16/bfloat16 "
-                       "inputs (the flash kernel) or run under torch.no_grad()")
-
 
 def _jagged_params(q: Any, k: Any, v: Any, mask: Any, dropout: float, causal: bool, gqa: bool) -> Any:
     from torch.backends.cuda import SDPAParams
@@ -85,8 +81,6 @@ def jagged_sdpa(p: dict[str, Any], major: int, minor: int) -> Any:
         raise NotImplementedError(_MATH)
     if backend == "cudnn":
         raise NotImplementedError(_CUDNN)
-    if backend == "efficient" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise NotImplementedError(_EFFICIENT_BACKWARD)
     choice = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
               "error": SDPBackend.ERROR}[backend]
     run = clone_with_globals(nested_sdpa.jagged_scaled_dot_product_attention,
