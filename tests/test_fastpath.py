@@ -153,7 +153,7 @@ def test_nested_tensor_path_and_dense_path_both_run(monkeypatch: pytest.MonkeyPa
         with torch.no_grad():
             assert enc(x, src_key_padding_mask=pad).shape == (2, 16, 64)
         assert calls == ["_nested_tensor_from_mask_left_aligned", "_nested_tensor_from_mask",
-                         "_transformer_encoder_layer_fwd", "_transformer_encoder_layer_fwd"]
+                         "_transformer_encoder_layer_fwd", "_transformer_encoder_layer_fwd", "nested_to_padded_tensor"]
         dense = nn.TransformerEncoder(_layer(), 2, enable_nested_tensor=False).cuda().eval()
         with torch.no_grad():
             assert dense(x, src_key_padding_mask=pad).shape == (2, 16, 64)

@@ -244,3 +244,17 @@ def test_unmodelled_encoder_nested_cases_stop_with_one_line(dtype: Any, lengths:
     with pytest.raises(NotImplementedError, match=rf"^vram run: nn.TransformerEncoder's nested-tensor fast path: "
                                                   rf".*{message}"):
         _encoder_events(dtype, lengths)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_encoder_nested_path_output_has_the_cpu_kernels_values() -> None:
+    # the composites never write their buffers: the values come from PyTorch's CPU nested kernels
+    torch.manual_seed(0)
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 2).eval()
+    x = torch.randn(3, 16, 64)
+    pad = torch.arange(16)[None, :] >= torch.tensor([5, 16, 9])[:, None]
+    with torch.inference_mode():
+        expected = enc(x, src_key_padding_mask=pad)
+    with simulated_cuda("80GiB"), torch.inference_mode():
+        got = enc.cuda()(x.cuda(), src_key_padding_mask=pad.cuda()).cpu()
+    assert torch.equal(got, expected)

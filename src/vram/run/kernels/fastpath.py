@@ -31,7 +31,15 @@ from torch.utils._pytree import tree_leaves
 from vram.run.values import known
 
 from .functions import clone_with_globals
-from .nested_fastpath import SimulatedNestedTensor, from_mask, left_aligned, nested_attention, padded_metadata
+from .nested_fastpath import (
+    SimulatedNestedTensor,
+    from_mask,
+    left_aligned,
+    nested_attention,
+    nested_values,
+    padded_metadata,
+    to_padded,
+)
 from .sdpa_choice import sdpa_args, select_sdpa_backend
 
 _FUSED_SDPA = ("flash", "efficient", "cudnn")
@@ -285,8 +293,11 @@ def fused_values(sim: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     (`known.propagate`: unknown inputs leave them unknown). The composites in `FUSED` allocate what
     the CUDA kernels allocate but never write their scratch (``empty`` q/k/v, the persistent
     softmax's output), so what they computed is not the op's value (``--values real`` read it)."""
+    if isinstance(out, SimulatedNestedTensor) or func is torch.nested.to_padded_tensor:
+        nested_values(sim, func, args, kwargs, out)
+        return
     op = _ATEN.get(func)
-    if op is not None and not isinstance(out, SimulatedNestedTensor):  # a nested output's values stay unknown
+    if op is not None:
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         with _disable_current_modes():  # the CPU kernel on host copies, below the simulation
             known.propagate(sim, op, args, kwargs, out, inputs)
@@ -298,6 +309,7 @@ FUSED: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], int, int], Any]] = {
     torch._transformer_encoder_layer_fwd: encoder_layer_cuda,
     torch._nested_tensor_from_mask: from_mask,
     torch._nested_tensor_from_mask_left_aligned: left_aligned,
+    torch.nested.to_padded_tensor: to_padded,
 }
 
 

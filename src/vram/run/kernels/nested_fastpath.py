@@ -41,6 +41,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
+
+from vram.run.values import known
 
 from .sdpa_choice import HALF, minimum_gemm_alignment
 
@@ -58,6 +61,10 @@ class SimulatedNestedTensor:
 
     def __init__(self, buffer: torch.Tensor, sizes: torch.Tensor) -> None:
         self.buffer, self.sizes = buffer, sizes
+        #: the same nested tensor computed by the CPU kernels when its inputs' values are known
+        #: (`nested_values`), and whether they were placeholders
+        self.host: torch.Tensor | None = None
+        self.host_assumed = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,7 +85,9 @@ class SimulatedNestedTensor:
         return self.buffer.view(-1, int(self.sizes[0, 1]))
 
     def to_padded_tensor(self, padding: float, output_size: Any = None) -> torch.Tensor:
-        return to_padded(self, padding, output_size)
+        """``Tensor.to_padded_tensor``: ``torch.nested.to_padded_tensor``, which the simulation's
+        function mode sees (`vram.run.kernels.fastpath.FUSED`)."""
+        return torch.nested.to_padded_tensor(self, padding, output_size)  # type: ignore[arg-type]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -200,8 +209,13 @@ def padded_metadata(padded: torch.Tensor, sizes: torch.Tensor) -> None:
     del contiguous, metadata
 
 
-def to_padded(nt: SimulatedNestedTensor, padding: float, output_size: Any = None) -> torch.Tensor:
+def to_padded(args: tuple[Any, ...], kwargs: dict[str, Any], major: int, minor: int) -> torch.Tensor:
     """``NestedTensor_to_padded_tensor_cuda`` for a 3-D nested tensor."""
+    names = ("input", "padding", "output_size")
+    p: dict[str, Any] = {"output_size": None}
+    p.update(zip(names, args))
+    p.update(kwargs)
+    nt, output_size = p["input"], p["output_size"]
     lengths, d = nt.lengths(), int(nt.sizes[0, 1])
     if not any(lengths):
         raise RuntimeError("to_padded_tensor: at least one constituent tensor should have non-zero numel")
@@ -285,3 +299,33 @@ def nested_attention(nt: SimulatedNestedTensor, heads: int, qkv_w: torch.Tensor,
     out = F.linear(y.view(total, d), proj_w, proj_b)  # nested_linear on the contiguous reshape (a view)
     del y, q, k, v, x  # the C++ locals: the attention output, then the packed projection
     return out
+
+
+# -- values ------------------------------------------------------------------------------------------
+def _host(sim: Any, x: Any) -> Any:
+    if isinstance(x, SimulatedNestedTensor):
+        return x.host
+    if isinstance(x, torch.Tensor) and sim.block_of(x) is not None:
+        return known.cpu_value(sim, x)
+    return x
+
+
+def nested_values(sim: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    """The values of a nested-path call's output: what PyTorch's CPU kernels compute from the inputs'
+    values (a CPU strided nested tensor is kept for the next layer), or unknown when an input's
+    are. The composites above allocate what CUDA allocates but never write their buffers."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, (torch.Tensor, SimulatedNestedTensor))]
+    hosts = [_host(sim, a) for a in tensors]
+    target = out.buffer if isinstance(out, SimulatedNestedTensor) else out
+    if not isinstance(target, torch.Tensor):
+        return
+    if any(h is None for h in hosts):
+        known.forget(sim, target)
+        return
+    assumed = any(a.host_assumed if isinstance(a, SimulatedNestedTensor) else known.assumed(sim, a) for a in tensors)
+    with _disable_current_modes():  # the CPU kernels, below the simulation
+        result = func(*(_host(sim, a) for a in args), **{k: _host(sim, v) for k, v in kwargs.items()})
+        value = result.values().reshape(-1) if isinstance(out, SimulatedNestedTensor) else result
+    known.define(sim, target, value, assumed)
+    if isinstance(out, SimulatedNestedTensor):
+        out.host, out.host_assumed = result, assumed
