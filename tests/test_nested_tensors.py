@@ -258,3 +258,17 @@ def test_encoder_nested_path_output_has_the_cpu_kernels_values() -> None:
     with simulated_cuda("80GiB"), torch.inference_mode():
         got = enc.cuda()(x.cuda(), src_key_padding_mask=pad.cuda()).cpu()
     assert torch.equal(got, expected)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("make", [
+    lambda: torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)], device="cuda"),
+    lambda: torch.nested.as_nested_tensor([torch.randn(3, 8, device="cuda"), torch.randn(5, 8, device="cuda")]),
+])
+def test_strided_nested_tensors_on_the_gpu_stop_with_one_line(make: Any) -> None:
+    with simulated_cuda("80GiB"):
+        with pytest.raises(NotImplementedError, match=r"^vram run: strided nested tensors on the simulated GPU"):
+            make()
+        jagged = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)], layout=torch.jagged,
+                                            device="cuda")
+        assert jagged.is_nested and torch.cuda.memory_allocated() == 512 + 512  # values (256 B), offsets

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from vram.frontend import memory as _memory
+from vram.run.cuda import patches as _patches
 from vram.run.kernels import autocast as _autocast
 from vram.run.kernels import cudnn as _cudnn
 from vram.run.kernels import fastpath as _fast
@@ -150,6 +151,10 @@ class FunctionMode(TorchFunctionMode):
             fused = _functions.half_to_float_softmax(func, name, args, kwargs)
             if fused is not None:
                 return self._call(func, fused, None, False, args, kwargs)
+        if name == "_nested_tensor_from_tensor_list" and _patches.strided_nested_on_gpu(
+                (list(args) + [None] * 4)[3] if len(args) > 3 else kwargs.get("device"),
+                args[0] if args else kwargs.get("list", []), lambda t: sim.seen_idx(t) is not None):
+            raise NotImplementedError(_patches.STRIDED_NESTED)  # as_nested_tensor, strided layout
         if func is _SDPA and args and getattr(args[0], "is_nested", False) \
                 and (q_idx := sim.seen_idx(getattr(args[0], "_values", None))) is not None:
             # a jagged nested tensor: torch/nested/_internal/sdpa.py with a CUDA GPU's kernel choice
