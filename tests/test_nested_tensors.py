@@ -272,3 +272,27 @@ def test_strided_nested_tensors_on_the_gpu_stop_with_one_line(make: Any) -> None
         jagged = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)], layout=torch.jagged,
                                             device="cuda")
         assert jagged.is_nested and torch.cuda.memory_allocated() == 512 + 512  # values (256 B), offsets
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_jagged_attention_values_in_a_real_values_run(dtype: Any) -> None:
+    # the variable-length kernels' values, sequence by sequence (float32: memory-efficient, bf16: flash)
+    torch.manual_seed(0)
+    parts = [torch.randn(n, 2, 8) for n in (3, 5, 4)]
+    expected_out, expected_grads = [], []
+    for t in parts:
+        x = t.to(dtype).requires_grad_()
+        y = F.scaled_dot_product_attention(*(x.transpose(0, 1),) * 3, is_causal=True)
+        y.float().pow(2).sum().backward()
+        expected_out.append(y.detach().transpose(0, 1))
+        expected_grads.append(x.grad)
+    with simulated_cuda("80GiB", values="real"):
+        leaf = torch.nested.nested_tensor(parts, layout=torch.jagged, device="cuda", dtype=dtype, requires_grad=True)
+        q = leaf.transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        y.transpose(1, 2).values().float().pow(2).sum().backward()
+        out, grad = y.transpose(1, 2).values().detach().cpu(), leaf.grad.values().cpu()
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out, torch.cat(expected_out), **tol)
+    torch.testing.assert_close(grad, torch.cat(expected_grads), **tol)
