@@ -15,15 +15,17 @@ same: a simulated buffer and the ``[N, 2]`` sizes. Every device allocation is th
 * `from_mask`: ``NestedTensor_nested_tensor_from_mask``: the same sizes, ``full_like(sizes, D)``,
   ``cat({sizes, d}, 1).to(kCPU)``, then ``nested_from_padded_cuda`` (nested/cuda/
   NestedTensorTransformerFunctions.cpp): the buffer ``empty({sum(L_i) * D})`` and the int32 metadata
-  ``cat({sizes, padded sizes, offsets}).to(kCUDA, kInt)``, freed on return;
+  ``cat({sizes, padded sizes, offsets}).to(kCUDA, kInt, non_blocking)`` (with the int64 staging copy a
+  non-blocking conversion makes on the GPU), freed on return;
 * `nested_attention`: ``native_multi_head_attention_cuda``'s SDPA branch (transformers/cuda/attention.cu)
   on a nested input: ``nested_linear`` (``linear`` on the buffer as ``[sum(L_i), D]``), the chunks as
   views, ``_scaled_dot_product_{flash,efficient}_attention_nestedtensor_cuda``
   (``sdpa_nested_preprocessing``: the int32 cumulative lengths of q and k copied to the device; the
   packed chunks need no ``contiguous()``) over the variable-length kernels, the output projection,
   then the attention output and the projection input die;
-* `to_padded`: ``NestedTensor_to_padded_tensor_cuda`` with ``output_size``: the padded output, then
-  the int32 metadata ``cat({offsets, sizes}).to(kCUDA, kInt)``, freed on return.
+* `to_padded`: ``NestedTensor_to_padded_tensor_cuda``: the padded output, then the int32 metadata
+  ``cat({offsets, sizes}).to(kCUDA, kInt)`` (blocking: converted on the host), freed on return;
+* `nested_values`: the outputs' values, from PyTorch's CPU nested kernels.
 
 The layers' norms, feed-forward and residual adds run on the buffer as ``[sum(L_i), D]``
 (``nested_layer_norm``, ``NestedTensor_times_Tensor_plus_Tensor_addmm``, the in-place nested add) in
@@ -242,7 +244,8 @@ def _nested_backend(dtype: torch.dtype, dh: int, lengths: list[int], major: int,
     refuses strided nested inputs (``check_for_nested_inputs``, unless
     ``TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1``, not modelled); flash needs fp16/bf16 on sm80+ and a
     head dim that is a multiple of 8 and <= 256; memory-efficient a head dim divisible by
-    ``minimum_gemm_alignment``; both no empty sequence."""
+    ``minimum_gemm_alignment``; both no empty sequence. (The data-pointer alignment check holds:
+    the buffer starts a block and its chunks sit ``D`` elements apart.)"""
     if os.environ.get("TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED") == "1":
         raise _refuse("cuDNN attention on nested tensors (TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1)")
     b = torch.backends.cuda
