@@ -175,8 +175,9 @@ def from_mask(args: tuple[Any, ...], kwargs: dict[str, Any], major: int, minor: 
     del sizes, summed  # `sizes = ...`: the old sizes go first, then the cat temporary
     del joined
     lengths = [int(v) for v in host[:, 0].tolist()]
-    if sum(lengths) == 0:
-        raise _refuse("a padding mask that masks every token")
+    if sum(lengths) == 0:  # a GPU stops too, in to_padded_tensor ("at least one constituent tensor ...")
+        raise RuntimeError(f"{_PREFIX}: every token is padding (or the mask's values are not known to the "
+                           "simulation: see its placeholder reads; --values real computes them)")
     out = _nested_from_padded(t, host, lengths)
     del d, nums, pad  # the C++ locals, last declared first
     return out
