@@ -139,14 +139,21 @@ def test_another_torch_function_mode_still_blocks_it(monkeypatch: pytest.MonkeyP
     assert _fused_calls(monkeypatch, run) == []
 
 
-def test_nested_tensor_path_stops_with_a_clear_message() -> None:
+def test_nested_tensor_path_and_dense_path_both_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    # what the nested path allocates: tests/test_nested_tensors.py
+    calls: list[str] = []
+    for func, impl in list(fastpath.FUSED.items()):
+        monkeypatch.setitem(fastpath.FUSED, func, lambda a, k, M, m, impl=impl, n=func.__name__: (
+            calls.append(n), impl(a, k, M, m))[1])
     with simulated_cuda("80GiB"):
         enc = nn.TransformerEncoder(_layer(), 2).cuda().eval()
         x = torch.randn(2, 16, 64, device="cuda")
         pad = torch.zeros(2, 16, dtype=torch.bool, device="cuda")
         pad[1, 10:] = True
-        with torch.no_grad(), pytest.raises(NotImplementedError, match="enable_nested_tensor=False"):
-            enc(x, src_key_padding_mask=pad)
+        with torch.no_grad():
+            assert enc(x, src_key_padding_mask=pad).shape == (2, 16, 64)
+        assert calls == ["_nested_tensor_from_mask_left_aligned", "_nested_tensor_from_mask",
+                         "_transformer_encoder_layer_fwd", "_transformer_encoder_layer_fwd", "nested_to_padded_tensor"]
         dense = nn.TransformerEncoder(_layer(), 2, enable_nested_tensor=False).cuda().eval()
         with torch.no_grad():
             assert dense(x, src_key_padding_mask=pad).shape == (2, 16, 64)

@@ -59,12 +59,3 @@ def test_vmap_over_simulated_tensors() -> None:
         y = torch.vmap(lambda r: r >= 2)(x)
         assert y.shape == (4, 4) and y.dtype == torch.bool
         assert torch.cuda.memory_allocated() == 512 + 512   # x (128 B) and y (16 B), each rounded to 512
-
-
-def test_jagged_nested_attention_stops_with_one_line() -> None:
-    with simulated_cuda():
-        q = torch.nested.nested_tensor([torch.randn(5, 4, 16), torch.randn(7, 4, 16)], layout=torch.jagged,
-                                       device="cuda", dtype=torch.float16).transpose(1, 2)
-        with pytest.raises(NotImplementedError, match=r"^vram run: scaled_dot_product_attention on nested "
-                                                      r"\(jagged\) tensors"):
-            torch.nn.functional.scaled_dot_product_attention(q, q, q)

@@ -13,6 +13,11 @@ import torch
 from .stand_ins import attribute_patches
 
 Put = Callable[[Any, str, Any], None]
+#: strided nested tensors (``NestedTensorImpl``) on a simulated GPU: PyTorch has no kernels for them
+#: on a Python backend; jagged ones are Python tensor subclasses over dense tensors and run
+STRIDED_NESTED = ("vram run: strided nested tensors on the simulated GPU (torch.nested.nested_tensor / "
+                  "as_nested_tensor with layout=torch.strided, the default) are not modelled; "
+                  "layout=torch.jagged is")
 
 
 def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any], bool],
@@ -34,7 +39,32 @@ def patch_torch_extras(clear_cache: Callable[[], None], simulated: Callable[[Any
     _patch_storages(put, simulated, resize, function_mode)
     _patch_autograd(put, function_mode)
     _patch_host_side(put, lambda: function_mode in _get_current_function_mode_stack())
+    _patch_nested(put, simulated)
     return restore
+
+
+def strided_nested_on_gpu(device: Any, tensors: Any, simulated: Callable[[Any], bool]) -> bool:
+    """Would a strided nested tensor of `tensors` built for `device` live on the simulated GPU?"""
+    if device is not None:
+        kind = device if isinstance(device, str) else getattr(device, "type", "cuda" if isinstance(device, int)
+                                                               else "")
+        return str(kind).split(":")[0] == "cuda"
+    return any(isinstance(t, torch.Tensor) and simulated(t) for t in tensors)
+
+
+def _patch_nested(put: Put, simulated: Callable[[Any], bool]) -> None:
+    """``torch.nested.nested_tensor`` with the strided layout on the GPU stops with one line
+    (`STRIDED_NESTED`): its C++ constructor is no torch function, so the CPU build would fail
+    with "PyTorch is not linked with support for cuda devices"."""
+    original = torch.nested.nested_tensor
+
+    def nested_tensor(tensor_list: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("layout") in (None, torch.strided) and strided_nested_on_gpu(
+                kwargs.get("device"), tensor_list if isinstance(tensor_list, (list, tuple)) else [], simulated):
+            raise NotImplementedError(STRIDED_NESTED)
+        return original(tensor_list, *args, **kwargs)
+
+    put(torch.nested, "nested_tensor", nested_tensor)
 
 
 def _patch_training(put: Put, clear_cache: Callable[[], None], simulated: Callable[[Any], bool],

@@ -17,12 +17,14 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from vram.frontend import memory as _memory
+from vram.run.cuda import patches as _patches
 from vram.run.kernels import autocast as _autocast
 from vram.run.kernels import cudnn as _cudnn
 from vram.run.kernels import fastpath as _fast
 from vram.run.kernels import functions as _functions
 from vram.run.kernels import sdpa as _sdpa
 from vram.run.kernels import sdpa_choice as _sdpa_choice
+from vram.run.kernels import sdpa_jagged as _sdpa_jagged
 from vram.run.kernels import sparse as _sparse
 from vram.run.memory.lazy_host import LAZY_FACTORIES
 from vram.run.memory.op_args import factory_numel
@@ -149,9 +151,16 @@ class FunctionMode(TorchFunctionMode):
             fused = _functions.half_to_float_softmax(func, name, args, kwargs)
             if fused is not None:
                 return self._call(func, fused, None, False, args, kwargs)
+        if name == "_nested_tensor_from_tensor_list" and _patches.strided_nested_on_gpu(
+                (list(args) + [None] * 4)[3] if len(args) > 3 else kwargs.get("device"),
+                args[0] if args else kwargs.get("list", []), lambda t: sim.seen_idx(t) is not None):
+            raise NotImplementedError(_patches.STRIDED_NESTED)  # as_nested_tensor, strided layout
         if func is _SDPA and args and getattr(args[0], "is_nested", False) \
-                and sim.block_of(getattr(args[0], "_values", None)) is not None:
-            raise NotImplementedError(_sdpa.NESTED_REFUSAL)
+                and (q_idx := sim.seen_idx(getattr(args[0], "_values", None))) is not None:
+            # a jagged nested tensor: torch/nested/_internal/sdpa.py with a CUDA GPU's kernel choice
+            p, cc = _sdpa_choice.sdpa_args(args, kwargs), sim.props[q_idx]
+            return self._call(func, lambda: _sdpa_jagged.jagged_sdpa(p, cc.major, cc.minor), None, False,
+                              args, kwargs)
         if func is _SDPA and args and (q_idx := sim.seen_idx(args[0])) is not None:
             # a DTensor too: its wrapper's device is cuda on a GPU, so attention.cpp's CUDA
             # _fused_sdp_choice_stub picks the kernel and DTensor runs it on the local shards
@@ -228,7 +237,7 @@ class FunctionMode(TorchFunctionMode):
         sim = self.sim
         if func in _functions.TRANSPARENT and any(sim.block_of(t) for t in tree_leaves((args, kwargs))):
             return self._call(func, lambda: self._inside(func, args, kwargs), None, False, args, kwargs)
-        if func in _fast.FUSED and b0 is not None:
+        if func in _fast.FUSED and (b0 := _fast.fused_device_block(sim, args)) is not None:
             cc = sim.props[b0.device]  # nn.MultiheadAttention / TransformerEncoderLayer in inference
             out = self._call(func, lambda: self._again(lambda: _fast.FUSED[func](args, kwargs, cc.major, cc.minor)),
                              None, False, args, kwargs)

@@ -13,8 +13,8 @@ true, so a simulated run took the layer-by-layer slow path, which allocates diff
   CUDA source makes (cited per step); the ops they call are vram's usual models;
 * `fused_values` gives the outputs the values of the fused op's CPU kernel (the composites leave
   their scratch unwritten, so what they computed is not the op's value);
-* the nested-tensor path (``TransformerEncoder`` with ``src_key_padding_mask``) stops with a clear
-  message: nested tensors are not modelled.
+* the nested-tensor path (``TransformerEncoder`` with ``src_key_padding_mask``) packs the batch
+  into a `vram.run.kernels.nested_fastpath.SimulatedNestedTensor` and runs each layer on its buffer.
 """
 from __future__ import annotations
 
@@ -31,6 +31,15 @@ from torch.utils._pytree import tree_leaves
 from vram.run.values import known
 
 from .functions import clone_with_globals
+from .nested_fastpath import (
+    SimulatedNestedTensor,
+    from_mask,
+    left_aligned,
+    nested_attention,
+    nested_values,
+    padded_metadata,
+    to_padded,
+)
 from .sdpa_choice import sdpa_args, select_sdpa_backend
 
 _FUSED_SDPA = ("flash", "efficient", "cudnn")
@@ -39,7 +48,7 @@ _FUSED_SDPA = ("flash", "efficient", "cudnn")
 def _overridden(a: Any) -> bool:
     """C++ ``check_has_torch_function``: not exactly a Tensor/Parameter and a ``__torch_function__``
     other than ``_disabled_torch_function_impl``."""
-    if type(a) in (torch.Tensor, nn.Parameter):
+    if type(a) in (torch.Tensor, nn.Parameter, SimulatedNestedTensor):  # the last: a nested tensor on a GPU
         return False
     tf = getattr(a, "__torch_function__", None)
     return tf is not None and tf is not torch._C._disabled_torch_function_impl
@@ -174,6 +183,39 @@ def native_mha_cuda(args: tuple[Any, ...], kwargs: dict[str, Any], major: int, m
     return proj, qkt
 
 
+def _padded_nested_attention(nt: SimulatedNestedTensor, heads: int, qkv_w: torch.Tensor, qkv_b: torch.Tensor,
+                             proj_w: torch.Tensor, proj_b: torch.Tensor) -> torch.Tensor:
+    """``native_multi_head_attention_cuda``'s general branch on a nested input (no mask, no weights):
+    ``gemm_nt`` (``NestedTensor_matmul``: ``mm`` on the buffer), ``transform_bias_rescale_qkv_cuda``
+    (the block padded to the longest sequence rounded up to 8, then its int32 offsets and sizes,
+    ``2 * N + 1`` ints, freed), ``bmm_nt``, ``_nested_tensor_softmax_with_shape``
+    (``NestedTensor_to_mask`` copied to the GPU, ``[N, T]`` bool, then ``_masked_softmax`` with mask
+    type 1; the mask dies on return, then the scores), ``bmm_nn`` into q's storage, and
+    ``transform0213_gemm_nt_bias``: ``nested_from_padded`` with the 0213 transform, then ``addmm``."""
+    lengths = nt.lengths()
+    n, d, total = len(lengths), int(nt.sizes[0, 1]), sum(lengths)
+    dh, t = d // heads, max(lengths) + (8 - max(lengths) % 8) % 8
+    qkv = torch.mm(nt.rows(), qkv_w.t())
+    block = torch.empty((3, n, heads, t, dh), dtype=qkv_b.dtype, device=qkv_b.device)
+    metadata = torch.empty(2 * n + 1, dtype=torch.int32, device=qkv_b.device)
+    del metadata
+    q, k, v = block.view(3 * n, heads, t, dh).split(n, 0)
+    del qkv, block
+    scores = torch.bmm(q.view(n * heads, t, dh), k.view(n * heads, t, dh).transpose(2, 1)).view(n, heads, t, t)
+    mask = torch.empty((n, t), dtype=torch.bool, device=scores.device)
+    probs = masked_softmax_cuda(scores, mask, 3, 1)
+    del mask
+    scores = probs
+    del probs
+    ctx = torch.bmm(scores.view(n * heads, t, t), v.view(n * heads, t, dh), out=q.reshape(n * heads, t, dh))
+    del scores
+    rows = torch.empty((total, d), dtype=ctx.dtype, device=ctx.device)  # nested_from_padded's output,
+    padded_metadata(ctx.view(n, heads, t, dh), nt.sizes)  # then its metadata
+    proj = torch.addmm(proj_b, rows, proj_w.t())
+    del rows, ctx, q, k, v  # nested_a when transform0213 returns; the q/k/v block when the function does
+    return proj
+
+
 def _qkv_projection(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, d: int,
                     w: torch.Tensor) -> torch.Tensor:
     """attention.cpp ``qkv_projection``: ``gemm_nt`` is ``at::native::matmul(x, w.t())``."""
@@ -195,17 +237,29 @@ def encoder_layer_cuda(args: tuple[Any, ...], kwargs: dict[str, Any], major: int
     p.update(zip(names, args))
     p.update(kwargs)
     src, d, eps = p["src"], p["embed_dim"], p["layer_norm_eps"]
-    if src.is_nested:
+    nested = src if isinstance(src, SimulatedNestedTensor) else None
+    if nested is not None:  # the layer runs on the buffer as [1, sum(L_i), D]
+        if nested.buffer.numel() == 0:
+            return SimulatedNestedTensor(nested.buffer, nested.sizes)
+        src = nested.rows().unsqueeze(0)
+    elif src.is_nested:
         raise NotImplementedError(_NESTED)
-    if src.numel() == 0:
+    elif src.numel() == 0:
         return src.clone()
 
     def norm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, [d], w, bias, eps)
 
     x = norm(src, p["ln1_w"], p["ln1_b"]) if p["norm_first"] else src
-    x = native_mha_cuda((x, x, x, d, p["num_heads"], p["qkv_weight"], p["qkv_bias"], p["proj_weight"],
-                         p["proj_bias"], p["mask"], False, True, p["mask_type"]), {}, major, minor)[0]
+    if nested is not None:
+        attention_input = SimulatedNestedTensor(x.view(-1), nested.sizes)
+        weights = (p["num_heads"], p["qkv_weight"], p["qkv_bias"], p["proj_weight"], p["proj_bias"])
+        fused = nested_attention(attention_input, *weights, major, minor)
+        x = (fused if fused is not None else _padded_nested_attention(attention_input, *weights)).unsqueeze(0)
+        del attention_input, fused
+    else:
+        x = native_mha_cuda((x, x, x, d, p["num_heads"], p["qkv_weight"], p["qkv_bias"], p["proj_weight"],
+                             p["proj_bias"], p["mask"], False, True, p["mask_type"]), {}, major, minor)[0]
     x.add_(src)
     if not p["norm_first"]:
         x = norm(x, p["ln1_w"], p["ln1_b"])
@@ -222,15 +276,11 @@ def encoder_layer_cuda(args: tuple[Any, ...], kwargs: dict[str, Any], major: int
     if not p["norm_first"]:
         x = norm(x, p["ln2_w"], p["ln2_b"])
     del pre_ffn  # freed when the C++ function returns
-    return x
+    return x if nested is None else SimulatedNestedTensor(x.view(-1), nested.sizes)
 
 
-_NESTED = ("vram run: nn.TransformerEncoder's nested-tensor fast path (eval, no grad, src_key_padding_mask) "
-           "is not modelled; build the encoder with enable_nested_tensor=False to measure the dense path")
-
-
-def _refuse_nested(args: tuple[Any, ...], kwargs: dict[str, Any], major: int, minor: int) -> Any:
-    raise NotImplementedError(_NESTED)
+_NESTED = ("vram run: nested tensors into nn.MultiheadAttention / TransformerEncoderLayer's fused kernels "
+           "outside nn.TransformerEncoder's nested-tensor fast path are not modelled")
 
 
 #: the aten op behind each fused function: its CPU kernel gives the composite's outputs their values
@@ -243,6 +293,9 @@ def fused_values(sim: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     (`known.propagate`: unknown inputs leave them unknown). The composites in `FUSED` allocate what
     the CUDA kernels allocate but never write their scratch (``empty`` q/k/v, the persistent
     softmax's output), so what they computed is not the op's value (``--values real`` read it)."""
+    if isinstance(out, SimulatedNestedTensor) or func is torch.nested.to_padded_tensor:
+        nested_values(sim, func, args, kwargs, out)
+        return
     op = _ATEN.get(func)
     if op is not None:
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -254,5 +307,13 @@ def fused_values(sim: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, A
 FUSED: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], int, int], Any]] = {
     torch._native_multi_head_attention: native_mha_cuda,
     torch._transformer_encoder_layer_fwd: encoder_layer_cuda,
-    torch._nested_tensor_from_mask: _refuse_nested,
+    torch._nested_tensor_from_mask: from_mask,
+    torch._nested_tensor_from_mask_left_aligned: left_aligned,
+    torch.nested.to_padded_tensor: to_padded,
 }
+
+
+def fused_device_block(sim: Any, args: tuple[Any, ...]) -> Any:
+    """The simulated block a fused call's first argument lives in (a nested tensor's: its buffer's)."""
+    first = args[0] if args else None
+    return sim.block_of(first.buffer if isinstance(first, SimulatedNestedTensor) else first)

@@ -10,7 +10,7 @@
 * **cuDNN attention** (preferred on sm90/sm100, or forced with ``sdpa_kernel``): its seed/offset,
   output, logsumexp and workspace, in `vram.run.kernels.sdpa_cudnn`.
 
-Not modelled: nested tensors (left to PyTorch's composite), FA3, batches > 65535 (chunked), the
+Jagged nested tensors: `vram.run.kernels.sdpa_jagged`. Not modelled: FA3, batches > 65535 (chunked), the
 shared-memory fit of mem-efficient kernels (``sizeof(SharedStorage) > sharedMemPerBlockOptin``
 skips a kernel: sm80/sm90 fit the first kernel by ``kMaxK``; sm75/sm86/sm89 may fall back to one
 with other tiles).
@@ -26,13 +26,8 @@ import torch.nn.functional as F
 
 from .sdpa_choice import HALF, deterministic_algorithms, qkv, requires_grad
 from .sdpa_cudnn import cudnn_backward_plan, cudnn_forward_plan
+from .sdpa_jagged import varlen_plan
 
-#: jagged nested tensors into SDPA: a CUDA build runs torch/nested/_internal/sdpa.py's choice
-#: (flash/efficient/cuDNN over cumulative sequence lengths, ``_flash_attention_forward`` varlen),
-#: whose kernels' allocations are not modelled here; the CPU build would run the math path
-NESTED_REFUSAL = ("vram run: scaled_dot_product_attention on nested (jagged) tensors on the simulated GPU is not "
-                  "modelled (CUDA runs the variable-length flash/efficient/cuDNN kernels); pad the batch to a "
-                  "dense tensor to measure it")
 #: capability of the device an efficient-attention forward ran on, by its logsumexp storage
 _EFFICIENT_CC: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
 
@@ -254,26 +249,55 @@ def _cutlass_b(dtype: torch.dtype, cc: int, max_k: int, dropout: bool) -> tuple[
 
 
 def _efficient_backward(args: tuple[Any, ...]) -> list[tuple[str, Any]]:
-    """``_efficient_attention_backward``: contiguous grad_out, grads, delta, the float32 workspace."""
+    """``_scaled_dot_product_efficient_attention_backward`` (BHMK inputs, transposed to BMHK)."""
     g, q, k, v, lse = args[0], args[1], args[2], args[3], args[6]
     dropout = float(args[9]) > 0 if len(args) > 9 else False
     b, h, m, d = q.shape
-    n, dv = k.size(2), v.size(3)
     major, minor = _EFFICIENT_CC.get(lse.untyped_storage(), (9, 0))
-    arch, bi, bj, kmax = _cutlass_b(q.dtype, major * 10 + minor, max(d, dv), dropout)
-    half = q.dtype in HALF
+    return _efficient_backward_plan(q.dtype, (b, h, m, k.size(2), d, v.size(3)), (b, m), dropout, (major, minor),
+                                    _copy_if_strided(g), 4)
+
+
+def _efficient_varlen_backward(args: tuple[Any, ...], cc: tuple[int, int]) -> list[tuple[str, Any]]:
+    """``_efficient_attention_backward`` called directly (BMHK inputs; jagged nested tensors pass
+    ``cu_seqlens``): ``p.num_batches`` is ``cu_seqlens_q.size(0) - 1``, ``p.num_queries`` /
+    ``p.num_keys`` the max sequence lengths, the delta ``[B, nH, M]`` over the packed tokens; no
+    ``grad_bias`` unless ``bias_requires_grad``."""
+    g, q, k, v, cu_q, lse = args[0], args[1], args[2], args[3], args[6], args[10]
+    dropout = float(args[11]) > 0
+    if len(args) > 19 and args[19]:
+        raise NotImplementedError("vram run: _efficient_attention_backward with shared_storage_dqdkdv=True is not "
+                                  "modelled")
+    b, m, h, d = q.shape
+    batches = b if cu_q is None else cu_q.numel() - 1
+    max_q, max_k = (m, k.size(1)) if cu_q is None else (int(args[8]), int(args[9]))
+    copy = 0 if g.is_contiguous() else g.numel() * g.element_size()
+    grads = 4 if len(args) > 15 and args[15] else 3
+    return _efficient_backward_plan(q.dtype, (batches, h, max_q, max_k, d, v.size(3)), (b, m), dropout,
+                                    _EFFICIENT_CC.get(lse.untyped_storage(), cc), copy, grads)
+
+
+def _efficient_backward_plan(dtype: torch.dtype, dims: tuple[int, ...], rows: tuple[int, int], dropout: bool,
+                             cc: tuple[int, int], copy: int, grads: int) -> list[tuple[str, Any]]:
+    """``_efficient_attention_backward``: contiguous grad_out, grads, delta, the float32 workspace.
+    `dims`: (batches, heads, queries, keys, head dim, value head dim) as the kernel's params see
+    them; `rows`: (B, M) of the tensors (the delta and its float inputs)."""
+    b, h, m, n, d, dv = dims
+    rb, rm = rows
+    arch, bi, bj, kmax = _cutlass_b(dtype, cc[0] * 10 + cc[1], max(d, dv), dropout)
+    half = dtype in HALF
     in_rf = half and kmax <= bi
     split_keys = arch >= 70
     acc_q, acc_kv = split_keys or half, not in_rf and half
-    plan: list[tuple[str, Any]] = [("tmp", _copy_if_strided(g))] if _copy_if_strided(g) else []
+    plan: list[tuple[str, Any]] = [("tmp", copy)] if copy else []
     base = len(plan)
-    plan += [("out", 0), ("out", 1), ("out", 2), ("out", 3)]
+    plan += [("out", i) for i in range(grads)]
     if half and (in_rf or arch != 70):  # kKernelComputesDelta
-        plan += [("tmp", b * h * m * 4)]
+        plan += [("tmp", rb * h * rm * 4)]
         delta = base
     else:  # (grad_out.to(float) * out.to(float)).sum(-1).transpose(-2, -1).contiguous()
-        chain = [("tmp", b * m * h * dv * 4)] * (2 if half else 0)  # the float copies (out's first)
-        plan += chain + [("tmp", b * m * h * dv * 4), ("tmp", b * m * h * 4), ("tmp", b * h * m * 4)]
+        chain = [("tmp", rb * rm * h * dv * 4)] * (2 if half else 0)  # the float copies (out's first)
+        plan += chain + [("tmp", rb * rm * h * dv * 4), ("tmp", rb * rm * h * 4), ("tmp", rb * h * rm * 4)]
         first = base + len(chain)
         plan += [("free", first + 1), ("free", first)] + [("free", i) for i in reversed(range(base, first))]
         delta = first + 2
@@ -308,10 +332,15 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         return plan
     if name == "_scaled_dot_product_efficient_attention_backward":
         return _efficient_backward(args)
+    if name == "_efficient_attention_backward":
+        return _efficient_varlen_backward(args, cc)
     if name == "_scaled_dot_product_cudnn_attention":
         return cudnn_forward_plan(args, cc)
     if name == "_scaled_dot_product_cudnn_attention_backward":
         return cudnn_backward_plan(args, cc)
+    varlen = varlen_plan(name, args, sms)
+    if varlen is not None:
+        return varlen
     if name == "_safe_softmax":  # softmax, isneginf, all(keepdim), scalar 0: where_out into softmax
         x = args[0]
         rows = x.numel() // max(x.size(args[1]), 1) if x.dim() else x.numel()

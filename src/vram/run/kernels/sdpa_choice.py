@@ -225,13 +225,15 @@ def _cudnn_checks(p: dict[str, Any], cc: tuple[int, int], version: int) -> list[
 
 
 def sdpa_rejections(p: dict[str, Any], major: int = 9, minor: int = 0,
-                    cudnn_version: int | None = None) -> dict[str, str | None]:
-    """For each fused backend, the first ``sdp_utils.cpp`` check that refuses `p` (None: usable)."""
+                    cudnn_version: int | None = None, *,
+                    skipped: frozenset[str] = frozenset()) -> dict[str, str | None]:
+    """For each fused backend, the first ``sdp_utils.cpp`` check that refuses `p` (None: usable);
+    the checks named in `skipped` are left out (those nested inputs do not run)."""
     cc, version = (major, minor), CUDNN_VERSION if cudnn_version is None else cudnn_version
     out: dict[str, str | None] = {}
     for name, checks in (("flash", _flash_checks(p, cc)), ("efficient", _efficient_checks(p, cc)),
                          ("cudnn", _cudnn_checks(p, cc, version))):
-        out[name] = next((check for check, ok in checks if not ok()), None)
+        out[name] = next((check for check, ok in checks if check not in skipped and not ok()), None)
     return out
 
 

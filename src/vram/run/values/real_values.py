@@ -19,7 +19,8 @@ continued with some values missing.
 
 Kernels that exist only for CUDA have CPU implementations here (`CUDA_ONLY`): the fused
 attention kernels a GPU's ``scaled_dot_product_attention`` runs (flash, memory-efficient,
-cuDNN), computed by PyTorch's CPU flash kernel or, with dropout, by the math formula with a
+cuDNN, and their variable-length forms for jagged nested tensors, sequence by sequence), computed
+by PyTorch's CPU flash kernel or, with dropout, by the math formula with a
 mask drawn from the CPU generator and kept for the backward. Any other op that fails on the CPU
 leaves its outputs unknown, and a read of them is reported as in the default mode (with the
 reason), never answered silently.
@@ -196,6 +197,87 @@ def _cudnn_backward(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, 
                      sim.block_of(args[4]))
 
 
+# -- the variable-length kernels jagged nested tensors call (cu_seqlens): each sequence on its own
+def _spans(cu: Any) -> list[tuple[int, int]]:
+    if cu is None:
+        raise NotImplementedError("no CPU values for a direct dense call of a variable-length attention kernel")
+    bounds = [int(b) for b in cu.tolist()]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _sequence(t: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    """Rows ``[start, end)`` of a packed ``[total, H, D]`` tensor as ``[1, H, L, D]``."""
+    return t[span[0]:span[1]].transpose(0, 1).unsqueeze(0)
+
+
+def _no_dropout(p: float, causal_type: int = 0) -> None:
+    if p:
+        raise NotImplementedError("no CPU values for variable-length attention with dropout")
+    if causal_type > 1:
+        raise NotImplementedError("no CPU values for variable-length attention causal from the bottom right")
+
+
+def _flash_varlen(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    """``_flash_attention_forward`` over ``cu_seqlens``: out ``[total_q, H, D]``, logsumexp
+    ``[H, total_q]`` (``mha_varlen_fwd``'s unpadded layout)."""
+    (q, k, v, cu_q, cu_k, _, _, p, causal, *_), kw = cpu
+    _no_dropout(p)
+    res = _shaped_like_meta(func, args, kwargs)
+    for sq, sk in zip(_spans(cu_q), _spans(cu_k)):
+        if sq[1] > sq[0]:
+            o, lse = _forward(_sequence(q, sq), _sequence(k, sk), _sequence(v, sk), None, 0.0, causal,
+                              kw.get("scale"), None)
+            res[0][sq[0]:sq[1]] = o[0].transpose(0, 1)
+            res[1][:, sq[0]:sq[1]] = lse[0]
+    return tuple(res)
+
+
+def _flash_varlen_backward(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    (g, q, k, v, o, lse, cu_q, cu_k, _, _, p, causal, *_), kw = cpu
+    _no_dropout(p)
+    grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+    for sq, sk in zip(_spans(cu_q), _spans(cu_k)):
+        if sq[1] > sq[0]:
+            gq, gk, gv = _backward(_sequence(g, sq), _sequence(q, sq), _sequence(k, sk), _sequence(v, sk),
+                                   _sequence(o, sq), lse[:, sq[0]:sq[1]].unsqueeze(0), None, 0.0, causal,
+                                   kw.get("scale"), None)
+            for grad, part, span in zip(grads, (gq, gk, gv), (sq, sk, sk)):
+                grad[span[0]:span[1]] = part[0].transpose(0, 1)
+    return tuple(grads)
+
+
+def _efficient_varlen(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    """``_efficient_attention_forward`` over ``cu_seqlens``: out ``[1, total_q, H, Dv]``, logsumexp
+    ``[b, H, ceil(max_q / 32) * 32]`` (each sequence's rows first)."""
+    (q, k, v, _, cu_q, cu_k, _, _, p, causal_type, *_), kw = cpu
+    _no_dropout(p, causal_type)
+    res = _shaped_like_meta(func, args, kwargs)
+    for i, (sq, sk) in enumerate(zip(_spans(cu_q), _spans(cu_k))):
+        if sq[1] > sq[0]:
+            o, lse = _forward(_sequence(q[0], sq), _sequence(k[0], sk), _sequence(v[0], sk), None, 0.0,
+                              causal_type == 1, kw.get("scale"), None)
+            res[0][0, sq[0]:sq[1]] = o[0].transpose(0, 1)
+            if res[1].size(-1):
+                res[1][i, :, :sq[1] - sq[0]] = lse[0]
+    return tuple(res)
+
+
+def _efficient_varlen_backward(sim: SimState, func: Any, args: Any, kwargs: Any, cpu: Any, out: Any) -> Any:
+    (g, q, k, v, bias, o, cu_q, cu_k, _, _, lse, p, _, _, causal_type, *_), kw = cpu
+    if bias is not None:
+        raise NotImplementedError("no CPU values for variable-length attention with a bias")
+    _no_dropout(p, causal_type)
+    grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+    for i, (sq, sk) in enumerate(zip(_spans(cu_q), _spans(cu_k))):
+        if sq[1] > sq[0]:
+            parts = _backward(_sequence(g[0], sq), _sequence(q[0], sq), _sequence(k[0], sk), _sequence(v[0], sk),
+                              _sequence(o[0], sq), lse[i:i + 1, :, :sq[1] - sq[0]], None, 0.0, causal_type == 1,
+                              kw.get("scale"), None)
+            for grad, part, span in zip(grads, parts, (sq, sk, sk)):
+                grad[0, span[0]:span[1]] = part[0].transpose(0, 1)
+    return (*grads, torch.zeros(()))  # grad_bias: the meta kernel's 0-dim stand-in (no bias)
+
+
 def _block(sim: SimState, out: Any) -> ChargedStorage | None:
     """The block of an attention forward's output (its dropout mask goes there)."""
     first = out[0] if isinstance(out, (tuple, list)) and out else None
@@ -232,4 +314,8 @@ CUDA_ONLY = {
     _aten._scaled_dot_product_cudnn_attention.default: _cudnn,
     _aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward,
     _aten.histc.default: _histc,
+    _aten._flash_attention_forward.default: _flash_varlen,
+    _aten._flash_attention_backward.default: _flash_varlen_backward,
+    _aten._efficient_attention_forward.default: _efficient_varlen,
+    _aten._efficient_attention_backward.default: _efficient_varlen_backward,
 }
