@@ -32,7 +32,7 @@ F = torch.nn.functional
 
 from vram.run.kernels.sdpa_choice import sdpa_args  # noqa: E402
 from vram.run.kernels.sdpa_jagged import select_jagged_backend  # noqa: E402
-from vram.run.runtime import simulated_cuda  # noqa: E402
+from vram.run.runtime import active_sim, simulated_cuda  # noqa: E402
 
 LENGTHS = (37, 120, 64, 5)
 OUT16, LSE, OFFS32 = 226 * 8 * 64 * 2, 8 * 226 * 4, 5 * 4
@@ -235,9 +235,29 @@ def test_encoder_nested_path_with_a_one_token_sequence_pads_again() -> None:
                              ("a", 3840), ("a", 60)]  # then the first layer norm's output and mean
 
 
+def test_a_batch_of_one_runs_and_names_the_scans_cub_storage() -> None:
+    """One sequence: ``mask.cumsum(1)`` scans a single row, which ``scan_dim`` hands to cub's device
+    scan (``numel == size(dim)``); its temporary storage is named, and the nested path begins as
+    for three sequences (`test_encoder_nested_path_allocates_what_cuda_does`) with one: the float
+    mask (64 B), ``logical_not`` (16 B), then `_mask_sizes(1, 16)`."""
+    from vram.run.kernels.sorting import cub_note
+
+    with simulated_cuda("80GiB"):
+        torch.manual_seed(0)
+        enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 1)
+        enc = enc.cuda().eval()
+        x = torch.randn(1, 16, 64, device="cuda")
+        pad = torch.arange(16, device="cuda")[None, :] >= torch.tensor([7], device="cuda")[:, None]
+        with torch.inference_mode():
+            enc(x, src_key_padding_mask=pad)
+            got = _events(lambda: enc(x, src_key_padding_mask=pad))
+        sim = active_sim()
+        assert sim is not None and sim.uncharged.get(cub_note("cumsum"), 0) >= 1
+    assert got[:2 + len(_mask_sizes(1, 16))] == [("a", 64), ("a", 16), *_mask_sizes(1, 16)]
+
+
 @pytest.mark.parametrize("dtype, lengths, message", [
     (torch.bfloat16, (5, 16, 9), "bfloat16 input"),
-    (torch.float32, (7,), "a batch of one sequence"),
 ])
 def test_unmodelled_encoder_nested_cases_stop_with_one_line(dtype: Any, lengths: tuple[int, ...],
                                                             message: str) -> None:

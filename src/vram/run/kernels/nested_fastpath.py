@@ -29,8 +29,9 @@ same: a simulated buffer and the ``[N, 2]`` sizes. Every device allocation is th
 
 The layers' norms, feed-forward and residual adds run on the buffer as ``[sum(L_i), D]``
 (``nested_layer_norm``, ``NestedTensor_times_Tensor_plus_Tensor_addmm``, the in-place nested add) in
-`vram.run.kernels.fastpath`. Refused in one line: batches of one (``cumsum`` then runs cub's
-device scan, whose temporary storage is not modelled), dtypes other than float32/float16 (the
+`vram.run.kernels.fastpath`. A batch of one scans its mask with cub's device scan (``cumsum`` of
+one row: `vram.run.kernels.sorting`, the temporary storage named). Refused in one line: dtypes
+other than float32/float16 (the
 generic ``nested_from_padded`` / ``to_padded_tensor`` paths). A layer whose attention leaves the
 SDPA branch (a sequence of length <= 1, a head dim not a multiple of 8, no fused kernel) pads the
 batch again (``transform_bias_rescale_qkv`` with padding, ``NestedTensor_to_mask``,
@@ -113,9 +114,6 @@ def _checked(t: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
     n, length = t.size(0), t.size(1)
     if (n, length) != tuple(mask.shape):
         raise RuntimeError("Mask size should match input size")
-    if n == 1:
-        raise _refuse("a batch of one sequence (mask.cumsum(1) then runs cub's device scan, whose "
-                      "temporary storage)")
     return n, length
 
 
