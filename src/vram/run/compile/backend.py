@@ -58,7 +58,7 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
                   cudagraphs: bool = False) -> dict[str, Any]:
     """What the compile process needs for `gm` (`worker.compile_request`): a copy of the graph with
     the simulated devices retargeted to ``cuda:0``, its nodes pickled (`graph_transport`); the
-    inputs' sizes, strides, dtypes, ``requires_grad`` and whether each is a parameter; the ambient
+    inputs' sizes, strides, dtypes, ``requires_grad``, whether each is a parameter and a leaf; the ambient
     CUDA autocast and grad mode; with `cudagraphs`, compiled for CUDA graphs, the inputs Dynamo
     marked static."""
     import pickle
@@ -71,7 +71,7 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
     copy = torch.fx.GraphModule(gm, graph)
     retarget(copy, "vramsim")
     inputs = [(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), bool(t.requires_grad),
-               isinstance(t, torch.nn.Parameter)) for t in example_inputs]
+               isinstance(t, torch.nn.Parameter), bool(t.is_leaf)) for t in example_inputs]
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     static = [i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))
               if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]

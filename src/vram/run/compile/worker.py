@@ -62,6 +62,21 @@ class _ExampleValues:
         return self.interpreter.run(*args)
 
 
+def _meta_input(shape: Any, stride: Any, dtype: str, requires_grad: bool, is_param: bool,
+                is_leaf: bool = True) -> Any:
+    """An example input on the meta device: a parameter, a leaf, or (requires grad, not a leaf) a
+    clone of one."""
+    import torch
+
+    t = torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device="meta")
+    if is_param:
+        return torch.nn.Parameter(t)
+    if requires_grad and not is_leaf:
+        with torch.enable_grad():
+            return t.requires_grad_(True).clone()
+    return t.requires_grad_(requires_grad)
+
+
 def compile_request(request: dict[str, Any]) -> dict[str, Any]:
     """Compile one graph (see the module docstring)."""
     import torch
@@ -72,10 +87,7 @@ def compile_request(request: dict[str, Any]) -> dict[str, Any]:
     from .inductor_cuda import NotModelled, compile_for_cuda, fake_inputs, route_sdpa
 
     gm = graph_module(pickle.loads(request["graph"]))  # noqa: S301 - the parent vram run process, same user
-    inputs = [torch.nn.Parameter(torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device="meta"))
-              if is_param else torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device="meta")
-              .requires_grad_(requires_grad)
-              for shape, stride, dtype, requires_grad, is_param in request["inputs"]]
+    inputs = [_meta_input(*spec) for spec in request["inputs"]]
     autocast = getattr(torch, request["autocast"]) if request["autocast"] else None
     from .cuda_process import GUESSED
 
