@@ -149,17 +149,39 @@ class CompiledGraph:
         return outs
 
 
-def alias_from_base(base: torch.Tensor, target: torch.Tensor, requires_grad: bool, views: list[Any]) -> Any:
-    """``gen_alias_from_base`` (functional_utils.py) with its view replay
-    (``view_replay_for_aliased_outputs``): the functionalization's views applied to `base`."""
-    out = torch._C._functionalization.apply_view_meta_sequence(base, views)
-    if out.shape != target.shape:
-        raise AssertionError(f"view replay made {tuple(out.shape)}, the graph's output is {tuple(target.shape)}")
-    if base.requires_grad and not requires_grad:
-        return out.detach()
-    if not base.requires_grad and requires_grad:
-        out.requires_grad_(True)
-    return out
+def alias_from_base(base: torch.Tensor, target: torch.Tensor, requires_grad: bool, views: list[Any] | None) -> Any:
+    """``gen_alias_from_base`` (functional_utils.py): the functionalization's views replayed on
+    `base` (``view_replay_for_aliased_outputs``), else `target`'s own view function on `base`
+    (restrided as `target`'s base if they differ), else ``as_strided``."""
+    def patch(out: torch.Tensor) -> torch.Tensor:
+        if base.requires_grad and not requires_grad:
+            return out.detach()
+        if not base.requires_grad and requires_grad:
+            out.requires_grad_(True)
+        return out
+
+    if views is not None:
+        out = torch._C._functionalization.apply_view_meta_sequence(base, views)
+        if out.shape != target.shape:
+            raise AssertionError(f"view replay made {tuple(out.shape)}, the graph's output is {tuple(target.shape)}")
+        return patch(out)
+    if target._base is not None:
+        b = target._base
+        reshaped = base
+        if base is not b and (base.size() != b.size() or base.stride() != b.stride()
+                              or base.storage_offset() != b.storage_offset()):
+            reshaped = base.as_strided(b.size(), b.stride(), b.storage_offset())
+        out = target._view_func(reshaped)
+        if out is not None and out.shape == target.shape:
+            return patch(out)
+    if base.is_complex() and not target.is_complex():
+        aliased = torch.view_as_real(base).as_strided(target.size(), target.stride(), target.storage_offset())
+    elif not base.is_complex() and target.is_complex():
+        aliased = torch.view_as_complex(base).as_strided(target.size(), target.stride(), target.storage_offset())
+    else:
+        aliased = base.as_strided(target.size(), target.stride(), target.storage_offset())
+    aliased = patch(aliased)
+    return aliased.view(target.dtype) if aliased.dtype != target.dtype else aliased
 
 
 def in_trees(module: Any, calls: list[dict[str, Any]], trees: Any, device_index: int) -> None:

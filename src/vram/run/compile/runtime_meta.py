@@ -70,11 +70,6 @@ def _unsupported(meta: Any) -> list[str]:
         problems.append("an input's storage swapped (set_) outside the graph")
     if meta.num_symints_saved_for_bw or (meta.num_opaque_objects_saved_for_bw or 0):
         problems.append("symbolic sizes or opaque objects saved for the backward")
-    for info in meta.output_info:
-        if info.output_type.name not in NOT_ALIASED and info.output_type.name != "is_input" \
-                and view_metas(info.view_meta_sequence) is None:
-            problems.append("an output aliasing an input or intermediate without a view replay")
-            break
     return problems
 
 
