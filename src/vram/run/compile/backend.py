@@ -54,6 +54,25 @@ class Notices:
             sys.stderr.write(f"vram run: {text}\n")
 
 
+def _symbolic(value: Any) -> Any:
+    """A size or stride: an int, or (symbolic) its sympy expression."""
+    return value.node.expr if isinstance(value, torch.SymInt) else int(value)
+
+
+def _input_spec(value: Any, traced: Any) -> tuple[Any, ...]:
+    """One graph input for the compile process: a size (``SymInt``: ``("symint", expression, hint)``)
+    or a tensor's sizes, strides, dtype, ``requires_grad``, whether a parameter and a leaf, and, when
+    Dynamo traced it with symbolic sizes (`traced`, its example value), the sizes' and strides'
+    expressions."""
+    if isinstance(value, torch.SymInt):
+        return ("symint", value.node.expr, int(value.node.hint))
+    symbolic = None
+    if isinstance(traced, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*traced.shape, *traced.stride())):
+        symbolic = (tuple(_symbolic(s) for s in traced.shape), tuple(_symbolic(s) for s in traced.stride()))
+    return (tuple(value.shape), tuple(value.stride()), str(value.dtype).removeprefix("torch."),
+            bool(value.requires_grad), isinstance(value, torch.nn.Parameter), bool(value.is_leaf), symbolic)
+
+
 def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dict[str, Any],
                   cudagraphs: bool = False) -> dict[str, Any]:
     """What the compile process needs for `gm` (`worker.compile_request`): a copy of the graph with
@@ -70,8 +89,8 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
     graph.output(graph.graph_copy(gm.graph, {}))
     copy = torch.fx.GraphModule(gm, graph)
     retarget(copy, "vramsim")
-    inputs = [(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), bool(t.requires_grad),
-               isinstance(t, torch.nn.Parameter), bool(t.is_leaf)) for t in example_inputs]
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    inputs = [_input_spec(t, node.meta.get("example_value")) for t, node in zip(example_inputs, placeholders)]
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     static = [i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))
               if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
@@ -92,13 +111,14 @@ def make_backend(client: CompileClient, notices: Notices, trees: Any = None, sim
     graphs: dict[str, CompiledGraph] = {}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        if not all(isinstance(t, torch.Tensor) for t in example_inputs):
-            notices.say("a compiled graph with symbolic sizes (dynamic shapes) is not modelled: it runs eagerly")
+        tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+        if not all(isinstance(t, (torch.Tensor, torch.SymInt)) for t in example_inputs):
+            notices.say("a compiled graph with inputs other than tensors and sizes is not modelled: it runs eagerly")
             return gm.forward
-        if any(t.device.type != "vramsim" for t in example_inputs):
+        if any(t.device.type != "vramsim" for t in tensors):
             notices.say("a compiled graph with CPU tensors among its inputs is not modelled: it runs eagerly")
             return gm.forward
-        indices = {t.device.index or 0 for t in example_inputs}
+        indices = {t.device.index or 0 for t in tensors}
         if len(indices) > 1:
             notices.say("a compiled graph with inputs on several GPUs is not modelled: it runs eagerly")
             return gm.forward

@@ -103,6 +103,10 @@ class CompiledGraph:
             self._apply_mutations(orig_inputs, updated)
         del updated
         ret_outs = self._replay_aliases(orig_inputs, fw_outs) if self.meta["aliased"] else fw_outs
+        for out, dims in zip(ret_outs, self.meta.get("dynamic_dims") or ()):
+            if dims is not None:  # mark_dynamo_propagated_dynamic_indices
+                out._dynamo_propagated_dynamic_indices = getattr(out, "_dynamo_propagated_dynamic_indices",
+                                                                 set()) | set(dims)
         if self.meta["grad_enabled_mutation"] is not None:
             torch._C._set_grad_enabled(self.meta["grad_enabled_mutation"])
         return ret_outs
@@ -199,10 +203,14 @@ def in_trees(module: Any, calls: list[dict[str, Any]], trees: Any, device_index:
         module.call = fns[0](module.call)
 
 
-def _restrided(x: Any, expected: list[list[int]] | None) -> Any:
-    """``coerce_to_expected_memory_format`` with a static size and stride."""
+def _restrided(x: Any, expected: Any) -> Any:
+    """``coerce_to_expected_memory_format``: to a memory format (symbolic sizes: its name), or to a
+    static size and stride."""
     if not isinstance(x, torch.Tensor) or expected is None:
         return x
+    if isinstance(expected, str):
+        memory_format = getattr(torch, expected)
+        return x if x.is_contiguous(memory_format=memory_format) else x.contiguous(memory_format=memory_format)
     size, stride = expected
     if list(x.shape) == size and list(x.stride()) == stride:
         return x
@@ -224,6 +232,8 @@ class _CompiledFunction(torch.autograd.Function):
         ctx.save_for_backward(*(t.detach() if t._is_view() else t for t in fw_outs[start:stop]))
         start, stop = meta["saved_no_vc"]
         ctx._tensors_no_vc_check = [t.detach() if t._is_view() else t for t in fw_outs[start:stop]]
+        start, stop = meta["saved_symints"] or (0, 0)
+        ctx.symints = fw_outs[start:stop]
         ctx.graph = graph
         raw = list(fw_outs[:meta["num_forward_returns"]])
         del fw_outs
@@ -246,7 +256,7 @@ class _CompiledFunction(torch.autograd.Function):
         """``_compiled_backward`` with ``_backward_prologue`` (grads: the engine's list)."""
         graph: CompiledGraph = ctx.graph
         meta = graph.meta
-        saved = (*ctx.saved_tensors, *ctx._tensors_no_vc_check)
+        saved = (*ctx.symints, *ctx.saved_tensors, *ctx._tensors_no_vc_check)
         all_args = _backward_args(meta, saved, grads, graph.num_mutated)
         del saved
         ctx.maybe_clear_saved_tensors()

@@ -104,14 +104,17 @@ def route_sdpa(gm: torch.fx.GraphModule, autocast_dtype: torch.dtype | None, maj
     return chosen
 
 
-def fake_inputs(example_inputs: Sequence[torch.Tensor], mode: Any) -> list[torch.Tensor]:
+def fake_inputs(example_inputs: Sequence[Any], mode: Any) -> list[Any]:
     """Fake CUDA tensors with the example inputs' sizes, strides, dtypes and ``requires_grad``;
     parameters stay parameters (AOTAutograd treats them as such); an input that requires grad and
     is not a leaf stays one (a clone, as Dynamo's fakification makes it: meta_utils.py), which
     AOTAutograd's runtime reads (``InputAliasInfo.is_leaf``, the inputs it detaches)."""
-    fakes = []
+    fakes: list[Any] = []
     with mode, torch.enable_grad():
         for t in example_inputs:
+            if not isinstance(t, torch.Tensor):  # a size (dynamic shapes), in the inputs' shape env
+                fakes.append(t)
+                continue
             fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_CUDA)
             if isinstance(t, torch.nn.Parameter):
                 fake = torch.nn.Parameter(fake)
@@ -165,7 +168,9 @@ def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Te
             kwargs["static_input_idxs"] = list(static_inputs)
         return compile_fx_inner(graph, inputs, **kwargs)
 
-    inputs = fake_inputs(example_inputs, FakeTensorMode())
+    from torch._guards import detect_fake_mode
+
+    inputs = fake_inputs(example_inputs, detect_fake_mode(example_inputs) or FakeTensorMode())
     codecache.PyCodeCache.load_by_key_path = spy  # type: ignore[method-assign]
     calls: list[dict[str, Any]] = []
     selections: list[dict[str, Any]] = []

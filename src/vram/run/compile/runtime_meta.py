@@ -18,8 +18,10 @@ The layout (JSON, as the compile cache keeps it):
   as differentiable (``_AutogradForwardEpilogue``);
 - ``saved`` (with version-counter checks) and ``saved_no_vc`` (stashed on the context): slices
   of the forward's outputs; ``tangents``: each backward tangent's expected size and stride
-  (``subclass_tangent_meta``'s ``MemoryFormatMeta``); ``detach``: the inputs the runtime
-  detaches (``_compute_indices_of_inps_to_detach``); ``grad_enabled_mutation``.
+  (``subclass_tangent_meta``'s ``MemoryFormatMeta``; with symbolic sizes, its memory format);
+  ``saved_symints``: the sizes the backward reads (``ctx.symints``); ``detach``: the inputs the
+  runtime detaches (``_compute_indices_of_inps_to_detach``); ``grad_enabled_mutation``;
+  ``dynamic_dims``: each output's symbolic dimensions, marked on it for Dynamo's later graphs.
 """
 from __future__ import annotations
 
@@ -68,18 +70,20 @@ def _unsupported(meta: Any) -> list[str]:
         problems.append("tensor subclasses")
     if any(meta.input_info[i].mutates_storage_metadata for i in meta.mutated_inp_runtime_indices):
         problems.append("an input's storage swapped (set_) outside the graph")
-    if meta.num_symints_saved_for_bw or (meta.num_opaque_objects_saved_for_bw or 0):
-        problems.append("symbolic sizes or opaque objects saved for the backward")
+    if meta.num_opaque_objects_saved_for_bw or 0:
+        problems.append("opaque objects saved for the backward")
     return problems
 
 
-def _tangents(meta: Any) -> list[list[list[int]] | None]:
-    """Each tangent's expected size and stride (static shapes), None where only a memory format
-    is kept."""
-    out: list[list[list[int]] | None] = []
+def _tangents(meta: Any) -> list[Any]:
+    """Each tangent's expected size and stride (static shapes) or memory format's name (symbolic
+    sizes: ``MemoryFormatMeta.memory_format``); None where nothing is expected."""
+    out: list[Any] = []
     for tangent in meta.subclass_tangent_meta:
         fmt = getattr(tangent, "memory_format", None)
-        if fmt is None or fmt.size is None or fmt.stride is None:
+        if fmt is not None and fmt.memory_format is not None:
+            out.append(str(fmt.memory_format).removeprefix("torch."))
+        elif fmt is None or fmt.size is None or fmt.stride is None:
             out.append(None)
         else:
             out.append([[int(s) for s in fmt.size], [int(s) for s in fmt.stride]])
@@ -104,10 +108,13 @@ def runtime_layout(meta: Any) -> dict[str, Any]:
         "returns_require_grad": [m["requires_grad"] for m in mutated] + [o["requires_grad"] for o in outputs],
         "in_graph_seen_by_autograd": list(meta.mutated_graph_handled_indices_seen_by_autograd),
         "grad_enabled_mutation": meta.grad_enabled_mutation, "not_modelled": _unsupported(meta),
-        "saved": None, "saved_no_vc": None, "tangents": None, "detach": []}
+        "saved": None, "saved_no_vc": None, "saved_symints": None, "tangents": None, "detach": [],
+        "dynamic_dims": [sorted(o.dynamic_dims) if o.dynamic_dims is not None else None for o in meta.output_info]
+        if meta.dynamic_outputs else None}
     if meta.num_symints_saved_for_bw is not None:  # a training graph, partitioned
         layout["saved"] = _slice(meta.tensors_saved_for_backwards_with_vc_check_slice)
         layout["saved_no_vc"] = _slice(meta.tensors_saved_for_backwards_no_vc_check_slice)
+        layout["saved_symints"] = _slice(meta.symints_saved_for_backwards_slice)
         layout["tangents"] = _tangents(meta)
     return layout
 
