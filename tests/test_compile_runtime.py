@@ -10,6 +10,7 @@ AOTAutograd's ``ViewAndMutationMeta`` for them (`vram.run.compile.runtime_meta.r
 """
 from __future__ import annotations
 
+from importlib.util import find_spec
 from typing import Any
 
 import pytest
@@ -185,3 +186,78 @@ def test_unsafe_view_outputs_and_tangents_restrided_as_traced() -> None:
     sizes = [e["size"] for e in trace if e["action"] == "alloc" and e["size"] > 512]
     restrided = (1 + 63 * 512 + 255) * 4
     assert sizes == [restrided, restrided, 64 * 512 * 4, 256 * 512 * 4]
+
+
+def _mutate_and_scale(x: torch.Tensor) -> torch.Tensor:
+    x.add_(1)
+    return x * 3
+
+
+def _two_views(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = (x @ w) * 2
+    return y.view(2, 32, 512)[1:], y.t()
+
+
+def _step(model: torch.nn.Module, batch: int) -> list[int]:
+    """One training step of `model` on a new batch; the sizes (> 512 bytes) its backward allocates."""
+    x = torch.zeros(batch, 256, device="cuda")
+    loss = model(x).sum()
+    torch.cuda.memory._record_memory_history(max_entries=10_000)
+    loss.backward()
+    trace = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    for p in model.parameters():
+        p.grad = None
+    return [e["size"] for e in trace if e["action"] == "alloc" and e["size"] > 512]
+
+
+@pytest.mark.skipif(find_spec("triton") is None, reason="needs triton (the 'compile' extra)")
+@pytest.mark.slow  # a compile process and four graphs compiled: about a minute
+def test_compiled_programs_the_runtime_used_to_run_eagerly(capsys: pytest.CaptureFixture[str]) -> None:
+    """Through Dynamo and the compile process, the three kinds of graph that ran eagerly before:
+    an input mutated outside the graph (the wrapper writes x + 1 and (x + 1) * 3 in one kernel:
+    both live in the call, the update freed after the copy-back; eagerly ``add_`` writes in place),
+    outputs aliasing an intermediate (one buffer, ``mm`` then an in-place scale, kept by its views;
+    eagerly the product and the scaled copy), and the MLP's third batch size, which Dynamo compiles
+    with a symbolic batch ``s``: its backward wrapper allocates (s, 1024), (256, 1024) and (1, 256)
+    floats, then (1, 1024), (1024, 256) (buf3 reuses buf0), after the tangent made contiguous
+    (``sum``'s expanded gradient, (s, 256))."""
+    nbytes = 64 * 256 * 4
+    with simulated_cuda("H200"):
+        torch.ones(2, 2, device="cuda") @ torch.ones(2, 2, device="cuda")  # cuBLAS's workspace, once
+        mutate = torch.compile(_mutate_and_scale)
+        x0 = torch.zeros(64, 256, device="cuda", requires_grad=True)
+        for first in (True, False):  # the second call: no autotuning
+            x = x0 * 1
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = mutate(x)
+            if first:
+                del out, x
+        assert torch.cuda.max_memory_allocated() == base + 2 * nbytes
+        assert torch.cuda.memory_allocated() == base + nbytes
+        assert type(x.grad_fn).__name__ == "CopyBackwards"
+        del out, x
+
+        views = torch.compile(_two_views)
+        x, w = torch.zeros(64, 256, device="cuda"), torch.zeros(256, 512, device="cuda", requires_grad=True)
+        for first in (True, False):
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            p, q = views(x, w)
+            if first:
+                del p, q
+        assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated() == base + 64 * 512 * 4
+        del p
+        assert torch.cuda.memory_allocated() == base + 64 * 512 * 4
+        del q
+        assert torch.cuda.memory_allocated() == base
+
+        mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+        model = torch.compile(mlp)
+        _step(model, 64)
+        _step(model, 48)  # Dynamo recompiles with a symbolic batch (autotuning its kernels)
+        s = 32
+        assert _step(model, s) == [s * 256 * 4, s * 1024 * 4, 256 * 1024 * 4, 256 * 4, 1024 * 4, 1024 * 256 * 4]
+    err = capsys.readouterr().err
+    assert "runs eagerly" not in err and "not modelled" not in err

@@ -12,10 +12,10 @@ whole stack, as the compiled code runs with the mode on.
 ``mode="reduce-overhead"`` (and ``max-autotune``, which records CUDA graphs too) compiles with
 CUDA graphs and runs each graph partition in `cudagraph_trees`. What is not modelled is said once
 on stderr and runs eagerly or as default mode, named: another ``backend=``, ``max-autotune``'s
-kernel choice (Inductor's choice without benchmarks, `max_autotune`), graphs
-with symbolic sizes, CPU tensor inputs or inputs on several GPUs, what
-`inductor_cuda.runtime_layout` names, and choices Inductor benchmarks while compiling
-(`cuda_process.GUESSED`).
+kernel choice (Inductor's choice without benchmarks, `max_autotune`), graphs with CPU tensor inputs
+or inputs on several GPUs, what `runtime_meta.runtime_layout` names, and choices Inductor
+benchmarks while compiling (`cuda_process.GUESSED`). Graphs with symbolic sizes (dynamic shapes)
+are compiled over Dynamo's symbols (`worker.example_inputs`).
 """
 from __future__ import annotations
 
