@@ -89,9 +89,8 @@ class CompiledGraph:
             replay = torch._C._is_view_replay_enabled()
             try:
                 torch._C._set_view_replay_enabled(True)
-                with torch.enable_grad():
+                with torch.enable_grad():  # args_ lives until the epilogue ends, as the runtime's local
                     all_outs = list(_CompiledFunction.apply(self, *args_))
-                del args_
             finally:
                 torch._C._set_view_replay_enabled(replay)
         else:
