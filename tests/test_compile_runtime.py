@@ -261,3 +261,28 @@ def test_compiled_programs_the_runtime_used_to_run_eagerly(capsys: pytest.Captur
         assert _step(model, s) == [s * 256 * 4, s * 1024 * 4, 256 * 1024 * 4, 256 * 4, 1024 * 4, 1024 * 256 * 4]
     err = capsys.readouterr().err
     assert "runs eagerly" not in err and "not modelled" not in err
+
+
+def test_cuda_graph_trees_make_one_function_per_set_of_sizes() -> None:
+    """``mode="reduce-overhead"`` with symbolic sizes: ``cudagraphify_impl`` keeps a tree function
+    per value of the partition's int inputs (its ``fn_cache``), each warmed up and recorded on its
+    own; a graph without sizes keeps one."""
+    from vram.run.compile.cudagraph_trees import Trees
+
+    class Manager:
+        def __init__(self) -> None:
+            self.functions: list[int] = []
+
+        def run(self, function: Any, inputs: list[Any]) -> None:
+            self.functions.append(function.id)
+
+    trees = Trees(None, print)
+    trees.managers[0] = manager = Manager()  # type: ignore[assignment]
+    dynamic = trees.cudagraphify(lambda inputs: None, [0], "forward", 0)
+    static = trees.cudagraphify(lambda inputs: None, [0], "forward", 0)
+    for size in (48, 48, 32, 48):
+        dynamic(["weight", size, "x"])
+    static(["weight", "x"])
+    static(["weight", "x"])
+    first, _, second, _, third, _ = manager.functions
+    assert manager.functions == [first, first, second, first, third, third] and len({first, second, third}) == 3
