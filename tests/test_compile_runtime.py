@@ -198,6 +198,10 @@ def _two_views(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return y.view(2, 32, 512)[1:], y.t()
 
 
+def _scaled(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+    return (x @ w) * scale
+
+
 def _step(model: torch.nn.Module, batch: int) -> list[int]:
     """One training step of `model` on a new batch; the sizes (> 512 bytes) its backward allocates."""
     x = torch.zeros(batch, 256, device="cuda")
@@ -212,13 +216,15 @@ def _step(model: torch.nn.Module, batch: int) -> list[int]:
 
 
 @pytest.mark.skipif(find_spec("triton") is None, reason="needs triton (the 'compile' extra)")
-@pytest.mark.slow  # a compile process and four graphs compiled: about a minute
+@pytest.mark.slow  # a compile process and six graphs compiled: about a minute
 def test_compiled_programs_the_runtime_used_to_run_eagerly(capsys: pytest.CaptureFixture[str]) -> None:
     """Through Dynamo and the compile process, the three kinds of graph that ran eagerly before:
     an input mutated outside the graph (the wrapper writes x + 1 and (x + 1) * 3 in one kernel:
     both live in the call, the update freed after the copy-back; eagerly ``add_`` writes in place),
     outputs aliasing an intermediate (one buffer, ``mm`` then an in-place scale, kept by its views;
-    eagerly the product and the scaled copy), and the MLP's third batch size, which Dynamo compiles
+    eagerly the product and the scaled copy), a float argument whose value changes (a 0-d CPU
+    tensor input: ``mm``'s buffer scaled in place; eagerly the product and its scaled copy), and
+    the MLP's third batch size, which Dynamo compiles
     with a symbolic batch ``s``: its backward wrapper allocates (s, 1024), (256, 1024) and (1, 256)
     floats, then (1, 1024), (1024, 256) (buf3 reuses buf0), after the tangent made contiguous
     (``sum``'s expanded gradient, (s, 256))."""
@@ -252,6 +258,16 @@ def test_compiled_programs_the_runtime_used_to_run_eagerly(capsys: pytest.Captur
         assert torch.cuda.memory_allocated() == base + 64 * 512 * 4
         del q
         assert torch.cuda.memory_allocated() == base
+
+        scaled = torch.compile(_scaled)
+        w = torch.zeros(256, 256, device="cuda", requires_grad=True)
+        for scale in (0.5, 0.7, 0.9):  # from the second, the float is a 0-d CPU tensor input (a host kernel casts it)
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = scaled(x, w, scale)
+            del out
+        assert torch.cuda.max_memory_allocated() == base + 64 * 256 * 4  # mm, then scaled in place
+        del w
 
         mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
         model = torch.compile(mlp)

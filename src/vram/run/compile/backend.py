@@ -13,9 +13,10 @@ whole stack, as the compiled code runs with the mode on.
 CUDA graphs and runs each graph partition in `cudagraph_trees`. What is not modelled is said once
 on stderr and runs eagerly or as default mode, named: another ``backend=``, ``max-autotune``'s
 kernel choice (Inductor's choice without benchmarks, `max_autotune`), graphs with CPU tensor inputs
-or inputs on several GPUs, what `runtime_meta.runtime_layout` names, and choices Inductor
-benchmarks while compiling (`cuda_process.GUESSED`). Graphs with symbolic sizes (dynamic shapes)
-are compiled over Dynamo's symbols (`worker.example_inputs`).
+other than 0-d scalars (a Python float Dynamo passes as a tensor) or inputs on several GPUs, what
+`runtime_meta.runtime_layout` names, and choices Inductor benchmarks while compiling
+(`cuda_process.GUESSED`). Graphs with symbolic sizes (dynamic shapes) are compiled over Dynamo's
+symbols (`worker.example_inputs`).
 """
 from __future__ import annotations
 
@@ -61,16 +62,17 @@ def _symbolic(value: Any) -> Any:
 
 def _input_spec(value: Any, traced: Any) -> tuple[Any, ...]:
     """One graph input for the compile process: a size (``SymInt``: ``("symint", expression, hint)``)
-    or a tensor's sizes, strides, dtype, ``requires_grad``, whether a parameter and a leaf, and, when
-    Dynamo traced it with symbolic sizes (`traced`, its example value), the sizes' and strides'
-    expressions."""
+    or a tensor's sizes, strides, dtype, ``requires_grad``, whether a parameter and a leaf, when
+    Dynamo traced it with symbolic sizes (`traced`, its example value) the sizes' and strides'
+    expressions, and whether it is a host (CPU) tensor."""
     if isinstance(value, torch.SymInt):
         return ("symint", value.node.expr, int(value.node.hint))
     symbolic = None
     if isinstance(traced, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*traced.shape, *traced.stride())):
         symbolic = (tuple(_symbolic(s) for s in traced.shape), tuple(_symbolic(s) for s in traced.stride()))
     return (tuple(value.shape), tuple(value.stride()), str(value.dtype).removeprefix("torch."),
-            bool(value.requires_grad), isinstance(value, torch.nn.Parameter), bool(value.is_leaf), symbolic)
+            bool(value.requires_grad), isinstance(value, torch.nn.Parameter), bool(value.is_leaf), symbolic,
+            value.device.type == "cpu")
 
 
 def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dict[str, Any],
@@ -115,10 +117,11 @@ def make_backend(client: CompileClient, notices: Notices, trees: Any = None, sim
         if not all(isinstance(t, (torch.Tensor, torch.SymInt)) for t in example_inputs):
             notices.say("a compiled graph with inputs other than tensors and sizes is not modelled: it runs eagerly")
             return gm.forward
-        if any(t.device.type != "vramsim" for t in tensors):
-            notices.say("a compiled graph with CPU tensors among its inputs is not modelled: it runs eagerly")
+        if any(t.device.type != "vramsim" and not (t.device.type == "cpu" and t.dim() == 0) for t in tensors):
+            notices.say("a compiled graph with CPU tensors (other than scalars) among its inputs is not modelled: "
+                        "it runs eagerly")
             return gm.forward
-        indices = {t.device.index or 0 for t in tensors}
+        indices = {t.device.index or 0 for t in tensors if t.device.type == "vramsim"}
         if len(indices) > 1:
             notices.say("a compiled graph with inputs on several GPUs is not modelled: it runs eagerly")
             return gm.forward

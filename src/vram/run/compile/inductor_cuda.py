@@ -115,7 +115,8 @@ def fake_inputs(example_inputs: Sequence[Any], mode: Any) -> list[Any]:
             if not isinstance(t, torch.Tensor):  # a size (dynamic shapes), in the inputs' shape env
                 fakes.append(t)
                 continue
-            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_CUDA)
+            device = t.device if t.device.type == "cpu" else _CUDA  # a host scalar stays on the host
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
             if isinstance(t, torch.nn.Parameter):
                 fake = torch.nn.Parameter(fake)
             elif t.requires_grad and not t.is_leaf:

@@ -87,8 +87,9 @@ def example_inputs(specs: list[tuple[Any, ...]]) -> tuple[list[Any], Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    if not any(spec[0] == "symint" or (len(spec) > 6 and spec[6]) for spec in specs):
-        return [_meta_input(*spec[:6]) for spec in specs], FakeTensorMode(allow_non_fake_inputs=True)
+    if not any(spec[0] == "symint" or (len(spec) > 6 and spec[6]) or _host(spec) for spec in specs):
+        return [_meta_input(*spec[:6], device="cpu" if _host(spec) else "meta") for spec in specs], \
+            FakeTensorMode(allow_non_fake_inputs=True)
     env = ShapeEnv(duck_shape=False)
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     hints = {spec[1]: spec[2] for spec in specs if spec[0] == "symint" and spec[1].is_Symbol}
@@ -110,12 +111,18 @@ def example_inputs(specs: list[tuple[Any, ...]]) -> tuple[list[Any], Any]:
             if spec[0] == "symint":
                 inputs.append(value(spec[1], spec[2]))
                 continue
-            shape, stride, *rest, symbolic = spec
+            shape, stride, *rest = spec[:6]
+            symbolic = spec[6]
             if symbolic:
                 shape = [value(e, h) for e, h in zip(symbolic[0], shape)]
                 stride = [value(e, h) for e, h in zip(symbolic[1], stride)]
-            inputs.append(_meta_input(shape, stride, *rest, device="cuda"))
+            inputs.append(_meta_input(shape, stride, *rest, device="cpu" if _host(spec) else "cuda"))
     return inputs, mode
+
+
+def _host(spec: tuple[Any, ...]) -> bool:
+    """A host (CPU) scalar among the inputs: a Python float Dynamo passes as a 0-d tensor."""
+    return len(spec) > 7 and bool(spec[7])
 
 
 class NotModelledInput(ValueError):
@@ -144,6 +151,8 @@ def compile_request(request: dict[str, Any]) -> dict[str, Any]:
         with torch.set_grad_enabled(request["grad"]):
             with mode:
                 _ExampleValues(gm).run(*fake_inputs(inputs, mode))
+            if mode.shape_env is not None:  # sizes the example run made from values (item()): not the compile's
+                mode.shape_env.pending_fresh_unbacked_symbols.clear()
             backends = route_sdpa(gm, autocast, request["major"], request["minor"])
             for node in gm.graph.nodes:  # the compile makes its own fake tensors, in its own mode
                 node.meta.pop("example_value", None)
