@@ -82,14 +82,14 @@ def example_inputs(specs: list[tuple[Any, ...]]) -> tuple[list[Any], Any]:
     them in. Static sizes: meta tensors and a fresh mode. Symbolic sizes (dynamic shapes): a
     ``ShapeEnv`` (no duck sizing: each of Dynamo's symbols stays its own), one symbol per symbol
     Dynamo passed as a graph input (its hint the size it had when Dynamo compiled), each size and
-    stride its expression over them, the tensors fake CUDA tensors of that mode."""
+    stride its expression over them, the tensors fake CUDA tensors of that mode. A host scalar
+    among the inputs (read with ``item()``) is traced there too, as a fake CPU tensor."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
     if not any(spec[0] == "symint" or (len(spec) > 6 and spec[6]) or _host(spec) for spec in specs):
-        return [_meta_input(*spec[:6], device="cpu" if _host(spec) else "meta") for spec in specs], \
-            FakeTensorMode(allow_non_fake_inputs=True)
+        return [_meta_input(*spec[:6]) for spec in specs], FakeTensorMode(allow_non_fake_inputs=True)
     env = ShapeEnv(duck_shape=False)
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     hints = {spec[1]: spec[2] for spec in specs if spec[0] == "symint" and spec[1].is_Symbol}
@@ -112,7 +112,7 @@ def example_inputs(specs: list[tuple[Any, ...]]) -> tuple[list[Any], Any]:
                 inputs.append(value(spec[1], spec[2]))
                 continue
             shape, stride, *rest = spec[:6]
-            symbolic = spec[6]
+            symbolic = spec[6] if len(spec) > 6 else None
             if symbolic:
                 shape = [value(e, h) for e, h in zip(symbolic[0], shape)]
                 stride = [value(e, h) for e, h in zip(symbolic[1], stride)]
