@@ -108,14 +108,19 @@ def fake_inputs(example_inputs: Sequence[Any], mode: Any) -> list[Any]:
     """Fake CUDA tensors with the example inputs' sizes, strides, dtypes and ``requires_grad``;
     parameters stay parameters (AOTAutograd treats them as such); an input that requires grad and
     is not a leaf stays one (a clone, as Dynamo's fakification makes it: meta_utils.py), which
-    AOTAutograd's runtime reads (``InputAliasInfo.is_leaf``, the inputs it detaches)."""
+    AOTAutograd's runtime reads (``InputAliasInfo.is_leaf``, the inputs it detaches); a host
+    scalar the compile process made (a fake CPU tensor: a Python float Dynamo passes as a tensor)
+    stays on the host."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     fakes: list[Any] = []
     with mode, torch.enable_grad():
         for t in example_inputs:
             if not isinstance(t, torch.Tensor):  # a size (dynamic shapes), in the inputs' shape env
                 fakes.append(t)
                 continue
-            device = t.device if t.device.type == "cpu" else _CUDA  # a host scalar stays on the host
+            host = isinstance(t, FakeTensor) and t.device.type == "cpu"  # the compile process's host scalar
+            device = t.device if host else _CUDA
             fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
             if isinstance(t, torch.nn.Parameter):
                 fake = torch.nn.Parameter(fake)
