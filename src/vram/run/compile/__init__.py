@@ -19,12 +19,13 @@ What lives here:
   process: the one that runs the script has PrivateUse1 registered.
 - `inductor_cuda`: compiles one Dynamo graph there (devices retargeted to ``cuda``, SDPA routed to
   the CUDA kernel ``select_sdp_backend`` picks) and returns the generated wrappers' sources and
-  AOTAutograd's runtime layout of the forward's outputs.
+  AOTAutograd's runtime layout (`runtime_meta`: its ``ViewAndMutationMeta`` as plain data).
 - `wrapper_plan`: reads a generated wrapper's ``call``: the buffers it allocates, in order.
 - `wrapper_run`: runs a generated wrapper on the simulated GPU (inside ``simulated_cuda``):
   Triton launches are no-ops but for first-launch autotuning (`autotune`), its buffers and extern
-  kernels are charged as on a GPU. `compiled_graph`: the forward and backward wrappers inside an
-  ``autograd.Function``, as AOTAutograd's runtime runs them.
+  kernels are charged as on a GPU. `compiled_graph`: AOTAutograd's runtime around the wrappers
+  (input mutations copied back, aliased outputs made again from their base, the forward and
+  backward inside an ``autograd.Function``).
 - `cudagraph_trees`: ``mode="reduce-overhead"``: each graph partition run in a model of
   Inductor's CUDA graph trees (warm-up, recording and replay in the tree's private pool).
 - `max_autotune`: ``max-autotune``: Inductor's choice without benchmarks, the compile-time

@@ -12,10 +12,11 @@ whole stack, as the compiled code runs with the mode on.
 ``mode="reduce-overhead"`` (and ``max-autotune``, which records CUDA graphs too) compiles with
 CUDA graphs and runs each graph partition in `cudagraph_trees`. What is not modelled is said once
 on stderr and runs eagerly or as default mode, named: another ``backend=``, ``max-autotune``'s
-kernel choice (Inductor's choice without benchmarks, `max_autotune`), graphs
-with symbolic sizes, CPU tensor inputs or inputs on several GPUs, what
-`inductor_cuda.runtime_layout` names, and choices Inductor benchmarks while compiling
-(`cuda_process.GUESSED`).
+kernel choice (Inductor's choice without benchmarks, `max_autotune`), graphs with CPU tensor inputs
+other than 0-d scalars (a Python float Dynamo passes as a tensor) or inputs on several GPUs, what
+`runtime_meta.runtime_layout` names, and choices Inductor benchmarks while compiling
+(`cuda_process.GUESSED`). Graphs with symbolic sizes (dynamic shapes) are compiled over Dynamo's
+symbols (`worker.example_inputs`).
 """
 from __future__ import annotations
 
@@ -54,11 +55,31 @@ class Notices:
             sys.stderr.write(f"vram run: {text}\n")
 
 
+def _symbolic(value: Any) -> Any:
+    """A size or stride: an int, or (symbolic) its sympy expression."""
+    return value.node.expr if isinstance(value, torch.SymInt) else int(value)
+
+
+def _input_spec(value: Any, traced: Any) -> tuple[Any, ...]:
+    """One graph input for the compile process: a size (``SymInt``: ``("symint", expression, hint)``)
+    or a tensor's sizes, strides, dtype, ``requires_grad``, whether a parameter and a leaf, when
+    Dynamo traced it with symbolic sizes (`traced`, its example value) the sizes' and strides'
+    expressions, and whether it is a host (CPU) tensor."""
+    if isinstance(value, torch.SymInt):
+        return ("symint", value.node.expr, int(value.node.hint))
+    symbolic = None
+    if isinstance(traced, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*traced.shape, *traced.stride())):
+        symbolic = (tuple(_symbolic(s) for s in traced.shape), tuple(_symbolic(s) for s in traced.stride()))
+    return (tuple(value.shape), tuple(value.stride()), str(value.dtype).removeprefix("torch."),
+            bool(value.requires_grad), isinstance(value, torch.nn.Parameter), bool(value.is_leaf), symbolic,
+            value.device.type == "cpu")
+
+
 def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dict[str, Any],
                   cudagraphs: bool = False) -> dict[str, Any]:
     """What the compile process needs for `gm` (`worker.compile_request`): a copy of the graph with
     the simulated devices retargeted to ``cuda:0``, its nodes pickled (`graph_transport`); the
-    inputs' sizes, strides, dtypes, ``requires_grad`` and whether each is a parameter; the ambient
+    inputs' sizes, strides, dtypes, ``requires_grad``, whether each is a parameter and a leaf; the ambient
     CUDA autocast and grad mode; with `cudagraphs`, compiled for CUDA graphs, the inputs Dynamo
     marked static."""
     import pickle
@@ -70,8 +91,8 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
     graph.output(graph.graph_copy(gm.graph, {}))
     copy = torch.fx.GraphModule(gm, graph)
     retarget(copy, "vramsim")
-    inputs = [(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), bool(t.requires_grad),
-               isinstance(t, torch.nn.Parameter)) for t in example_inputs]
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    inputs = [_input_spec(t, node.meta.get("example_value")) for t, node in zip(example_inputs, placeholders)]
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     static = [i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))
               if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
@@ -92,13 +113,15 @@ def make_backend(client: CompileClient, notices: Notices, trees: Any = None, sim
     graphs: dict[str, CompiledGraph] = {}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        if not all(isinstance(t, torch.Tensor) for t in example_inputs):
-            notices.say("a compiled graph with symbolic sizes (dynamic shapes) is not modelled: it runs eagerly")
+        tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+        if not all(isinstance(t, (torch.Tensor, torch.SymInt)) for t in example_inputs):
+            notices.say("a compiled graph with inputs other than tensors and sizes is not modelled: it runs eagerly")
             return gm.forward
-        if any(t.device.type != "vramsim" for t in example_inputs):
-            notices.say("a compiled graph with CPU tensors among its inputs is not modelled: it runs eagerly")
+        if any(t.device.type != "vramsim" and not (t.device.type == "cpu" and t.dim() == 0) for t in tensors):
+            notices.say("a compiled graph with CPU tensors (other than scalars) among its inputs is not modelled: "
+                        "it runs eagerly")
             return gm.forward
-        indices = {t.device.index or 0 for t in example_inputs}
+        indices = {t.device.index or 0 for t in tensors if t.device.type == "vramsim"}
         if len(indices) > 1:
             notices.say("a compiled graph with inputs on several GPUs is not modelled: it runs eagerly")
             return gm.forward

@@ -109,10 +109,17 @@ class Trees:
 
     def cudagraphify(self, model: Callable[[list[Any]], Any], static: list[int], mode: str,
                      device_index: int) -> Callable[[list[Any]], Any]:
-        """``compile_fx.cudagraphify`` of one partition: its calls run in the device's tree."""
-        function = Function(next(self.ids), model, static, mode)
+        """``compile_fx.cudagraphify`` of one partition: its calls run in the device's tree, one
+        tree function per set of sizes among its inputs (``cudagraphify_impl``'s ``fn_cache``,
+        keyed by the int inputs: a graph with symbolic sizes records each size on its own), made
+        at its first call."""
+        functions: dict[tuple[int, ...], Function] = {}
 
         def run(inputs: list[Any]) -> Any:
+            key = tuple(v for v in inputs if isinstance(v, int))
+            function = functions.get(key)
+            if function is None:
+                function = functions[key] = Function(next(self.ids), model, static, mode)
             manager = self.managers.get(device_index)
             if manager is None:
                 manager = self.managers[device_index] = TreeManager(device_index, self)

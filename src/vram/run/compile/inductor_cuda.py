@@ -22,6 +22,7 @@ import torch
 from vram.run.kernels.sdpa_choice import sdpa_args, select_sdpa_backend
 
 from .max_autotune import MODE_OPTIONS, deterministic_choices
+from .runtime_meta import inputs_to_detach, runtime_layout
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
 _CUDA = torch.device("cuda", 0)
@@ -103,42 +104,32 @@ def route_sdpa(gm: torch.fx.GraphModule, autocast_dtype: torch.dtype | None, maj
     return chosen
 
 
-def fake_inputs(example_inputs: Sequence[torch.Tensor], mode: Any) -> list[torch.Tensor]:
+def fake_inputs(example_inputs: Sequence[Any], mode: Any) -> list[Any]:
     """Fake CUDA tensors with the example inputs' sizes, strides, dtypes and ``requires_grad``;
-    parameters stay parameters (AOTAutograd treats them as such)."""
-    fakes = []
-    with mode:
+    parameters stay parameters (AOTAutograd treats them as such); an input that requires grad and
+    is not a leaf stays one (a clone, as Dynamo's fakification makes it: meta_utils.py), which
+    AOTAutograd's runtime reads (``InputAliasInfo.is_leaf``, the inputs it detaches); a host
+    scalar the compile process made (a fake CPU tensor: a Python float Dynamo passes as a tensor)
+    stays on the host."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fakes: list[Any] = []
+    with mode, torch.enable_grad():
         for t in example_inputs:
-            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_CUDA)
-            fakes.append(torch.nn.Parameter(fake) if isinstance(t, torch.nn.Parameter)
-                         else fake.requires_grad_(t.requires_grad))
+            if not isinstance(t, torch.Tensor):  # a size (dynamic shapes), in the inputs' shape env
+                fakes.append(t)
+                continue
+            host = isinstance(t, FakeTensor) and t.device.type == "cpu"  # the compile process's host scalar
+            device = t.device if host else _CUDA
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            if isinstance(t, torch.nn.Parameter):
+                fake = torch.nn.Parameter(fake)
+            elif t.requires_grad and not t.is_leaf:
+                fake = fake.requires_grad_(True).clone()
+            else:
+                fake = fake.requires_grad_(t.requires_grad)
+            fakes.append(fake)
     return fakes
-
-
-def runtime_layout(meta: Any) -> dict[str, Any]:
-    """What AOTAutograd's runtime does with the forward wrapper's outputs (its ``ViewAndMutationMeta``:
-    torch/_functorch/_aot_autograd/runtime_wrappers.py ``_AutogradSavedState.save_from_forward``,
-    ``_AutogradForwardEpilogue``): the user's outputs come first, then the tensors saved for the
-    backward; which outputs get a gradient (a tangent of the backward). What this runtime model
-    does not reproduce is named in ``not_modelled``."""
-    problems = []
-    if meta.num_mutated_inp_runtime_indices:
-        problems.append("inputs mutated in the graph")
-    if meta.num_outputs_aliased or meta.num_intermediate_bases:
-        problems.append("outputs that alias inputs or intermediates")
-    if meta.num_unsafe_view_outputs or meta.is_rng_op_functionalized or meta.tokens:
-        problems.append("unsafe views, functionalized RNG or effect tokens among the outputs")
-    if any(type(m).__name__ == "SubclassCreationMeta" for m in meta.subclass_inp_meta):
-        problems.append("tensor subclasses")
-    layout: dict[str, Any] = {"num_forward_returns": meta.num_forward_returns,
-                              "grad_outputs": [bool(info.requires_grad) for info in meta.output_info],
-                              "not_modelled": problems, "saved": None}
-    if meta.num_symints_saved_for_bw is not None:
-        if meta.num_symints_saved_for_bw or (meta.num_opaque_objects_saved_for_bw or 0):
-            problems.append("symbolic sizes or opaque objects saved for the backward")
-        saved = meta.tensors_saved_for_backwards_slice
-        layout["saved"] = (saved.start, saved.stop)
-    return layout
 
 
 def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor],
@@ -169,15 +160,23 @@ def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Te
             sources.append(f.read())
         return load(key, path, *args, **kwargs)
 
+    metas: list[Any] = []
+
     def inner_compile(graph: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         context = torch._guards.TracingContext.try_get()
         if layout is not None and not kwargs.get("is_backward") and context is not None and context.fw_metadata:
+            metas.append(context.fw_metadata)
             layout.update(runtime_layout(context.fw_metadata))
+        elif layout is not None and kwargs.get("is_backward") and metas:
+            outputs = next(reversed(graph.graph.find_nodes(op="output"))).args[0]
+            layout["detach"] = inputs_to_detach(metas[-1], list(outputs))
         if static_inputs is not None and not kwargs.get("is_backward"):
             kwargs["static_input_idxs"] = list(static_inputs)
         return compile_fx_inner(graph, inputs, **kwargs)
 
-    inputs = fake_inputs(example_inputs, FakeTensorMode())
+    from torch._guards import detect_fake_mode
+
+    inputs = fake_inputs(example_inputs, detect_fake_mode(example_inputs) or FakeTensorMode())
     codecache.PyCodeCache.load_by_key_path = spy  # type: ignore[method-assign]
     calls: list[dict[str, Any]] = []
     selections: list[dict[str, Any]] = []

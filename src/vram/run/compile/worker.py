@@ -62,30 +62,97 @@ class _ExampleValues:
         return self.interpreter.run(*args)
 
 
+def _meta_input(shape: Any, stride: Any, dtype: str, requires_grad: bool, is_param: bool,
+                is_leaf: bool = True, device: str = "meta") -> Any:
+    """An example input on `device` (meta, or fake CUDA in a fake mode): a parameter, a leaf, or
+    (requires grad, not a leaf) a clone of one."""
+    import torch
+
+    t = torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device=device)
+    if is_param:
+        return torch.nn.Parameter(t)
+    if requires_grad and not is_leaf:
+        with torch.enable_grad():
+            return t.requires_grad_(True).clone()
+    return t.requires_grad_(requires_grad)
+
+
+def example_inputs(specs: list[tuple[Any, ...]]) -> tuple[list[Any], Any]:
+    """The graph's example inputs (`backend.graph_request`'s specs) and the fake mode to trace
+    them in. Static sizes: meta tensors and a fresh mode. Symbolic sizes (dynamic shapes): a
+    ``ShapeEnv`` (no duck sizing: each of Dynamo's symbols stays its own), one symbol per symbol
+    Dynamo passed as a graph input (its hint the size it had when Dynamo compiled), each size and
+    stride its expression over them, the tensors fake CUDA tensors of that mode. A host scalar
+    among the inputs (read with ``item()``) is traced there too, as a fake CPU tensor."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    if not any(spec[0] == "symint" or (len(spec) > 6 and spec[6]) or _host(spec) for spec in specs):
+        return [_meta_input(*spec[:6]) for spec in specs], FakeTensorMode(allow_non_fake_inputs=True)
+    env = ShapeEnv(duck_shape=False)
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    hints = {spec[1]: spec[2] for spec in specs if spec[0] == "symint" and spec[1].is_Symbol}
+    symbols: dict[Any, Any] = {}
+
+    def value(expr: Any, hint: int) -> Any:
+        if isinstance(expr, int):
+            return expr
+        for free in sorted(expr.free_symbols, key=str):
+            if free not in symbols:
+                if free not in hints:
+                    raise NotModelledInput(f"a size {expr} over a symbol that is not a graph input")
+                symbols[free] = env.create_symbol(hints[free], ConstantSource(str(free)), DimDynamic.DYNAMIC)
+        return env.create_symintnode(expr.xreplace(symbols), hint=hint, source=ConstantSource(str(expr)))
+
+    inputs: list[Any] = []
+    with mode:
+        for spec in specs:
+            if spec[0] == "symint":
+                inputs.append(value(spec[1], spec[2]))
+                continue
+            shape, stride, *rest = spec[:6]
+            symbolic = spec[6] if len(spec) > 6 else None
+            if symbolic:
+                shape = [value(e, h) for e, h in zip(symbolic[0], shape)]
+                stride = [value(e, h) for e, h in zip(symbolic[1], stride)]
+            inputs.append(_meta_input(shape, stride, *rest, device="cpu" if _host(spec) else "cuda"))
+    return inputs, mode
+
+
+def _host(spec: tuple[Any, ...]) -> bool:
+    """A host (CPU) scalar among the inputs: a Python float Dynamo passes as a 0-d tensor."""
+    return len(spec) > 7 and bool(spec[7])
+
+
+class NotModelledInput(ValueError):
+    """A graph input the compile process cannot make (named reason)."""
+
+
 def compile_request(request: dict[str, Any]) -> dict[str, Any]:
     """Compile one graph (see the module docstring)."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .autotune import kernel_configs
     from .graph_transport import graph_module
     from .inductor_cuda import NotModelled, compile_for_cuda, fake_inputs, route_sdpa
 
     gm = graph_module(pickle.loads(request["graph"]))  # noqa: S301 - the parent vram run process, same user
-    inputs = [torch.nn.Parameter(torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device="meta"))
-              if is_param else torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device="meta")
-              .requires_grad_(requires_grad)
-              for shape, stride, dtype, requires_grad, is_param in request["inputs"]]
+    try:
+        inputs, mode = example_inputs(request["inputs"])
+    except NotModelledInput as e:
+        return {"not_modelled": str(e)}
     autocast = getattr(torch, request["autocast"]) if request["autocast"] else None
     from .cuda_process import GUESSED
 
     GUESSED.clear()
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
     layout: dict[str, Any] = {}
     try:
         with torch.set_grad_enabled(request["grad"]):
             with mode:
                 _ExampleValues(gm).run(*fake_inputs(inputs, mode))
+            if mode.shape_env is not None:  # sizes the example run made from values (item()): not the compile's
+                mode.shape_env.pending_fresh_unbacked_symbols.clear()
             backends = route_sdpa(gm, autocast, request["major"], request["minor"])
             for node in gm.graph.nodes:  # the compile makes its own fake tensors, in its own mode
                 node.meta.pop("example_value", None)

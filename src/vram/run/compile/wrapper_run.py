@@ -1,7 +1,8 @@
 """Run an Inductor CUDA wrapper on the simulated GPU (inside `vram.run.runtime.simulated_cuda`).
 
 The wrapper's module is executed as Inductor's ``PyCodeCache`` would load it, with three things
-answered for the simulation: its Triton kernels are never built and launch as no-ops
+answered for the simulation: its Triton kernels (and the C++ kernels of host scalars,
+`_host_kernel`) are never built and launch as no-ops
 (``AsyncCompile.triton``; a Triton kernel allocates nothing of its own; given the kernels' configs,
 the first launch autotunes as on a GPU: `autotune.AutotunedKernel`), ``empty_strided_cuda``
 is ``torch.empty_strided(..., device="cuda")`` (the simulated GPU's allocation, as
@@ -21,6 +22,12 @@ from .autotune import AutotunedKernel
 from .cuda_process import UnbuiltKernel
 
 
+def _host_kernel(*args: Any) -> None:
+    """A C++ kernel Inductor generates for host tensors in a CUDA graph (a 0-d CPU scalar cast for
+    the GPU kernels): it writes host buffers the wrapper made (``empty_strided_cpu``), never GPU
+    memory, and its values feed only kernels that compute nothing here: not built, not run."""
+
+
 def _empty_strided_cuda(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
 
@@ -31,7 +38,7 @@ def load_wrapper(source: str, name: str = "inductor_wrapper",
     (`autotune.kernel_configs` of this source), each kernel's first launch autotunes as on a GPU."""
     from torch._inductor.async_compile import AsyncCompile
 
-    saved = AsyncCompile.triton, AsyncCompile.wait
+    saved = AsyncCompile.triton, AsyncCompile.wait, AsyncCompile.cpp_pybinding
     had_stream = hasattr(torch._C, "_cuda_getCurrentRawStream")
 
     def triton(self: Any, kernel_name: str, source_code: str, device_str: str = "cuda", **kwargs: Any) -> Any:
@@ -42,12 +49,13 @@ def load_wrapper(source: str, name: str = "inductor_wrapper",
     module = types.ModuleType(name)
     AsyncCompile.triton = triton  # type: ignore[method-assign]
     AsyncCompile.wait = lambda self, scope: None  # type: ignore[method-assign]
+    AsyncCompile.cpp_pybinding = lambda self, argtypes, source_code: _host_kernel  # type: ignore[method-assign]
     if not had_stream:
         torch._C._cuda_getCurrentRawStream = lambda device: 0  # a CPU build has none to import
     try:
         exec(compile(source, f"<{name}>", "exec"), module.__dict__)  # noqa: S102 - Inductor's generated code
     finally:
-        AsyncCompile.triton, AsyncCompile.wait = saved  # type: ignore[method-assign]
+        AsyncCompile.triton, AsyncCompile.wait, AsyncCompile.cpp_pybinding = saved  # type: ignore[method-assign]
         if not had_stream:
             del torch._C._cuda_getCurrentRawStream
     module.empty_strided_cuda = _empty_strided_cuda
