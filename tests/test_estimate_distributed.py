@@ -66,7 +66,7 @@ def tracker(mode: str, nproc: int) -> int:
 
 
 @pytest.mark.parametrize("mode, flags, nproc", [
-    ("fsdp", ["--fsdp", "2"], 2),
+    pytest.param("fsdp", ["--fsdp", "2"], 2, marks=pytest.mark.slow),
     pytest.param("hsdp", ["--ddp", "2", "--fsdp", "2"], 4, marks=pytest.mark.slow)], ids=["fsdp2", "hsdp-2x2"])
 def test_fsdp_estimate_equals_the_run_by_hand_and_fsdp_mem_tracker(mode: str, flags: list[str], nproc: int) -> None:
     got = estimate(*INPUT, *flags)

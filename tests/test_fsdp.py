@@ -85,7 +85,7 @@ W, X = 4 * MiB, 32 * KiB     # one unsharded 1024x1024 float32 weight; the 8x102
     pytest.param(("--prefetch",), W + 3 * W + X, (W + 3 * X, W + 3 * W + 2 * X), marks=pytest.mark.slow),
     # CPUOffloadPolicy: shards live on the host; all-gather inputs are H2D copies freed before
     # layer 1's copy-out
-    (("--offload",), 2 * W + X, (3 * X, 3 * W + 2 * X)),
+    pytest.param(("--offload",), 2 * W + X, (3 * X, 3 * W + 2 * X), marks=pytest.mark.slow),
 ], ids=["reshard", "no-reshard", "prefetch", "cpu-offload"])
 def test_fsdp2_sharding_forward_and_streams(args: tuple[str, ...], layer0: int, forward: tuple[int, int]) -> None:
     shards = 0 if args == ("--offload",) else W         # two half weights (world 2)
