@@ -19,6 +19,7 @@ carries out on the simulated allocator.
 - `sdpa`: ``scaled_dot_product_attention``: which backend ``sdp_utils.cpp`` picks, what it
   allocates forward and backward.
 - `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named).
+- `indexing`: ``index_put_(accumulate=True)`` as autograd's ``x[idx]`` backward runs it (linear indices, their sort).
 - `linalg`: ``torch.linalg``'s factorizations: outputs charged, cuSOLVER's run-time scratch named.
 - `sparse`: sparse COO/CSR/BSR tensors: which sparse kernels CUDA shares with the CPU, ``_coalesce``,
   sparse ``addmm`` and CSR <-> CSC step by step (Thrust's and cuSPARSE's buffers named);

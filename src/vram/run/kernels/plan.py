@@ -31,6 +31,8 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   `vram.run.kernels.cudnn_conv` (`cudnn_plan`; `CUDA_META` restrides convolution outputs).
 * **torch.fft** (cuFFT): operand copies and clones in ``SpectralOps.cpp``'s order; the plan
   workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`).
+* **x[idx]'s backward** (``_index_put_impl_`` accumulating, unsafe): linear indices, the gradient
+  made contiguous, the sort's key and index buffers (`vram.run.kernels.indexing`, via `sorting`).
 * **torch.linalg** (cuSOLVER, MAGMA): outputs charged; the library's workspaces and working
   copies, sized at run time, named (`vram.run.kernels.linalg`).
 * **Sparse tensors** (COO/CSR/BSR): their kernels run on their components' dense ops;

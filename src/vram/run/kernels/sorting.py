@@ -34,6 +34,7 @@ import torch
 
 from . import reductions as _reductions
 from .blas import non_overlapping_and_dense
+from .indexing import index_put_plan
 from .scratch import _Plan
 
 #: ``native/cuda/Sort.h`` ``should_use_small_sort``: slices up to this size sort in place
@@ -422,6 +423,10 @@ def sorting_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs:
         return scatter_reduce_plan(args, kwargs, outs)
     if name == "_index_put_impl_" and not _arg(args, kwargs, 3, "accumulate", False):
         return None
+    if name == "_index_put_impl_":
+        modelled = index_put_plan(args, kwargs, outs, cub_note("index_put_(accumulate=True)"))
+        if modelled is not None:
+            return modelled
     if name == "aminmax" and args and isinstance(args[0], torch.Tensor):
         dim = kwargs.get("dim")
         return _reductions.reduction_plan(name, (args[0],) if dim is None else (args[0], dim), outs,
