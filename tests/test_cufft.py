@@ -7,14 +7,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from traced import allocator_events  # noqa: E402
 from vram.run.runtime import active_sim, simulated_cuda  # noqa: E402
 
 
 def _trace(fn) -> list[tuple[str, int]]:  # type: ignore[no-untyped-def]
-    torch.cuda.memory._record_memory_history()
-    fn()
-    return [(e["action"], e["size"]) for e in torch.cuda.memory._snapshot()["device_traces"][0]
-            if e["action"] in ("alloc", "free_completed")]
+    return allocator_events(fn)
 
 
 def _workspace_notes() -> int:

@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from traced import allocator_events  # noqa: E402
 from vram.run.kernels.sorting import UNMODELLED, cub_note  # noqa: E402
 from vram.run.runtime import active_sim, simulated_cuda  # noqa: E402
 
@@ -16,10 +17,7 @@ IDX = 8 * N    # one int64 per index
 
 
 def _backward_events(loss: torch.Tensor) -> list[tuple[str, int]]:
-    torch.cuda.memory._record_memory_history()
-    loss.backward()
-    return [(e["action"][0], e["size"]) for e in torch.cuda.memory._snapshot()["device_traces"][0]
-            if e["action"] in ("alloc", "free_completed")]
+    return allocator_events(loss.backward, short=True)
 
 
 def test_gather_backward_sorts_linear_indices_and_copies_an_expanded_gradient() -> None:

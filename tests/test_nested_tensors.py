@@ -30,6 +30,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+from traced import allocator_events  # noqa: E402
 from vram.run.kernels.sdpa_choice import sdpa_args  # noqa: E402
 from vram.run.kernels.sdpa_jagged import select_jagged_backend  # noqa: E402
 from vram.run.runtime import active_sim, simulated_cuda  # noqa: E402
@@ -44,18 +45,20 @@ def _jagged(dtype: Any, grad: bool = False, heads: int = 8, dim: int = 64) -> An
 
 
 def _events(run: Any) -> list[tuple[str, int]]:
-    torch.cuda.memory._record_memory_history()
-    run()
-    events = torch.cuda.memory._snapshot()["device_traces"][0]
-    return [(e["action"][0], e["size"]) for e in events if e["action"] in ("alloc", "free_requested")]
+    return allocator_events(run, ("alloc", "free_requested"), short=True)
+
+
+def _inference_attention_events(dtype: Any) -> list[tuple[str, int]]:
+    """The events of SDPA over three jagged q, k, v of `dtype` under no_grad."""
+    with simulated_cuda("80GiB"):
+        q, k, v = (_jagged(dtype) for _ in range(3))
+        with torch.no_grad():
+            return _events(lambda: F.scaled_dot_product_attention(q, k, v))
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_jagged_flash_forward_allocates_what_mha_varlen_fwd_does() -> None:
-    with simulated_cuda("80GiB"):
-        q, k, v = (_jagged(torch.float16) for _ in range(3))
-        with torch.no_grad():
-            got = _events(lambda: F.scaled_dot_product_attention(q, k, v))
+    got = _inference_attention_events(torch.float16)
     assert got == [("a", OFFS32), ("a", OFFS32), ("a", OUT16), ("a", LSE), ("a", 16), ("a", 8),
                    ("f", OFFS32), ("f", OFFS32), ("f", LSE), ("f", 16), ("f", 8),
                    ("f", OUT16)]  # the unused output
@@ -76,10 +79,7 @@ def test_jagged_flash_backward_allocates_what_mha_varlen_bwd_does() -> None:
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_jagged_float32_takes_the_memory_efficient_kernel() -> None:
-    with simulated_cuda("80GiB"):
-        q, k, v = (_jagged(torch.float32) for _ in range(3))
-        with torch.no_grad():
-            got = _events(lambda: F.scaled_dot_product_attention(q, k, v))
+    got = _inference_attention_events(torch.float32)
     assert got == [("a", OFFS32), ("a", OFFS32), ("a", 226 * 8 * 64 * 4), ("f", OFFS32), ("f", OFFS32),
                    ("f", 226 * 8 * 64 * 4)]
 

@@ -17,6 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from traced import allocator_events  # noqa: E402
 from vram.run.kernels import sparse as rules  # noqa: E402
 from vram.run.runtime import active_sim, run_script, simulated_cuda  # noqa: E402
 
@@ -25,12 +26,7 @@ _CORPUS = Path(__file__).parent / "corpus"
 
 
 def _trace(fn) -> list[tuple[str, int]]:  # type: ignore[no-untyped-def]
-    torch.cuda.memory._record_memory_history()
-    fn()
-    events = [(e["action"], e["size"]) for e in torch.cuda.memory._snapshot()["device_traces"][0]
-              if e["action"] in ("alloc", "free_completed")]
-    torch.cuda.memory._record_memory_history(enabled=None)
-    return events
+    return allocator_events(fn, stop=True)
 
 
 def _notes(text: str) -> int:
