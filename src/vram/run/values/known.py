@@ -261,8 +261,11 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
     if not targets and not written:
         return
     name = func.overloadpacket.__name__
-    limit = _limit(sim, func, args, kwargs, inputs) if computed is None else sim.value_limit
+    limit = sim.value_limit
     big = any(t.numel() > limit for t, _ in targets)
+    if big and computed is None:  # the derived limit is asked only of outputs over the plain one
+        limit = _limit(sim, func, args, kwargs, inputs)
+        big = any(t.numel() > limit for t, _ in targets)
     if computed is None and sim.real_values and name in _UNINITIALIZED:
         for _, b in targets:  # uninitialized memory: zeros; set_/resize_ keep what the storage holds
             if b.value is None:
