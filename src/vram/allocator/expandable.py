@@ -22,14 +22,13 @@ K_SMALL_BUFFER = 2097152
 
 
 class ExpandableSegment:
-    """A reserved virtual range of ``pages × page_size`` bytes, mapped page by page."""
+    """A reserved virtual range of ``pages × page_size`` bytes, mapped page by page: room for
+    1 1/8 of the GPU's memory (``ExpandableSegment``'s constructor in CUDACachingAllocator.cpp)."""
 
     __slots__ = ("device", "stream", "ptr", "page_size", "pages", "mapped_pages")
 
     def __init__(self, device: Any, stream: int, page_size: int) -> None:
-        total = device.total_memory
-        address_space = total + total // 8
-        self.pages = -(-address_space // page_size)
+        self.pages = range_size(device, page_size) // page_size
         self.page_size = page_size
         self.device = device
         self.stream = stream
@@ -70,6 +69,14 @@ class ExpandableSegment:
         self.device.unmap(start, length)
         self.mapped_pages -= length // self.page_size
         return start, length
+
+
+def range_size(device: Any, page_size: int) -> int:
+    """The bytes an expandable segment reserves: 1 1/8 of ``totalGlobalMem`` in whole pages. A
+    replay whose GPU is a stand-in sizes it by the recording's own card as far as the recording
+    shows it (`vram.devices.trace.TraceDevice.recorded_total_memory`)."""
+    total = getattr(device, "recorded_total_memory", None) or device.total_memory
+    return -(-(total + total // 8) // page_size) * page_size
 
 
 def unmapped_next_size(block: Block) -> int:

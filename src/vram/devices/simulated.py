@@ -5,7 +5,8 @@ Address model (spec §22): segment bases are 2 MiB aligned and handed out top-do
 virtual window, each new range placed at the top of the highest free hole that fits. Like the
 driver in real recordings, addresses therefore mostly descend and consecutive segments are often
 adjacent; freed ranges are reused. This matters: equal-size free blocks are tie-broken by lowest
-address (spec §7).
+address (spec §7). Expandable segments' reserved ranges go the other way, bottom-up, as the
+driver placed them in a real recording (`RESERVE_ALIGNMENT`).
 
 Event model (spec §10.3): a simulated GPU has no clock, so event completion is a policy.
 ``event_completion="immediate"`` (default): kernels finish instantly, every recorded event is
@@ -33,6 +34,12 @@ SEGMENT_ALIGNMENT = 2 * MiB
 #: stream and pool), and a 3 TiB one ~33, as cuMemAddressReserve allows before it fails.
 VA_BOTTOM = 0x1000_0000_0000
 VA_TOP = 0x7F80_0000_0000
+#: cuMemAddressReserve's placement. On an H200 (driver 580, CUDA 13.0, torch 2.11:
+#: ../shared/gpu-truth/h200-2026-11-27, expandable_pressure) a process's three expandable
+#: segments were reserved at 0x302000000, 0x2a56000000 and 0x51a8000000: each above the one
+#: before, at the first 32 MiB boundary after its end (0x2a54400000, 0x51a7c00000): as if each
+#: range took its size rounded up to 32 MiB, next to the one before.
+RESERVE_ALIGNMENT = 32 * MiB
 #: Device index i's window is device 0's shifted up by i × 2**48, so no two devices' overlap
 #: (on a real machine they share one 128 TiB space: a limit vram does not model across devices).
 DEVICE_VA_STRIDE = 1 << 48
@@ -71,6 +78,18 @@ class VirtualAddressSpace:
                 else:
                     ends[i] = base
                 self._ranges[base] = size
+                return base
+        return None
+
+    def allocate_bottom_up(self, size: int, alignment: int) -> int | None:
+        """The base of a new `size`-byte range (rounded up to `alignment`, a multiple of 2 MiB)
+        at the lowest aligned address of the lowest hole that fits, or None."""
+        size = -(-size // alignment) * alignment
+        starts, ends = self._starts, self._ends
+        for i in range(len(starts)):
+            base = -(-starts[i] // alignment) * alignment
+            if base + size <= ends[i]:
+                self.take(base, size)
                 return base
         return None
 
@@ -282,8 +301,11 @@ class SimulatedDevice:
 
     def reserve(self, size: int) -> int:
         """cuMemAddressReserve; raises `DriverError` ("CUDA driver error: out of memory") when no
-        range of `size` bytes is left, as ``C10_CUDA_DRIVER_CHECK`` does in PyTorch."""
-        ptr = self._va.allocate(size)
+        range of `size` bytes is left, as ``C10_CUDA_DRIVER_CHECK`` does in PyTorch. Ranges go
+        bottom-up, each at the next `RESERVE_ALIGNMENT` boundary, as the driver placed them in a
+        real recording (see `RESERVE_ALIGNMENT`): a range reserved later lies above the earlier
+        ones, so the allocator's address-ordered search (``find_expandable_block``) tries it last."""
+        ptr = self._va.allocate_bottom_up(size, RESERVE_ALIGNMENT)
         if ptr is None:
             raise DriverError("CUDA driver error: out of memory")
         self._reservations[ptr] = self._va.size_of(ptr) or size

@@ -10,7 +10,8 @@ and the mismatch is logged as a divergence.
 Expandable segments (spec §14) reserve a virtual range and map pages into it. A new range gets
 the address of the next recorded ``segment_map`` (a fresh segment's first map is at its base:
 ``find_expandable_block`` then ``map_block`` in CUDACachingAllocator.cpp); every map and unmap is
-kept for verification.
+kept for verification. A range the recording never maps (one reserved by a request that failed)
+goes above every recorded address, where the driver puts a later range.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .base import DriverError
-from .simulated import SimulatedDevice, VirtualAddressSpace
+from .simulated import RESERVE_ALIGNMENT, SimulatedDevice, VirtualAddressSpace
 
 #: synthetic addresses live far below the 0x7f… range real drivers hand out
 SYNTHETIC_BOTTOM = 0x4000_0000_0000
@@ -29,6 +30,7 @@ SYNTHETIC_TOP = 0x6000_0000_0000
 #: address, which the loader keeps below 2**64 but real drivers below 2**48)
 UNBOUNDED_BOTTOM = 1 << 60
 UNBOUNDED_TOP = 1 << 63
+_WINDOW = SYNTHETIC_TOP - SYNTHETIC_BOTTOM
 #: the smallest page any expandable segment maps (the small pool's, kSmallBuffer)
 _PAGE = 2 << 20
 
@@ -59,7 +61,12 @@ class TraceDevice(SimulatedDevice):
         self.cut_maps = 0
         #: the GPU's size is a stand-in for "unlimited": reservations never run out of addresses
         self.unbounded_address_space = False
+        #: the recording's GPU memory as far as the recording shows it (None: `total_memory`):
+        #: it sizes expandable segments' ranges when `total_memory` is a stand-in, so a request
+        #: larger than the real card's range reserves a new one there too
+        self.recorded_total_memory: int | None = None
         self._beyond = VirtualAddressSpace(UNBOUNDED_BOTTOM, UNBOUNDED_TOP)
+        self._reserve_va: VirtualAddressSpace | None = None  # made at the first synthetic range
 
     def malloc(self, size: int) -> int | None:
         if self.fail_mallocs or size <= 0 or not self._fits(size):
@@ -102,7 +109,10 @@ class TraceDevice(SimulatedDevice):
         recorded ranges may overlap here: each is cut where the next one begins (`_cut_around`),
         as long as no page mapped now lies in the new range."""
         rec = self.recorded_maps[self.map_cursor] if self.map_cursor < len(self.recorded_maps) else None
-        if rec is None or rec[0] in self._reservations or rec[0] in self._allocations:
+        if rec is None or rec[0] in self._reservations or rec[0] in self._allocations or (
+                self.fail_mallocs and self._reservation_at(rec[0]) is not None):
+            # (a range reserved by a request that failed, while the next recorded map grows a
+            # range that exists: the driver put the new one above it, where it stayed unmapped)
             return self._synthetic_reserve(size)
         base = rec[0]
         try:
@@ -116,26 +126,34 @@ class TraceDevice(SimulatedDevice):
         return base
 
     def _synthetic_reserve(self, size: int) -> int:
-        """A range in the synthetic window; past its end, on a GPU of unlimited size, one in the
-        unbounded window above it."""
-        try:
-            return super().reserve(size)
-        except DriverError:
-            ptr = self._beyond.allocate(size) if self.unbounded_address_space else None
-            if ptr is None:
-                raise
-            self._reservations[ptr] = self._beyond.size_of(ptr) or size
-            self._mapped[ptr] = 0
-            return ptr
+        """A range the recording does not place: above every address known when the first such
+        range is asked for (the driver places each reserved range above the ones before:
+        `vram.devices.simulated.RESERVE_ALIGNMENT`), in a window as large as the synthetic one;
+        past its end, on a GPU of unlimited size, one in the unbounded window above it."""
+        if self._reserve_va is None:
+            known = [*self.recorded, *self.recorded_maps, *self._reservations.items(), *self._allocations.items()]
+            high = max([SYNTHETIC_BOTTOM] + [a + n for a, n in known])
+            bottom = min(-(-high // RESERVE_ALIGNMENT) * RESERVE_ALIGNMENT, UNBOUNDED_BOTTOM - _WINDOW)
+            self._reserve_va = VirtualAddressSpace(bottom, bottom + _WINDOW)
+        ptr = self._reserve_va.allocate_bottom_up(size, RESERVE_ALIGNMENT)
+        space = self._reserve_va
+        if ptr is None and self.unbounded_address_space:
+            ptr, space = self._beyond.allocate(size), self._beyond
+        if ptr is None:
+            raise DriverError("CUDA driver error: out of memory")
+        self._reservations[ptr] = space.size_of(ptr) or size
+        self._mapped[ptr] = 0
+        return ptr
 
     def release(self, ptr: int) -> None:
-        if self._beyond.size_of(ptr) is None:
+        space = next((v for v in (self._reserve_va, self._beyond) if v is not None and v.size_of(ptr)), None)
+        if space is None:
             super().release(ptr)
             return
         if self._mapped.get(ptr):
             raise ValueError(f"releasing reserved range {ptr:#x} that still has mapped pages")
         del self._reservations[ptr], self._mapped[ptr]
-        self._beyond.free(ptr)
+        space.free(ptr)
 
     def _cut_around(self, base: int, size: int) -> bool:
         """Make room for a recorded range at `base`: the range below it ends there, and this one

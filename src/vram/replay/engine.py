@@ -195,7 +195,8 @@ def replay(snapshot: Mapping[str, Any], *, gpu: int | str | None = None, context
 
     if empty_cache_at or plan is not None:
         skip_cycles = False  # the periods are no longer the recording's (or pools are routed)
-    setup = _Setup(recorded, recorded_maps, total, ctx, device, conf_text, initial, plan, scan,
+    floor = None if gpu is not None or not _expandable(conf_text) else recorded_gpu_floor(initial, trace, ctx)
+    setup = _Setup(recorded, recorded_maps, total, ctx, device, conf_text, initial, plan, scan, floor,
                    reproduce_ooms=verify or (conf is None and gpu is None and cap is None),
                    capacity_known=gpu is not None, empty_cache_at=frozenset(empty_cache_at), cap=cap,
                    timeline=timeline, skip_cycles=skip_cycles, verify=verify)
@@ -223,6 +224,7 @@ class _Setup:
     initial: list[dict[str, Any]]
     plan: Any
     scan: Any
+    recorded_total: int | None  #: the least memory the recording's GPU had (`recorded_gpu_floor`)
     reproduce_ooms: bool
     capacity_known: bool
     empty_cache_at: frozenset[int]
@@ -239,6 +241,7 @@ def _start(setup: _Setup) -> tuple[ReplayDevice, CachingAllocator, set[int]]:
     dev.reproduce_ooms = setup.reproduce_ooms
     dev.capacity_known = setup.capacity_known
     dev.unbounded_address_space = not setup.capacity_known  # (a stand-in size: vram.devices.trace)
+    dev.recorded_total_memory = setup.recorded_total
     dev.empty_cache_at = setup.empty_cache_at
     alloc = CachingAllocator(dev, setup.conf_text)
     if setup.cap is not None:
@@ -246,6 +249,34 @@ def _start(setup: _Setup) -> tuple[ReplayDevice, CachingAllocator, set[int]]:
     import_segments(alloc, setup.initial)
     dev.pool_router = setup.plan.router(alloc) if setup.plan is not None else None
     return dev, alloc, {b["address"] for seg in setup.initial for b in seg["blocks"] if b["state"] != "inactive"}
+
+
+def _expandable(conf_text: str) -> bool:
+    try:
+        return parse_alloc_conf(conf_text).expandable_segments
+    except ConfigError:
+        return False
+
+
+def recorded_gpu_floor(initial: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
+                       context: int) -> int | None:
+    """The least memory the recording's GPU can have had, from its ``oom`` events: the free bytes
+    each recorded (``device_free``, cudaMemGetInfo's answer just before the message, kept as the
+    event's ``addr``) plus this process's reserved bytes then and the context; None without one.
+    Expandable segments reserve 1 1/8 of the card each (``ExpandableSegment``), so on a GPU of
+    unknown size this sizes their ranges: a request larger than the real range makes a new
+    segment, and later requests go to whichever range has the lower address, as on the card."""
+    reserved = sum(s["total_size"] for s in initial)
+    floor = None
+    for e in trace:
+        action = e["action"]
+        if action == "segment_map" or action == "segment_alloc":
+            reserved += e["size"]
+        elif action == "segment_unmap" or action == "segment_free":
+            reserved -= e["size"]
+        elif action == "oom":
+            floor = max(floor or 0, reserved + e["addr"] + context)
+    return floor
 
 
 def _play(setup: _Setup, events: Sequence[Mapping[str, Any]], with_checks: bool,

@@ -22,7 +22,8 @@ from typing import Any
 
 from vram.allocator.block import Block, BlockPool
 from vram.allocator.caching import CachingAllocator
-from vram.allocator.expandable import K_SMALL_BUFFER, ExpandableSegment
+from vram.allocator.expandable import K_SMALL_BUFFER, ExpandableSegment, range_size
+from vram.devices.trace import TraceDevice
 
 from .validate import RESERVED_STREAMS, private_pool
 
@@ -172,8 +173,7 @@ def _install_expandable(alloc: CachingAllocator, stream: int, pool: BlockPool,
     page = K_SMALL_BUFFER if pool.is_small else alloc.config.large_segment_size
     first = runs[0]["address"]
     base = min([first] + [r["expandable_base"] for r in runs if "expandable_base" in r])
-    total = alloc.device.total_memory
-    size = -(-(total + total // 8) // page) * page
+    size = range_size(alloc.device, page)
     where = f"the expandable segment of stream {stream:#x} ({'small' if pool.is_small else 'large'} pool)"
     mapped = 0
     end = base
@@ -186,11 +186,14 @@ def _install_expandable(alloc: CachingAllocator, stream: int, pool: BlockPool,
                              "allocator reports one run per contiguous mapped range")
         mapped += r["total_size"]
         end = r["address"] + r["total_size"]
+    device = alloc.device
+    if end - base > size and isinstance(device, TraceDevice) and device.recorded_total_memory:
+        device.recorded_total_memory = None  # the card was larger than its OOMs show: the stand-in
+        size = range_size(device, page)
     if end - base > size:
         raise StateError(f"{where} spans {end - base} bytes from {base:#x}, more than this GPU's "
                          f"reserve of {size} bytes: give the recording's GPU (--gpu), or it had "
                          "several expandable segments there")
-    device = alloc.device
     adopt = getattr(device, "adopt_reservation", None)
     if adopt is None or not adopt(base, size, mapped, [(r["address"], r["total_size"]) for r in runs]):
         free, dev_total = device.mem_get_info()
