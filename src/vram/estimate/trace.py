@@ -10,6 +10,7 @@ workspaces from `vram.run.runtime`'s record of them; temporaries, the rest.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -296,15 +297,26 @@ def checkpoint_targets(model: nn.Module, policy: Any, blocks: list[nn.Module] | 
     return lists or list(model.children())
 
 
-def apply_checkpoint(model: nn.Module, policy: Any, tr: Tracker, blocks: list[nn.Module] | None = None) -> None:
+def apply_checkpoint(model: nn.Module, policy: Any, tr: Tracker, blocks: list[nn.Module] | None = None,
+                     compiled: bool = False) -> None:
     """Wrap each `checkpoint_targets` module's forward in non-reentrant ``torch.utils.checkpoint``.
 
     The recomputation runs inside the autograd engine, under the simulation's function mode (see
     `vram.run.cuda.patches.patch_torch_extras`), so it is cast and routed as the forward was.
+    `compiled` (the model runs under ``torch.compile``): the forward becomes
+    ``functools.partial(checkpoint, forward, use_reentrant=False)`` and nothing of estimate's:
+    Dynamo inlines the partial and traces the block as a ``tag_activation_checkpoint`` region,
+    as it traces ``checkpoint(block, x, use_reentrant=False)`` written in the user's forward
+    (estimate's bookkeeping around it lives in this package, which Dynamo skips: each block would
+    break the graph and run eagerly). The recomputation is then the compiled backward's own.
     """
     from torch.utils.checkpoint import checkpoint as ckpt
 
     for m in checkpoint_targets(model, policy, blocks):
+        if compiled:
+            m.forward = functools.partial(ckpt, m.forward, use_reentrant=False)
+            continue
+
         def forward(*args: Any, _orig: Any = m.forward, _m: nn.Module = m, **kwargs: Any) -> Any:
             def run(*a: Any, **k: Any) -> Any:
                 recompute = torch._C._current_autograd_node() is not None
