@@ -320,8 +320,8 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
     ``vram run`` compiles, docs/estimate-accuracy.md §8), `checkpoint` too (each block's forward
     ``functools.partial(checkpoint, forward, use_reentrant=False)``: Dynamo traces it as the
     user's ``checkpoint(block, x)``); activations are what the compiled graphs save for backward,
-    attributed to "(compiled model)": the per-module hooks would break Dynamo's graph at every
-    module, so they are off.
+    each attributed to the innermost module of the graph node that made it, else to "(compiled
+    model)": the per-module hooks would break Dynamo's graph at every module, so they are off.
 
     If the steps run out of memory on `gpu`, ``fits`` is False, ``oom`` says where, and every
     figure comes from the same steps repeated on an unbounded GPU: what the step would need.
