@@ -3,6 +3,7 @@ as ``vram run`` runs it (docs/estimate-accuracy.md §8), with estimate's per-mod
 that Dynamo traces whole graphs."""
 from __future__ import annotations
 
+import functools
 import pickle
 import re
 from importlib.util import find_spec
@@ -26,6 +27,52 @@ def test_compile_mode_and_what_it_cannot_go_with_are_refused() -> None:
         estimate(_mlp, torch.Size([2, 1024]), compile="fastest")
     with pytest.raises(ValueError, match="compile with a multi-GPU layout"):
         estimate(_mlp, torch.Size([2, 1024]), compile="default", parallel=object())
+
+
+def _stack_module(folder: Path) -> Any:
+    """`_STACK` written to `folder` and imported (the by-hand script imports the same file)."""
+    import importlib.util
+
+    (folder / "stack.py").write_text(_STACK, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("stack_under_test", folder / "stack.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dynamo_sources_of_a_checkpointed_stack_name_its_modules(tmp_path: Path) -> None:
+    """The nn_module_stack Dynamo records for a stack whose blocks estimate checkpoints
+    (``functools.partial(checkpoint, forward)``) travels to the compile process with each node,
+    and its sources lead back from the compiled model to the module of that class; a source of
+    another class, or from another frame's ``self``, names nothing."""
+    from torch.utils.checkpoint import checkpoint
+
+    from vram.estimate.trace import module_at_source
+    from vram.run.compile.graph_transport import graph_module, graph_nodes
+
+    stack = _stack_module(tmp_path).Stack()
+    for block in stack.blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    graphs: list[Any] = []
+
+    def capture(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(stack, backend=capture)(torch.randn(4, 256))
+    (gm,) = graphs
+    sent = graph_module(graph_nodes(gm.graph, gm))
+    body = sent.wrap_body_1.graph  # block 1's checkpointed region
+    modules = {n.name: list(n.meta["nn_module_stack"].values()) for n in body.nodes if "nn_module_stack" in n.meta}
+    up_source, up_class = modules["linear"][0]
+    assert (up_source, up_class) == ("L['self'].blocks.1.forward.args[0].__self__.up", "torch.nn.modules.linear.Linear")
+    assert module_at_source(stack, up_source, up_class) is stack.blocks[1].up
+    block_source, block_class = modules["add"][0]  # the residual sum: the block's own op
+    assert module_at_source(stack, block_source, block_class) is stack.blocks[1]
+    assert module_at_source(stack, up_source, "torch.nn.modules.activation.ReLU") is None
+    assert module_at_source(stack, "L['self'].up", up_class) is None  # a block's frame: its own self
+    assert module_at_source(stack, "L['mod'].blocks.0", block_class) is None
 
 
 _STACK = '''
@@ -95,17 +142,11 @@ def test_estimate_compile_makes_the_allocations_of_the_script_by_hand(tmp_path: 
     that made it, the batch outside any module; with checkpointing, only each block's input."""
     if find_spec("triton") is None:
         pytest.skip("needs triton (the 'compile' extra)")
-    import importlib.util
-
     from torch._dynamo.utils import counters
 
     from vram.estimate import engine
 
-    (tmp_path / "stack.py").write_text(_STACK, encoding="utf-8")
-    spec = importlib.util.spec_from_file_location("stack_under_test", tmp_path / "stack.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _stack_module(tmp_path)
     runs: list[Any] = []
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
