@@ -51,7 +51,7 @@ def test_dynamo_sources_of_a_checkpointed_stack_name_its_modules(tmp_path: Path)
     from vram.estimate.trace import module_at_source
     from vram.run.compile.graph_transport import graph_module, graph_nodes
 
-    stack = _stack_module(tmp_path).Stack()
+    stack = _stack_module(tmp_path).Stack(n=2)
     for block in stack.blocks:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     graphs: list[Any] = []
