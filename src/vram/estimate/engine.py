@@ -146,7 +146,7 @@ def _checked_run(step: Any, amp: Any, loss: Any, grad_accum: int, iterations: in
     return amp_dtype
 
 
-def _placed(model: Any, sim: Any, tr: Tracker, parallel: Any, checkpoint: Any) -> nn.Module:
+def _placed(model: Any, sim: Any, tr: Tracker, parallel: Any, checkpoint: Any, compiled: bool = False) -> nn.Module:
     """The model built, on the simulated GPU (or laid out for its rank), in training mode, its
     parameters and buffers marked, checkpointed as asked."""
     m = build_model(model, sim)
@@ -158,7 +158,7 @@ def _placed(model: Any, sim: Any, tr: Tracker, parallel: Any, checkpoint: Any) -
     for b in m.buffers():
         tr.mark(b, "buffers")
     if checkpoint:
-        apply_checkpoint(m, checkpoint, tr, None if parallel is None else parallel.blocks(m))
+        apply_checkpoint(m, checkpoint, tr, None if parallel is None else parallel.blocks(m), compiled)
     return m
 
 
@@ -191,7 +191,7 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
         hooks: list[Any] = []
         try:
             try:
-                m = _placed(model, sim, tr, parallel, checkpoint)
+                m = _placed(model, sim, tr, parallel, checkpoint, compile is not None)
                 opt = make_optimizer(optimizer, m)
                 if opt is not None:
                     def pre(o: Any, a: Any, k: Any, m: nn.Module = m) -> None:
@@ -280,15 +280,12 @@ def _summarise(run: _Run, gpu: int, context: int, others: int) -> dict[str, Any]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def check_compile(compile: str | None, checkpoint: Any, parallel: Any) -> None:  # noqa: A002
-    """`compile` is a mode, and not with what `estimate` does through hooks Dynamo cannot trace."""
+def check_compile(compile: str | None, parallel: Any) -> None:  # noqa: A002
+    """`compile` is a mode, and not with a multi-GPU layout."""
     if compile is None:
         return
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile={compile!r}: not a torch.compile mode ({', '.join(COMPILE_MODES)})")
-    if checkpoint:
-        raise ValueError("compile with checkpoint is not modelled: estimate's checkpointing wraps each block "
-                         "in a function that marks its inputs, which Dynamo cannot trace")
     if parallel is not None:
         raise ValueError("compile with a multi-GPU layout (ddp, fsdp, tp, pp) is not modelled")
 
@@ -320,14 +317,16 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
     `parallel`: one rank of a multi-GPU layout (`vram.estimate.layout.RankPlan`; see `_run`).
     `compile`: a ``torch.compile`` mode ("default", "reduce-overhead", "max-autotune",
     "max-autotune-no-cudagraphs"): the model runs compiled (``torch.compile(model, mode=)``, as
-    ``vram run`` compiles, docs/estimate-accuracy.md §8); activations are what the compiled
-    graphs save for backward, attributed to "(compiled model)": the per-module hooks would break
-    Dynamo's graph at every module, so they are off.
+    ``vram run`` compiles, docs/estimate-accuracy.md §8), `checkpoint` too (each block's forward
+    ``functools.partial(checkpoint, forward, use_reentrant=False)``: Dynamo traces it as the
+    user's ``checkpoint(block, x)``); activations are what the compiled graphs save for backward,
+    each attributed to the innermost module of the graph node that made it, else to "(compiled
+    model)": the per-module hooks would break Dynamo's graph at every module, so they are off.
 
     If the steps run out of memory on `gpu`, ``fits`` is False, ``oom`` says where, and every
     figure comes from the same steps repeated on an unbounded GPU: what the step would need.
     """
-    check_compile(compile, checkpoint, parallel)
+    check_compile(compile, parallel)
     spec, ctx_b = resolve_gpu(gpu, arch), parse_size(context, "context")
     gpu_b = spec.total_memory
     kw = dict(step=step, optimizer=optimizer, loss=loss, amp=amp, checkpoint=checkpoint,
@@ -379,7 +378,7 @@ def _probe(model: Any, example_inputs: Any, *, gpu: int | str, context: int | st
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     kw.update(kwargs)
-    check_compile(kw["compile"], kw["checkpoint"], kw["parallel"])
+    check_compile(kw["compile"], kw["parallel"])
     card, ctx = resolve_gpu(gpu, arch), parse_size(context, "context")
     run = _run(model, example_inputs, gpu=card, context=ctx, keep=False, record=True, **kw)  # type: ignore[arg-type]
     if run.oom is not None:

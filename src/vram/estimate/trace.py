@@ -10,6 +10,8 @@ workspaces from `vram.run.runtime`'s record of them; temporaries, the rest.
 """
 from __future__ import annotations
 
+import functools
+import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -67,6 +69,7 @@ class Tracker:
         self.stack = [0]
         self.root: nn.Module | None = None
         self.root_call: nn.Module | None = None  # the compiled model (`compiled`)
+        self.observing: list[Any] | None = None  # the compiled graphs' observers `compiled_saved` is in
         self.iteration = 0
         self.phase = "setup"
         self.records: dict[tuple[int, str], Phase] = {}
@@ -131,13 +134,22 @@ class Tracker:
             for hook in hooks:
                 hook.remove()
             del alloc.malloc, alloc.free
+            if self.observing is not None:
+                self.observing.remove(self.compiled_saved)
+                self.observing = None
 
         return uninstall
 
     def compiled(self, model: nn.Module, mode: str) -> nn.Module:
         """``torch.compile(model, mode=)`` (None for "default") whose calls count as the model's
         (the forward phase starts there) under the name "(compiled model)": its forward hooks run
-        outside the compiled code, the module's own hooks stay off (`install`)."""
+        outside the compiled code, the module's own hooks stay off (`install`). What the compiled
+        graphs save for the backward is named by module where the graph says which made it
+        (`compiled_saved`)."""
+        from vram.run.compile.compiled_graph import saved_observers
+
+        saved_observers.append(self.compiled_saved)
+        self.observing = saved_observers
         compiled = torch.compile(model, mode=None if mode == "default" else mode)
         self.mod_index[id(compiled)] = len(self.names)
         self.names.append("(compiled model)")
@@ -146,6 +158,16 @@ class Tracker:
         compiled.register_forward_pre_hook(self._pre)
         compiled.register_forward_hook(self._post)
         return compiled
+
+    def compiled_saved(self, t: torch.Tensor, module: tuple[str, str] | None) -> None:
+        """A tensor a compiled forward saves for the backward, made by the graph node whose
+        innermost module is `module` (Dynamo's source and the class's name): its block belongs
+        to that module of the model when the source names one of its modules, of that class
+        (`module_at_source`); else it stays the compiled model's."""
+        seq = self.seq_of(t)
+        found = module_at_source(self.root, *module) if module is not None and seq is not None else None
+        if found is not None and id(found) in self.mod_index:
+            self.module[seq] = self.mod_index[id(found)]  # type: ignore[index]
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         if self.auto and module in (self.root, self.root_call) and torch._C._current_autograd_node() is None:
@@ -272,6 +294,35 @@ class Tracker:
         return cats, dict(sorted(mods.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+#: one step of a Dynamo source: ``.name``, ``.0`` (a ModuleList's child), ``[0]``, ``['key']``
+_SOURCE_STEP = re.compile(r"\.([A-Za-z_]\w*|\d+)|\[(\d+)\]|\['([^']*)'\]")
+
+
+def module_at_source(root: nn.Module | None, source: str, class_name: str) -> nn.Module | None:
+    """The module Dynamo's `source` names when the compiled frame's ``self`` is `root` (sources
+    start ``L['self']``; a checkpointed block's modules are reached through estimate's
+    ``functools.partial``: ``L['self'].blocks.0.forward.args[0].__self__.up``), if it is of the
+    class named `class_name`: a frame of another module (after a graph break) names its modules
+    from its own ``self``, so a source that leads elsewhere names nothing."""
+    prefix = "L['self']"
+    if root is None or not source.startswith(prefix):
+        return None
+    obj: Any = root
+    pos = len(prefix)
+    while pos < len(source):
+        step = _SOURCE_STEP.match(source, pos)
+        if step is None:
+            return None
+        name, index, key = step.groups()
+        try:
+            obj = getattr(obj, name) if name is not None else obj[int(index)] if index is not None else obj[key]
+        except (AttributeError, IndexError, KeyError, TypeError):
+            return None
+        pos = step.end()
+    cls = type(obj)
+    return obj if isinstance(obj, nn.Module) and f"{cls.__module__}.{cls.__qualname__}" == class_name else None
+
+
 def checkpoint_targets(model: nn.Module, policy: Any, blocks: list[nn.Module] | None = None) -> list[nn.Module]:
     """The modules `checkpoint=` wraps: every instance of the policy's classes; else `blocks` when
     given (a pipeline stage's, whose ModuleList torch.export made an ``InterpreterModule``); else
@@ -296,15 +347,26 @@ def checkpoint_targets(model: nn.Module, policy: Any, blocks: list[nn.Module] | 
     return lists or list(model.children())
 
 
-def apply_checkpoint(model: nn.Module, policy: Any, tr: Tracker, blocks: list[nn.Module] | None = None) -> None:
+def apply_checkpoint(model: nn.Module, policy: Any, tr: Tracker, blocks: list[nn.Module] | None = None,
+                     compiled: bool = False) -> None:
     """Wrap each `checkpoint_targets` module's forward in non-reentrant ``torch.utils.checkpoint``.
 
     The recomputation runs inside the autograd engine, under the simulation's function mode (see
     `vram.run.cuda.patches.patch_torch_extras`), so it is cast and routed as the forward was.
+    `compiled` (the model runs under ``torch.compile``): the forward becomes
+    ``functools.partial(checkpoint, forward, use_reentrant=False)`` and nothing of estimate's:
+    Dynamo inlines the partial and traces the block as a ``tag_activation_checkpoint`` region,
+    as it traces ``checkpoint(block, x, use_reentrant=False)`` written in the user's forward
+    (estimate's bookkeeping around it lives in this package, which Dynamo skips: each block would
+    break the graph and run eagerly). The recomputation is then the compiled backward's own.
     """
     from torch.utils.checkpoint import checkpoint as ckpt
 
     for m in checkpoint_targets(model, policy, blocks):
+        if compiled:
+            m.forward = functools.partial(ckpt, m.forward, use_reentrant=False)
+            continue
+
         def forward(*args: Any, _orig: Any = m.forward, _m: nn.Module = m, **kwargs: Any) -> Any:
             def run(*a: Any, **k: Any) -> Any:
                 recompute = torch._C._current_autograd_node() is not None

@@ -1,8 +1,9 @@
 """The ``vram run`` side of the compile process (`vram.run.compile.worker`): started at the first
 graph, reused for the rest of the run, stopped at its end; and the compiled wrappers cached by
 graph, in the run and on disk (``$VRAM_CACHE/compile/wrappers``, default ``~/.cache/vram``), keyed
-by the graph's code, the inputs' metadata, the autocast and grad mode, the card, the torch build
-and this package's sources, so a later run of the same program does not compile again.
+by the graph's code and nodes (its subgraphs and the modules its nodes come from included), the
+inputs' metadata, the autocast and grad mode, the card, the torch build and this package's
+sources, so a later run of the same program does not compile again.
 """
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ class CompileClient:
         """The worker's answer for `request` (`worker.compile_request`), from the caches if there."""
         if not self.source_key:
             self.source_key = _source_key()
-        key = hashlib.sha256(pickle.dumps((self.source_key, self.card, request["code"], request["inputs"],
-                                           request["autocast"], request["grad"],
+        key = hashlib.sha256(pickle.dumps((self.source_key, self.card, request["code"], request["graph"],
+                                           request["inputs"], request["autocast"], request["grad"],
                                            request.get("cudagraphs", False), request.get("static_inputs"),
                                            request.get("max_autotune", False)))).hexdigest()
         if key in self.memo:

@@ -25,6 +25,7 @@ freed where the wrapper's ``del`` drops it.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +34,10 @@ from .runtime_meta import NOT_ALIASED, rebuild_view_metas
 from .wrapper_run import call, load_wrapper
 
 _NAMES = itertools.count()
+#: called with each tensor a compiled forward saves for the backward and the innermost module of
+#: the graph node that made it (Dynamo's source of the module and its class's name; None: a graph
+#: input, or made outside every module): how `vram.estimate` names the activations of a compiled model
+saved_observers: list[Callable[[torch.Tensor, tuple[str, str] | None], None]] = []
 
 
 def on_device(source: str, index: int) -> str:
@@ -229,8 +234,11 @@ class _CompiledFunction(torch.autograd.Function):
         fw_outs = call(graph.forward, list(args))
         start, stop = meta["saved"]
         ctx.save_for_backward(*(t.detach() if t._is_view() else t for t in fw_outs[start:stop]))
-        start, stop = meta["saved_no_vc"]
-        ctx._tensors_no_vc_check = [t.detach() if t._is_view() else t for t in fw_outs[start:stop]]
+        start_no_vc, stop_no_vc = meta["saved_no_vc"]
+        ctx._tensors_no_vc_check = [t.detach() if t._is_view() else t for t in fw_outs[start_no_vc:stop_no_vc]]
+        if saved_observers:
+            outs = range(len(fw_outs))
+            _observe_saved(fw_outs, [*outs[start:stop], *outs[start_no_vc:stop_no_vc]], meta)
         start, stop = meta["saved_symints"] or (0, 0)
         ctx.symints = fw_outs[start:stop]
         ctx.graph = graph
@@ -261,6 +269,16 @@ class _CompiledFunction(torch.autograd.Function):
         ctx.maybe_clear_saved_tensors()
         outs = call(graph.backward, all_args)  # type: ignore[arg-type]
         return (None, *outs)
+
+
+def _observe_saved(fw_outs: list[Any], indices: list[int], meta: dict[str, Any]) -> None:
+    """Each `saved_observers` told of each saved tensor (`indices` into the forward's outputs) and
+    its module (the layout's ``output_modules``; None for all in a layout without them)."""
+    modules = meta.get("output_modules") or []
+    for i in indices:
+        module = modules[i] if i < len(modules) else None
+        for observe in saved_observers:
+            observe(fw_outs[i], tuple(module) if module is not None else None)
 
 
 def _backward_args(meta: dict[str, Any], saved: tuple[Any, ...], grads: list[Any], num_mutated: int) -> list[Any]:

@@ -4,7 +4,11 @@ Pickling a ``GraphModule`` sends its Python code, which the other side traces ag
 symbolic tracer (``torch.fx.graph_module._deserialize_graph_module``): a factory call with
 constant arguments (``torch.arange(512, device=...)``) then runs at trace time and becomes a
 tensor constant, which is not the graph Dynamo traced. So the nodes themselves are sent: op,
-name, target (functions pickle by their qualified name) and arguments, other nodes named.
+name, target (functions pickle by their qualified name) and arguments, other nodes named, and
+the innermost module of Dynamo's ``nn_module_stack`` (its source path and class name: the class
+itself may not import in the compile process), which AOTAutograd copies to the nodes it traces
+from each node (``fx.proxy``'s preserved node meta), so the compiled forward can say which module
+made each tensor it saves (`module_of`).
 """
 from __future__ import annotations
 
@@ -45,8 +49,19 @@ def graph_nodes(graph: torch.fx.Graph, owner: torch.nn.Module | None = None) -> 
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: NodeRef(n.name))  # type: ignore[arg-type,return-value]
         target = HigherOrder(node.target.name()) if isinstance(node.target, torch._ops.HigherOrderOperator) \
             else node.target
-        nodes.append((node.op, node.name, target, args, kwargs))
+        nodes.append((node.op, node.name, target, args, kwargs, module_of(node)))
     return {"nodes": nodes, "subgraphs": subgraphs}
+
+
+def module_of(node: Any) -> tuple[str, str] | None:
+    """The innermost entry of `node`'s ``nn_module_stack``: Dynamo's source of the module
+    (``"L['self'].blocks.0"``) and its class's name (a class, or already its name); None for a
+    node made outside every module (a graph input, an op in the frame's own code)."""
+    stack = getattr(node, "meta", {}).get("nn_module_stack") or {}
+    if not stack:
+        return None
+    path, cls = list(stack.values())[-1]
+    return str(path), cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def graph_module(sent: dict[str, Any]) -> torch.fx.GraphModule:
@@ -70,13 +85,15 @@ def graph_module(sent: dict[str, Any]) -> torch.fx.GraphModule:
             return slice(resolve(value.start), resolve(value.stop), resolve(value.step))
         return value
 
-    for op, name, target, args, kwargs in nodes:
+    for op, name, target, args, kwargs, module in nodes:
         if isinstance(target, HigherOrder):
             target = getattr(torch.ops.higher_order, target.name)
         if op == "call_function" and _device_constant(target, args, kwargs):
             env[name] = _constant_on_device(graph, name, args, kwargs)
             continue
         node = graph.create_node(op, target, resolve(args), resolve(kwargs), name=name)
+        if module is not None:
+            node.meta["nn_module_stack"] = {module[0]: module}
         env[name] = node
     return torch.fx.GraphModule(root, graph)
 

@@ -21,6 +21,7 @@ import torch
 
 from vram.run.kernels.sdpa_choice import sdpa_args, select_sdpa_backend
 
+from .graph_transport import module_of
 from .max_autotune import MODE_OPTIONS, deterministic_choices
 from .runtime_meta import inputs_to_detach, runtime_layout
 
@@ -140,8 +141,10 @@ def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Te
     `autocast_dtype`: the CUDA autocast the graph was traced under (Dynamo leaves an enclosing
     ``torch.autocast`` out of the graph: it is ambient state, so it is entered here). `layout`, if
     given, receives `runtime_layout` of the forward (AOTAutograd's metadata, read as the forward
-    is compiled). `cudagraphs`: compiled as ``mode="reduce-overhead"`` compiles
-    (``triton.cudagraphs``: graph partitions), `layout["cudagraphs"]` receiving `cudagraph_calls`;
+    is compiled) and ``output_modules``: for each of the forward graph's outputs, the innermost
+    module of the node that makes it (`graph_transport.module_of`). `cudagraphs`: compiled as
+    ``mode="reduce-overhead"`` compiles (``triton.cudagraphs``: graph partitions),
+    `layout["cudagraphs"]` receiving `cudagraph_calls`;
     `static_inputs`: the graph inputs Dynamo marked static (``_dynamo_static_input_type``:
     parameters and buffers), what AOTAutograd's ``static_input_indices`` are on a GPU
     (frontend_utils.py ``_try_get_metadata_from_dynamo``; the graph sent here lost the marks).
@@ -167,6 +170,8 @@ def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Te
         if layout is not None and not kwargs.get("is_backward") and context is not None and context.fw_metadata:
             metas.append(context.fw_metadata)
             layout.update(runtime_layout(context.fw_metadata))
+            outputs = next(reversed(graph.graph.find_nodes(op="output"))).args[0]
+            layout["output_modules"] = [module_of(o) for o in outputs]
         elif layout is not None and kwargs.get("is_backward") and metas:
             outputs = next(reversed(graph.graph.find_nodes(op="output"))).args[0]
             layout["detach"] = inputs_to_detach(metas[-1], list(outputs))
