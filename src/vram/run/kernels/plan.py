@@ -31,8 +31,10 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   `vram.run.kernels.cudnn_conv` (`cudnn_plan`; `CUDA_META` restrides convolution outputs).
 * **torch.fft** (cuFFT): operand copies and clones in ``SpectralOps.cpp``'s order; the plan
   workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`).
-* **x[idx]'s backward** (``_index_put_impl_`` accumulating, unsafe): linear indices, the gradient
-  made contiguous, the sort's key and index buffers (`vram.run.kernels.indexing`, via `sorting`).
+* **index_put_(accumulate=True)** (``x[idx]``'s backward, a user's put): a boolean mask's nonzero,
+  int64 copies of int32 indices, the range check, linear indices, the value made contiguous, the
+  transposed copy of indices on non-adjacent dims, the sort's key and index buffers
+  (`vram.run.kernels.indexing`, via `sorting`).
 * **torch.linalg** (cuSOLVER, MAGMA): outputs charged; the library's workspaces and working
   copies, sized at run time, named (`vram.run.kernels.linalg`).
 * **Sparse tensors** (COO/CSR/BSR): their kernels run on their components' dense ops;
@@ -42,8 +44,8 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   copies, the segmented radix sort's key and index buffers, multinomial's exponential noise and
   checks (``Sort.cpp``, ``SortStable.cu``, ``TensorTopK.cpp``, ``ScanUtils.cuh``,
   ``Distributions.cpp``, ``Nonzero.cu``) in `vram.run.kernels.sorting`; cub's temporary storage,
-  and ops whose scratch is not modelled (``index_put_(accumulate=True)``, ``unique(dim=...)``,
-  ``embedding_bag`` backward, ``median``…), named per call.
+  and ops whose scratch is not modelled (``unique(dim=...)``, ``embedding_bag`` backward,
+  ``median``…), named per call.
 * **torch.unique / unique_consecutive**: worst-case outputs shrunk by ``resize_`` keep their storage
   (`cuda_outputs`), and the sort and scan buffers of ``UniqueCub.cu`` (`vram.run.kernels.unique`).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer

@@ -67,7 +67,8 @@ UNMODELLED = {
     "median": "median (Sorting.cu): buffers beyond its outputs",
     "nanmedian": "nanmedian (Sorting.cu): buffers beyond its outputs",
     "mode": "mode (TensorModeKernel.cu): buffers beyond its outputs",
-    "_index_put_impl_": "index_put_(accumulate=True) (Indexing.cu index_put_with_sort_kernel: linear "
+    "_index_put_impl_": "index_put_(accumulate=True) with a boolean mask whose number of entries its value "
+                        "does not give (Indexing.cu index_put_with_sort_kernel: the mask's nonzero, linear "
                         "indices, their sorted copy and original positions, expanded values)",
     "multinomial": "multinomial with replacement and more than one sample (MultinomialKernel.cu): "
                    "buffers beyond its output",
@@ -424,7 +425,8 @@ def sorting_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs:
     if name == "_index_put_impl_" and not _arg(args, kwargs, 3, "accumulate", False):
         return None
     if name == "_index_put_impl_":
-        modelled = index_put_plan(args, kwargs, outs, cub_note("index_put_(accumulate=True)"))
+        modelled = index_put_plan(args, kwargs, outs, cub_note("index_put_(accumulate=True)"), nonzero_plan,
+                                  sms, max_threads_sm)
         if modelled is not None:
             return modelled
     if name == "aminmax" and args and isinstance(args[0], torch.Tensor):
