@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 from vram.frontend import memory as _memory
 from vram.run.cuda import patches as _patches
 from vram.run.kernels import autocast as _autocast
+from vram.run.kernels import ctc as _ctc
 from vram.run.kernels import cudnn as _cudnn
 from vram.run.kernels import fastpath as _fast
 from vram.run.kernels import functions as _functions
@@ -207,6 +208,8 @@ class FunctionMode(TorchFunctionMode):
                 return b0.device
             if name in _cudnn.RNN_OPS:
                 raise NotImplementedError(_cudnn.rnn_refusal(name))
+            if name == "ctc_loss" and _ctc.takes_cudnn(args, kwargs, torch.backends.cudnn.enabled):
+                raise NotImplementedError(_ctc.cudnn_refusal())
             if name == "record_stream" and len(args) > 1:  # an empty storage has no block: nothing
                 if b0.ptr:  # to do (CUDACachingAllocator.cpp, recordStream); never C++'s, which
                     _memory.get_allocator(b0.device).record_stream(b0.ptr, args[1].cuda_stream)

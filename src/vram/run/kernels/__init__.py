@@ -21,6 +21,8 @@ carries out on the simulated allocator.
 - `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named).
 - `indexing`: ``index_put_(accumulate=True)`` (``x[idx]``'s backward, a user's put): masks' nonzero, the
   range check, linear indices, their sort.
+- `ctc`: CTC loss forward and backward (``LossCTC.cu``), the refusal of cuDNN's CTC kernel.
+- `scans`: ``cummax`` / ``cummin``'s helpers (no meta kernel in torch), their copies.
 - `linalg`: ``torch.linalg``'s factorizations: outputs charged, cuSOLVER's run-time scratch named.
 - `sparse`: sparse COO/CSR/BSR tensors: which sparse kernels CUDA shares with the CPU, ``_coalesce``,
   sparse ``addmm`` and CSR <-> CSC step by step (Thrust's and cuSPARSE's buffers named);

@@ -51,22 +51,6 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-def _splice(p: _Plan, steps: Steps | None, outs: list[tuple[str, int]], prefix: str) -> None:
-    """Add another op's plan to `p`: its ("out", i) become temporaries named by `outs`, its own
-    temporaries are named ``prefix.k``."""
-    count = 0
-    for step, arg in steps or []:
-        if step == "out":
-            p.tmp(*outs[arg])
-        elif step == "tmp":
-            p.tmp(f"{prefix}.{count}", arg)
-            count += 1
-        elif step == "free":
-            p.free(f"{prefix}.{arg}")
-        else:
-            p.steps.append((step, arg))
-
-
 def _mask_count(self: torch.Tensor, indices: list[Any], value: torch.Tensor) -> int | None:
     """The entries of the one boolean mask in `indices` (the only index), read from the value it
     puts: ``vals_shape`` has them in the mask's place; None when the value does not say."""
@@ -92,7 +76,7 @@ def _long_indices(p: _Plan, self: torch.Tensor, indices: list[Any], value: torch
             if n is None:
                 return None
             cols = torch.empty((t.dim(), n), dtype=torch.int64, device="meta").t()
-            _splice(p, nonzero((t,), [cols]), [(f"nonzero{j}", n * t.dim() * _INT64)], f"nz{j}")
+            p.splice(nonzero((t,), [cols]), [(f"nonzero{j}", n * t.dim() * _INT64)], f"nz{j}")
             out += [cols.select(1, c) for c in range(t.dim())]
         elif t.dtype in (torch.int64, torch.int32):
             out.append(torch.empty(t.shape, dtype=torch.int64, device="meta") if t.dtype == torch.int32
@@ -111,8 +95,8 @@ def _linear_index(p: _Plan, indices: list[Any], check_range: bool, sms: int, max
         n = t.numel()
         if check_range and n:
             extrema = [torch.empty((), dtype=torch.int64, device="meta")] * 2
-            _splice(p, reduction_plan("aminmax", (t,), extrema, sms, max_threads_sm),
-                    [(f"min{k}", _INT64), (f"max{k}", _INT64)], f"aminmax{k}")
+            p.splice(reduction_plan("aminmax", (t,), extrema, sms, max_threads_sm),
+                     [(f"min{k}", _INT64), (f"max{k}", _INT64)], f"aminmax{k}")
             for cmp in ("lt", "ge"):  # _assert_async(index_max < size), (index_min >= -size)
                 p.tmp(f"{cmp}{k}", 1)
                 p.free(f"{cmp}{k}")

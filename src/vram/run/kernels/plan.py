@@ -35,6 +35,11 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   int64 copies of int32 indices, the range check, linear indices, the value made contiguous, the
   transposed copy of indices on non-adjacent dims, the sort's key and index buffers
   (`vram.run.kernels.indexing`, via `sorting`).
+* **CTC loss** (``LossCTC.cu``): the lengths and offsets copied to the GPU, ``log_alpha`` before the
+  loss, the backward's ``log_beta`` and, for large problems, the blanks' ``logsumexp``; a call that
+  takes cuDNN's kernel is refused (`vram.run.kernels.ctc`).
+* **cummax / cummin**: the helpers' meta kernel (none in torch) and the copy of a non-contiguous
+  input (`vram.run.kernels.scans`).
 * **torch.linalg** (cuSOLVER, MAGMA): outputs charged; the library's workspaces and working
   copies, sized at run time, named (`vram.run.kernels.linalg`).
 * **Sparse tensors** (COO/CSR/BSR): their kernels run on their components' dense ops;
@@ -78,18 +83,22 @@ from . import reductions as _reductions
 from . import scratch as _scratch
 from . import sdpa as _sdpa
 from .blas import bmm_plan, mm_plan, non_overlapping_and_dense
+from .ctc import CUDA_META as _CTC_META
+from .ctc import ctc_plan
 from .cudnn import cudnn_plan
 from .cudnn_conv import CUDA_META as _CONV_META
 from .cufft import fft_plan
 from .grouped_mm import CUDA_META as _GROUPED_MM_META
 from .grouped_mm import grouped_mm_plan
 from .linalg import linalg_plan
+from .scans import CUDA_META as _SCAN_META
+from .scans import cummaxmin_plan
 from .sorting import sorting_plan
 from .unique import UNIQUE_OPS, unique_outputs, unique_plan
 from .vision import nms_plan
 
 #: ops whose meta kernel is not what the CUDA kernel does -> the CUDA kernel's output, on meta
-CUDA_META = {**_GROUPED_MM_META, **_CONV_META}
+CUDA_META = {**_GROUPED_MM_META, **_CONV_META, **_CTC_META, **_SCAN_META}
 #: ops whose outputs CUDA allocates for the worst case and shrinks with ``resize_`` (`cuda_outputs`)
 SHRUNK_BY_RESIZE = UNIQUE_OPS
 
@@ -119,6 +128,10 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         plan = cudnn_plan(name, args, outs, cc)
     if plan is None:
         plan = fft_plan(name, args, outs)
+    if plan is None:
+        plan = ctc_plan(name, args, outs, sms, max_threads_sm)
+    if plan is None:
+        plan = cummaxmin_plan(name, args)
     if plan is None:
         plan = grouped_mm_plan(name, args, outs, cc)
     if plan is None:

@@ -1,0 +1,97 @@
+"""CTC loss and cummax on the simulated GPU as CUDA runs them (`vram.run.kernels.ctc`,
+`vram.run.kernels.scans`). Every expected size is derived by hand from ``native/cuda/LossCTC.cu``
+(``ctc_loss_gpu_template``, ``ctc_loss_backward_gpu_template``), ``native/ReduceOps.cpp``
+(``logsumexp_out_impl``), ``native/cudnn/LossCTC.cpp`` (``_use_cudnn_ctc_loss``) and
+``native/cuda/ScanKernels.cpp``, in bytes; ``a`` an allocation, ``f`` a free."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+from traced import allocator_events  # noqa: E402
+from vram.run.runtime import active_sim, simulated_cuda  # noqa: E402
+
+
+def _ctc_inputs(t: int, b: int, c: int, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    lp = torch.randn(t, b, c, device="cuda").log_softmax(2).detach().requires_grad_()
+    return (lp, torch.randint(1, c, (b, s), device="cuda"), torch.full((b,), t, dtype=torch.long),
+            torch.full((b,), s, dtype=torch.long))
+
+
+def test_ctc_forward_allocates_its_index_tensors_then_log_alpha_then_the_loss() -> None:
+    """T 50, batch 4, 20 labels, targets [4, 30]: ``target_lengths_t``, ``input_lengths_t`` and the
+    batch offsets on the GPU (4 int64: 32 B each), ``log_alpha`` [4, 50, 61] float (48,800 B), then
+    ``neg_log_likelihood`` [4] (16 B); the three index tensors freed when the template returns, the
+    input lengths first (declared last). ``reduction="none"``: nothing else."""
+    with simulated_cuda(gpu="H200"):
+        lp, tg, il, tl = _ctc_inputs(50, 4, 20, 30)
+        kept: list[torch.Tensor] = []
+        got = allocator_events(lambda: kept.append(F.ctc_loss(lp, tg, il, tl, reduction="none")), short=True)
+    assert got == [("a", 32), ("a", 32), ("a", 32), ("a", 4 * 50 * 61 * 4), ("a", 16), ("f", 32), ("f", 32),
+                   ("f", 32)]
+
+
+def test_a_small_ctc_backward_adds_log_beta() -> None:
+    """``2 T + 24 batch / 10 + 2 labels / 10`` = 100 + 9 + 4 = 113 <= 450: one kernel. The three index
+    tensors (32 B), ``log_beta = empty_like(log_alpha)`` (48,800 B), the gradient (``full_like(log_probs)``,
+    [50, 4, 20] float: 16,000 B), then ``log_beta`` and the index tensors freed."""
+    with simulated_cuda(gpu="H200"):
+        lp, tg, il, tl = _ctc_inputs(50, 4, 20, 30)
+        loss = F.ctc_loss(lp, tg, il, tl, reduction="sum")
+        got = allocator_events(loss.backward, short=True)
+        sim = active_sim()
+        assert sim is not None and not sim.report.sites
+    start = got.index(("a", 32))
+    assert got[start:start + 9] == [("a", 32), ("a", 32), ("a", 32), ("a", 48_800), ("a", 16_000), ("f", 48_800),
+                                    ("f", 32), ("f", 32), ("f", 32)]
+
+
+def test_a_large_ctc_backward_with_zero_infinity_computes_the_blanks_with_logsumexp() -> None:
+    """T 300, batch 8, 40 labels, targets of 60: 600 + 19 + 8 = 627 > 450 (``is_large``). The index
+    tensors (64 B each), ``log_beta`` [8, 300, 121] (1,161,600 B), the gradient [300, 8, 40]
+    (384,000 B); ``log_alpha + log_beta`` on every other column, [8, 300, 61] (585,600 B); its
+    ``logsumexp(.., 2, true)``: ``amax`` [8, 300, 1] (9,600 B; 61 values a row: one block, no
+    staging), ``abs`` (9,600 B) and ``== INFINITY`` (2,400 B) freed mask first, ``self - maxes``
+    (585,600 B), ``sum`` into the result (9,600 B), the difference and the maxima freed; at the end
+    of the statement the result, then the sum of alpha and beta. ``zero_infinity``: ``at::where``'s
+    ``zeros({})`` (4 B) and ``nll.view(1, 8, 1) == INFINITY`` (8 B), its output (384,000 B) replacing
+    the gradient (freed), then the mask and the zero; ``log_beta`` and the index tensors."""
+    ab, beta, grad, row = 8 * 300 * 61 * 4, 8 * 300 * 121 * 4, 300 * 8 * 40 * 4, 8 * 300 * 4
+    with simulated_cuda(gpu="H200"):
+        lp, tg, il, tl = _ctc_inputs(300, 8, 40, 60)
+        loss = F.ctc_loss(lp, tg, il, tl, reduction="sum", zero_infinity=True)
+        got = allocator_events(loss.backward, short=True)
+    start = got.index(("a", 64))
+    assert got[start:start + 27] == [
+        ("a", 64), ("a", 64), ("a", 64), ("a", beta), ("a", grad), ("a", ab), ("a", row), ("a", row), ("a", 2400),
+        ("f", 2400), ("f", row), ("a", ab), ("a", row), ("f", ab), ("f", row), ("f", row), ("f", ab),
+        ("a", 4), ("a", 8), ("a", grad), ("f", grad), ("f", 8), ("f", 4), ("f", beta), ("f", 64), ("f", 64),
+        ("f", 64)]
+
+
+def test_a_ctc_loss_that_takes_cudnn_is_refused_in_one_line() -> None:
+    """Blank 0, concatenated int32 targets on the host, float32 log_probs, every input of full length
+    and targets under 256: ``_use_cudnn_ctc_loss`` is true on a GPU (cuDNN's workspace: unknown);
+    with cuDNN off the native kernel runs."""
+    with simulated_cuda(gpu="H200"):
+        lp = torch.randn(50, 4, 20, device="cuda").log_softmax(2)
+        tg = torch.randint(1, 20, (4 * 10,), dtype=torch.int32)
+        with pytest.raises(NotImplementedError, match="^vram run: torch.ctc_loss through cuDNN is not modelled"):
+            F.ctc_loss(lp, tg, [50] * 4, [10] * 4)
+        with torch.backends.cudnn.flags(enabled=False):
+            assert F.ctc_loss(lp, tg, [50] * 4, [10] * 4).shape == ()
+        assert F.ctc_loss(lp, tg, [49] * 4, [10] * 4).shape == ()  # not every input of full length
+
+
+def test_cummax_of_a_transposed_tensor_copies_it_and_reads_no_value() -> None:
+    """``x.t().cummax(1)`` on x [100, 50] float: ``cummax`` allocates values (20,000 B) and indices
+    (40,000 B) contiguous; ``_cummax_helper`` (no meta kernel) scans a contiguous copy of the
+    transposed input (20,000 B), freed when the scan returns. No value is read."""
+    with simulated_cuda(gpu="H200"):
+        x = torch.randn(100, 50, device="cuda")
+        got = allocator_events(lambda: x.t().cummax(1), short=True)
+        sim = active_sim()
+        assert sim is not None and not sim.report.sites
+    assert got[:4] == [("a", 20_000), ("a", 40_000), ("a", 20_000), ("f", 20_000)]
