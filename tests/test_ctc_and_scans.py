@@ -95,3 +95,20 @@ def test_cummax_of_a_transposed_tensor_copies_it_and_reads_no_value() -> None:
         sim = active_sim()
         assert sim is not None and not sim.report.sites
     assert got[:4] == [("a", 20_000), ("a", 40_000), ("a", 20_000), ("f", 20_000)]
+
+
+def test_ctc_lengths_whose_values_are_unknown_are_a_data_dependent_read() -> None:
+    """CUDA's CTC loss reads its lengths to the host (``ctc_loss.Tensor``: ``.to(kCPU)``; the longest
+    target sizes ``log_alpha``): lengths summed from a mask of 400,000 ones (beyond the values a run
+    keeps) stop the call as a data-dependent read (a ``vram run`` then runs again with real values);
+    the same lengths from a small known mask run."""
+    from vram.run.values.placeholders import DataDependentError
+
+    with simulated_cuda(gpu="H200"):
+        lp = torch.randn(50, 4, 20, device="cuda").log_softmax(2)
+        tg = torch.randint(1, 20, (4, 30), device="cuda")
+        frames = torch.ones(4, 100_000, device="cuda").sum(-1).long() // 2000  # 50 each, not kept
+        with pytest.raises(DataDependentError, match="input lengths"):
+            F.ctc_loss(lp, tg, frames, torch.full((4,), 30, device="cuda"))
+        known_frames = torch.ones(4, 50, device="cuda").sum(-1).long()
+        assert F.ctc_loss(lp, tg, known_frames, torch.full((4,), 30, device="cuda")).shape == ()

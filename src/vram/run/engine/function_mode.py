@@ -208,8 +208,8 @@ class FunctionMode(TorchFunctionMode):
                 return b0.device
             if name in _cudnn.RNN_OPS:
                 raise NotImplementedError(_cudnn.rnn_refusal(name))
-            if name == "ctc_loss" and _ctc.takes_cudnn(args, kwargs, torch.backends.cudnn.enabled):
-                raise NotImplementedError(_ctc.cudnn_refusal())
+            if name == "ctc_loss":
+                self._ctc_loss(_ctc.arguments(args, kwargs))
             if name == "record_stream" and len(args) > 1:  # an empty storage has no block: nothing
                 if b0.ptr:  # to do (CUDACachingAllocator.cpp, recordStream); never C++'s, which
                     _memory.get_allocator(b0.device).record_stream(b0.ptr, args[1].cuda_stream)
@@ -232,6 +232,21 @@ class FunctionMode(TorchFunctionMode):
         if name == "pin_memory" and t0 is not None:  # page-locked host memory: not GPU memory
             return t0
         return _UNHANDLED
+
+    def _ctc_loss(self, given: dict[str, Any]) -> None:
+        """CUDA's CTC loss reads its lengths to the host (the longest target sizes ``log_alpha``):
+        unknown ones are a data-dependent read; a call that takes cuDNN's kernel is refused."""
+        def values(x: Any) -> list[int] | None:
+            if not isinstance(x, torch.Tensor):
+                return list(x) if isinstance(x, (list, tuple)) else None
+            v = known.cpu_value(self.sim, x)
+            return None if v is None or known.assumed(self.sim, x) else [int(n) for n in v.reshape(-1).tolist()]
+
+        for key in ("input_lengths", "target_lengths"):
+            if isinstance(given.get(key), torch.Tensor) and values(given[key]) is None:
+                raise value_error("torch.ctc_loss()", f"its {key.replace('_', ' ')}, read by the CUDA kernel")
+        if _ctc.takes_cudnn(given, torch.backends.cudnn.enabled, values):
+            raise NotImplementedError(_ctc.cudnn_refusal())
 
     def _kernel(self, func: Any, name: str, b0: ChargedStorage | None, args: Any, kwargs: Any) -> Any:
         """Python-level functions whose inner calls this mode must see

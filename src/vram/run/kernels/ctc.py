@@ -22,9 +22,13 @@ cuDNN's CTC kernel (``_use_cudnn_ctc_loss``: cuDNN on, blank 0, 1-D int32 target
 ``log_probs``, targets under 256 and no longer than their inputs; int lists also need targets on
 the host and every input of full length, tensors need int32 lengths) sizes its workspace with
 ``cudnnGetCTCLossWorkspaceSize`` at run time: a call that takes it is refused (`cudnn_refusal`).
+
+Both paths read the lengths to the host (``ctc_loss.Tensor``: ``.to(kCPU)``), and the longest
+target sizes ``log_alpha``: lengths whose values a run does not know are a data-dependent read.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,20 +100,17 @@ def backward_output(grad: Any, log_probs: torch.Tensor, *args: Any, **kwargs: An
     return torch.empty(log_probs.shape, dtype=log_probs.dtype, device="meta")
 
 
-def _values(x: Any) -> list[int] | None:
-    if isinstance(x, (list, tuple)) and all(isinstance(v, int) for v in x):
-        return list(x)
-    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
-        return [int(v) for v in x.reshape(-1).tolist()]
-    return None
+_NAMES = ("log_probs", "targets", "input_lengths", "target_lengths", "blank")
 
 
-def takes_cudnn(args: tuple[Any, ...], kwargs: dict[str, Any], cudnn_enabled: bool) -> bool:
-    """Whether ``torch.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, ...)``
-    takes cuDNN's kernel on a GPU (module doc); lengths on the GPU, whose values a CPU run may not
-    have, count as taking it when the rest allows it."""
-    names = ("log_probs", "targets", "input_lengths", "target_lengths", "blank")
-    given = dict(zip(names, args), **{k: v for k, v in kwargs.items() if k in names})
+def arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``torch.ctc_loss``'s arguments by name."""
+    return dict(zip(_NAMES, args), **{k: v for k, v in kwargs.items() if k in _NAMES})
+
+
+def takes_cudnn(given: dict[str, Any], cudnn_enabled: bool, values: Callable[[Any], list[int] | None]) -> bool:
+    """Whether ``torch.ctc_loss`` with `given` (`arguments`) takes cuDNN's kernel on a GPU (module
+    doc); `values` reads a lengths argument (None: not known, then the rest decides)."""
     lp, tg = given.get("log_probs"), given.get("targets")
     il, tl = given.get("input_lengths"), given.get("target_lengths")
     if not (cudnn_enabled and isinstance(lp, torch.Tensor) and isinstance(tg, torch.Tensor)
@@ -121,7 +122,7 @@ def takes_cudnn(args: tuple[Any, ...], kwargs: dict[str, Any], cudnn_enabled: bo
         return False
     if not tensors and tg.device.type != "cpu":
         return False
-    ils, tls = _values(il), _values(tl)
+    ils, tls = values(il), values(tl)
     if ils is None or tls is None:
         return True
     if not tensors and any(n != lp.shape[0] for n in ils):
