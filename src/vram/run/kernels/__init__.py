@@ -22,6 +22,7 @@ carries out on the simulated allocator.
 - `indexing`: ``index_put_(accumulate=True)`` (``x[idx]``'s backward, a user's put): masks' nonzero, the
   range check, linear indices, their sort.
 - `ctc`: CTC loss forward and backward (``LossCTC.cu``), the refusal of cuDNN's CTC kernel.
+- `histograms`: ``bincount`` / ``histc`` (``SummaryOps.cu``): the extrema read to the host.
 - `scans`: ``cummax`` / ``cummin``'s helpers (no meta kernel in torch), their copies.
 - `linalg`: ``torch.linalg``'s factorizations: outputs charged, cuSOLVER's run-time scratch named.
 - `sparse`: sparse COO/CSR/BSR tensors: which sparse kernels CUDA shares with the CPU, ``_coalesce``,

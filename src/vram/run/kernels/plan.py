@@ -38,6 +38,8 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
 * **CTC loss** (``LossCTC.cu``): the lengths and offsets copied to the GPU, ``log_alpha`` before the
   loss, the backward's ``log_beta`` and, for large problems, the blanks' ``logsumexp``; a call that
   takes cuDNN's kernel is refused (`vram.run.kernels.ctc`).
+* **bincount / histc** (``SummaryOps.cu``): the minimum and maximum read to the host, a weights
+  conversion (`vram.run.kernels.histograms`).
 * **cummax / cummin**: the helpers' meta kernel (none in torch) and the copy of a non-contiguous
   input (`vram.run.kernels.scans`).
 * **torch.linalg** (cuSOLVER, MAGMA): outputs charged; the library's workspaces and working
@@ -90,6 +92,7 @@ from .cudnn_conv import CUDA_META as _CONV_META
 from .cufft import fft_plan
 from .grouped_mm import CUDA_META as _GROUPED_MM_META
 from .grouped_mm import grouped_mm_plan
+from .histograms import histogram_plan
 from .linalg import linalg_plan
 from .scans import CUDA_META as _SCAN_META
 from .scans import cummaxmin_plan
@@ -132,6 +135,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         plan = ctc_plan(name, args, outs, sms, max_threads_sm)
     if plan is None:
         plan = cummaxmin_plan(name, args)
+    if plan is None:
+        plan = histogram_plan(name, args, kwargs or {}, outs, sms, max_threads_sm)
     if plan is None:
         plan = grouped_mm_plan(name, args, outs, cc)
     if plan is None:

@@ -61,8 +61,6 @@ UNMODELLED = {
     "_embedding_bag_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
     "_embedding_bag_dense_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
     "index_reduce": "index_reduce (Indexing.cu): buffers beyond its outputs",
-    "bincount": "bincount (SummaryOps.cu): buffers beyond its outputs",
-    "histc": "histc (SummaryOps.cu): buffers beyond its outputs",
     "kthvalue": "kthvalue (Sorting.cu): buffers beyond its outputs",
     "median": "median (Sorting.cu): buffers beyond its outputs",
     "nanmedian": "nanmedian (Sorting.cu): buffers beyond its outputs",

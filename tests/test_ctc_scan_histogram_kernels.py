@@ -1,8 +1,9 @@
-"""CTC loss and cummax on the simulated GPU as CUDA runs them (`vram.run.kernels.ctc`,
-`vram.run.kernels.scans`). Every expected size is derived by hand from ``native/cuda/LossCTC.cu``
-(``ctc_loss_gpu_template``, ``ctc_loss_backward_gpu_template``), ``native/ReduceOps.cpp``
-(``logsumexp_out_impl``), ``native/cudnn/LossCTC.cpp`` (``_use_cudnn_ctc_loss``) and
-``native/cuda/ScanKernels.cpp``, in bytes; ``a`` an allocation, ``f`` a free."""
+"""CTC loss, cummax, bincount and histc on the simulated GPU as CUDA runs them
+(`vram.run.kernels.ctc`, `scans`, `histograms`). Every expected size is derived by hand from
+``native/cuda/LossCTC.cu`` (``ctc_loss_gpu_template``, ``ctc_loss_backward_gpu_template``),
+``native/ReduceOps.cpp`` (``logsumexp_out_impl``), ``native/cudnn/LossCTC.cpp``
+(``_use_cudnn_ctc_loss``), ``native/cuda/ScanKernels.cpp`` and ``native/cuda/SummaryOps.cu``, in
+bytes; ``a`` an allocation, ``f`` a free."""
 from __future__ import annotations
 
 import pytest
@@ -112,3 +113,35 @@ def test_ctc_lengths_whose_values_are_unknown_are_a_data_dependent_read() -> Non
             F.ctc_loss(lp, tg, frames, torch.full((4,), 30, device="cuda"))
         known_frames = torch.ones(4, 50, device="cuda").sum(-1).long()
         assert F.ctc_loss(lp, tg, known_frames, torch.full((4,), 30, device="cuda")).shape == ()
+
+
+def test_bincount_reads_its_minimum_and_maximum_before_its_output() -> None:
+    """``_bincount_cuda_template`` (SummaryOps.cu) on 5000 int64 ids under 100: ``self.min()`` then
+    ``self.max()`` read to the host, each a 0-dim int64 (8 B; 5000 values take one block: no
+    staging) freed with its statement, then ``zeros({nbins})`` (100 int64: 800 B). bfloat16 weights
+    are first made double (``weights.to(kDouble)``: 40,000 B), freed when the call returns, the
+    output then double (800 B). Nothing is named."""
+    with simulated_cuda(gpu="H200"):
+        ids = torch.arange(5000, device="cuda") % 100
+        w = torch.rand(5000, device="cuda", dtype=torch.bfloat16)
+        kept: list[torch.Tensor] = []
+        plain = allocator_events(lambda: kept.append(torch.bincount(ids)), short=True)
+        weighted = allocator_events(lambda: kept.append(torch.bincount(ids, weights=w)), short=True)
+        sim = active_sim()
+        assert sim is not None and not sim.uncharged
+    extrema = [("a", 8), ("f", 8), ("a", 8), ("f", 8)]
+    assert plain == [*extrema, ("a", 800)]
+    assert weighted[len(plain):] == [("a", 40_000), *extrema, ("a", 800), ("f", 40_000)]
+    assert kept[1].dtype == torch.float64
+
+
+def test_histc_reads_the_range_from_the_data_only_when_not_given() -> None:
+    """``_histc_cuda_template``: ``zeros({bins})`` (50 float: 200 B) first; with ``min == max`` (the
+    default 0, 0) ``self.min()`` and ``self.max()`` (0-dim float, 4 B each) read to the host."""
+    with simulated_cuda(gpu="H200"):
+        x = torch.randn(5000, device="cuda")
+        kept: list[torch.Tensor] = []
+        from_data = allocator_events(lambda: kept.append(torch.histc(x, bins=50)), short=True)
+        given = allocator_events(lambda: kept.append(torch.histc(x, bins=50, min=-3, max=3)), short=True)
+    assert from_data == [("a", 200), ("a", 4), ("f", 4), ("a", 4), ("f", 4)]
+    assert given[len(from_data):] == [("a", 200)]
