@@ -150,3 +150,70 @@ def test_a_mask_whose_count_the_value_does_not_give_stays_named() -> None:
         y.index_put_((m,), torch.tensor(1.0, device="cuda"), accumulate=True)
         sim = active_sim()
         assert sim is not None and sim.uncharged.get(UNMODELLED["_index_put_impl_"]) == 1
+
+
+# -- x[idx] and x[idx] = v: make_info (TensorAdvancedIndexingUtils.h) -------------------------------
+
+
+KEPT: list[object] = []  # the results of `_events`, kept so that they are not freed between calls
+
+
+def _events(fn: object) -> list[tuple[str, int]]:
+    return allocator_events(lambda: KEPT.append(fn()), short=True)  # type: ignore[operator]
+
+
+def test_a_mask_index_makes_its_nonzero_before_the_output_and_frees_it_after() -> None:
+    """``y[m]``, y [1000, 64] float, m every other row: ``index.Tensor``'s meta function runs
+    ``make_info``: ``m.nonzero()`` (``num_nonzeros`` 4 B, the [500, 1] int64 output 4,000 B, the
+    count freed), then ``build_index_op`` allocates the output [500, 64] (128,000 B); the nonzero
+    is the iterator's operand, freed when the op ends. A mask on the host: its nonzero is the
+    host's, copied over whole (4,000 B)."""
+    with simulated_cuda(gpu="H200"):
+        y = torch.zeros(ROWS, F, device="cuda")
+        m = torch.arange(ROWS, device="cuda") % 2 == 0
+        on_gpu = _events(lambda: y[m])
+        mc = m.cpu()
+        on_host = _events(lambda: y[mc])
+    assert on_gpu == [("a", 4), ("a", 4000), ("f", 4), ("a", 128_000), ("f", 4000)]
+    assert on_host[len(on_gpu):] == [("a", 4000), ("a", 128_000), ("f", 4000)]
+
+
+def test_int32_and_broadcast_indices_are_copied_for_the_kernel() -> None:
+    """``y[i32]`` (5000 int32): ``make_info`` makes it int64 (40,000 B) before the output
+    (5000 x 64 float: 1,280,000 B), freed after. ``y[b[:, None], k]`` (b 100 int64, k [100, 8]):
+    broadcast, b's strides (1, 0) differ from k's (8, 1), so ``AdvancedIndex`` makes the
+    non-contiguous one contiguous (100 x 8 int64: 6,400 B); output [100, 8] float (3,200 B)."""
+    with simulated_cuda(gpu="H200"):
+        y = torch.zeros(ROWS, F, device="cuda")
+        i32 = torch.randint(0, ROWS, (N,), device="cuda", dtype=torch.int32)
+        b = torch.arange(100, device="cuda")
+        k = torch.randint(0, F, (100, 8), device="cuda")
+        ints = _events(lambda: y[i32])
+        pairs = _events(lambda: y[b[:, None], k])
+    assert ints == [("a", IDX), ("a", N * F * 4), ("f", IDX)]
+    assert pairs[len(ints):] == [("a", 6400), ("a", 3200), ("f", 6400)]
+
+
+def test_setitem_of_a_number_allocates_no_gpu_scalar() -> None:
+    """``y[:, 0] = 0.0`` and ``y[m] = 1.0``: ``THPVariable_setitem`` makes the number a host tensor
+    for a CUDA tensor, so a slice is filled and a mask takes ``masked_fill_``: nothing allocated.
+    ``y[i32] = 2.0`` (odd rows): ``_index_put_impl_`` copies the host scalar over (4 B), ``make_info``
+    makes the index int64 (40,000 B); both die when it returns, the index first. ``y[m2] = t`` with t
+    [16000] (m2: every fourth of [1000, 64]): the mask's nonzero ([16000, 2] int64: 256,000 B,
+    after its 4-byte count)."""
+    with simulated_cuda(gpu="H200"):
+        y = torch.zeros(ROWS, F, device="cuda")
+        m = torch.arange(ROWS, device="cuda") % 2 == 0
+        m2 = torch.arange(ROWS * F, device="cuda").view(ROWS, F) % 4 == 0
+        i32 = (torch.arange(N, device="cuda") % 500 * 2 + 1).int()  # odd rows
+        t = torch.ones(16000, device="cuda")
+
+        def puts() -> None:
+            y[:, 0] = 0.0
+            y[m] = 1.0
+            y[i32] = 2.0
+            y[m2] = t
+
+        got = allocator_events(puts, short=True)
+        assert y[0, :2].tolist() == [1.0, 1.0] and y[1, :2].tolist() == [1.0, 2.0]
+    assert got == [("a", 4), ("a", IDX), ("f", IDX), ("f", 4), ("a", 4), ("a", 256_000), ("f", 4), ("f", 256_000)]

@@ -135,6 +135,8 @@ class FunctionMode(TorchFunctionMode):
             if rewritten is not None:
                 func, name, (args, kwargs) = torch.Tensor.to, "to", rewritten
         b0 = sim.block_of(t0) if t0 is not None else None
+        if name == "__setitem__" and b0 is not None:
+            args = _functions.setitem_on_host(args)
         done = self._method(func, name, t0, b0, args, kwargs)
         if done is not _UNHANDLED:
             return done

@@ -19,8 +19,8 @@ carries out on the simulated allocator.
 - `sdpa`: ``scaled_dot_product_attention``: which backend ``sdp_utils.cpp`` picks, what it
   allocates forward and backward.
 - `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named).
-- `indexing`: ``index_put_(accumulate=True)`` (``x[idx]``'s backward, a user's put): masks' nonzero, the
-  range check, linear indices, their sort.
+- `indexing`: ``x[idx]`` / ``x[idx] = v`` (``make_info``'s index copies) and ``index_put_(accumulate=True)``
+  (``x[idx]``'s backward, a user's put): masks' nonzero, the range check, linear indices, their sort.
 - `ctc`: CTC loss forward and backward (``LossCTC.cu``), the refusal of cuDNN's CTC kernel.
 - `histograms`: ``bincount`` / ``histc`` (``SummaryOps.cu``): the extrema read to the host.
 - `scans`: ``cummax`` / ``cummin``'s helpers (no meta kernel in torch), their copies.

@@ -1,5 +1,6 @@
-"""``index_put_(..., accumulate=True)`` on CUDA: the backward of every ``x[idx]`` and a user's
-accumulating put (layer 4; needs torch).
+"""Advanced indexing on CUDA (layer 4; needs torch): ``x[idx]`` / ``x[mask]`` (`index_plan`) and
+``x[idx] = v`` (`put_plan`) through ``make_info``, and ``index_put_(..., accumulate=True)``, the
+backward of every ``x[idx]`` and a user's accumulating put (`index_put_plan`), described here.
 
 Read from ``aten/src/ATen/native/TensorAdvancedIndexing.cpp`` ``_index_put_impl_`` (on CUDA an
 accumulating put goes to ``index_put_with_sort_stub``) and ``native/cuda/Indexing.cu``
@@ -71,6 +72,8 @@ def _long_indices(p: _Plan, self: torch.Tensor, indices: list[Any], value: torch
     for j, t in enumerate(indices):
         if t is None:
             out.append(None)
+        elif t.device.type == "cpu":  # computeLinearIndex's products made on the host, then copied
+            return None
         elif t.dtype in _MASKS:
             n = _mask_count(self, indices, value)
             if n is None:
@@ -159,4 +162,122 @@ def index_put_plan(args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any
         p.steps.append(("note", cub_note))
         p.free("range", "orig", "sorted", "src_")
     p.free("expanded", "linear", "self_")
+    return p.steps
+
+
+def _make_info(p: _Plan, self: torch.Tensor, indices: list[Any], counts: dict[int, int],
+               nonzero: Callable[..., Steps | None]) -> list[tuple[str | None, Any]]:
+    """``make_info`` + ``AdvancedIndex`` (module doc of `index_plan`): the index tensors the kernel
+    reads, each with the key of a storage this op made (None: the caller's); the temporaries it
+    drops are freed where ``make_info`` returns. `counts`: a mask's entries, by its position."""
+    refs: list[tuple[str | None, Any]] = []
+    for j, t in enumerate(indices):
+        if t is None:
+            refs.append((None, None))
+        elif t.dtype in _MASKS:
+            n, k = counts[j], t.dim()
+            cols = torch.empty((k, n), dtype=torch.int64, device="meta").t()
+            if t.device.type == "cpu":  # the host's nonzero, copied over whole
+                p.tmp(f"nz{j}", n * k * _INT64)
+            else:
+                p.splice(nonzero((t,), [cols]), [(f"nz{j}", n * k * _INT64)], f"nonzero{j}")
+            refs += [(f"nz{j}", cols.select(1, c)) for c in range(k)]
+        elif t.device.type == "cpu":
+            p.tmp(f"dev{j}", t.numel() * t.element_size())
+            refs.append((f"dev{j}", torch.empty_like(t, device="meta")))
+        else:
+            refs.append((None, _meta(t)))
+    shape = torch.broadcast_shapes(*(t.shape for _, t in refs if t is not None))
+    refs = [(key, None if t is None else t.expand(shape)) for key, t in refs][:self.dim()]
+    refs += [(None, None)] * (self.dim() - len(refs))
+    order = [i for i, (_, t) in enumerate(refs) if t is not None]
+    refs = [refs[i] for i in order]  # transposeToFront: the indexed dims first, in order
+    for i, (key, t) in enumerate(refs):
+        if t.dtype == torch.int32:
+            p.tmp(f"long{i}", math.prod(shape) * _INT64)
+            p.free(key or "")  # the vector held the only reference to a copy made above
+            refs[i] = (f"long{i}", torch.empty_like(t, dtype=torch.int64))
+    final = list(refs)
+    if len(refs) >= 2 and len({t.stride() for _, t in refs}) > 1:  # all_strides_match, else .contiguous()
+        for i, (_, t) in enumerate(refs):
+            if not t.is_contiguous():
+                p.tmp(f"cont{i}", math.prod(shape) * _INT64)
+                final[i] = (f"cont{i}", t.contiguous())
+    kept = {key for key, _ in final}
+    for key, _ in refs:  # make_info's vector dies in order
+        if key not in kept:
+            p.free(key or "")
+    return final
+
+
+def index_plan(args: tuple[Any, ...], outs: list[Any], nonzero: Callable[..., Steps | None]) -> Steps | None:
+    """``index.Tensor`` (``x[idx]``, ``x[mask]``) on CUDA: its structured meta function runs
+    ``make_info`` (TensorAdvancedIndexingUtils.h; ``expandTensors(.., ensure_same_device)``: a mask's
+    ``nonzero()`` [nnz, dims] int64, or the host's nonzero copied over for a mask on the CPU, a host
+    index ``.to(device)``; after broadcasting and moving the indexed dims to the front, int32
+    indices ``.to(kLong)``; ``AdvancedIndex``: with two or more indices whose strides differ, each
+    non-contiguous one ``.contiguous()``), then allocates the output (``build_index_op``). The
+    index tensors the kernel reads are the op's operands, freed when it ends (last operand
+    first); copies it dropped die when ``make_info`` returns. A mask's entries are read from the
+    output's shape; a mask beside other indices is not modelled (None: outputs only)."""
+    self, indices = (args[0], args[1]) if len(args) > 1 else (None, None)
+    if not (isinstance(self, torch.Tensor) and isinstance(indices, (list, tuple)) and len(outs) == 1
+            and isinstance(outs[0], torch.Tensor)) or len(indices) > self.dim():
+        return None
+    defined = [j for j, t in enumerate(indices) if t is not None]
+    masks = [j for j in defined if indices[j].dtype in _MASKS]
+    if not defined or (masks and len(defined) > 1):
+        return None
+    p, counts = _Plan(), {}
+    if masks:
+        counts[masks[0]] = int(outs[0].shape[masks[0]])
+    try:
+        final = _make_info(p, self, list(indices), counts, nonzero)
+    except RuntimeError:
+        return None
+    p.steps.append(("out", 0))
+    for i in reversed(range(len(final))):  # the operands die last first; a storage with its last view
+        key = final[i][0]
+        if key is not None and key not in [k for k, _ in final[:i]]:
+            p.free(key)
+    return p.steps
+
+
+def put_plan(args: tuple[Any, ...], kwargs: dict[str, Any], nonzero: Callable[..., Steps | None]) -> Steps | None:
+    """``index_put_`` without accumulating (``x[idx] = v``; ``_index_put_impl_``,
+    TensorAdvancedIndexing.cpp): a one-element host value with masks alone on ``self``'s device
+    is ``masked_fill_`` (nothing allocated); otherwise a one-element 0-dim host value is copied
+    over (``value.to(device)``), ``make_info`` (see `index_plan`) makes the index tensors and
+    ``index_put_stub`` writes through them; they die when it returns (the iterator, then the
+    ``AdvancedIndex``'s vector in order), the copied value last. A mask's entries are read from
+    the value; a mask the value does not count is not modelled (None)."""
+    self = args[0] if args else kwargs.get("self")
+    indices = args[1] if len(args) > 1 else kwargs.get("indices")
+    value = args[2] if len(args) > 2 else kwargs.get("values")
+    if not (isinstance(self, torch.Tensor) and isinstance(value, torch.Tensor) and isinstance(indices, (list, tuple))
+            and 0 < len(indices) <= self.dim() and any(t is not None for t in indices)):
+        return None
+    defined = [j for j, t in enumerate(indices) if t is not None]
+    masks = [j for j in defined if indices[j].dtype in _MASKS]
+    host_value = value.numel() == 1 and value.device.type == "cpu"
+    if host_value and len(masks) == len(defined) == 1 and indices[masks[0]].device.type != "cpu":
+        return [("out", 0)]  # canDispatchToMaskedFill
+    p, counts = _Plan(), {}
+    p.steps.append(("out", 0))
+    if masks:
+        n = _mask_count(self, list(indices), value) if len(defined) == 1 else None
+        if n is None:
+            return None
+        counts[masks[0]] = n
+    if host_value and value.dim() == 0:
+        p.tmp("value", value.element_size())
+    try:
+        final = _make_info(p, self, list(indices), counts, nonzero)
+    except RuntimeError:
+        return None
+    for i in range(len(final)):
+        key = final[i][0]
+        if key is not None and key not in [k for k, _ in final[i + 1:]]:
+            p.free(key)
+    p.free("value")
     return p.steps

@@ -31,6 +31,9 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   `vram.run.kernels.cudnn_conv` (`cudnn_plan`; `CUDA_META` restrides convolution outputs).
 * **torch.fft** (cuFFT): operand copies and clones in ``SpectralOps.cpp``'s order; the plan
   workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`).
+* **x[idx], x[mask], x[idx] = v** (``index.Tensor``, ``index_put_``): ``make_info``'s nonzero of a
+  mask, host indices copied over, int32 indices made int64, broadcast indices made contiguous
+  (`vram.run.kernels.indexing`, via `sorting`).
 * **index_put_(accumulate=True)** (``x[idx]``'s backward, a user's put): a boolean mask's nonzero,
   int64 copies of int32 indices, the range check, linear indices, the value made contiguous, the
   transposed copy of indices on non-adjacent dims, the sort's key and index buffers

@@ -34,7 +34,7 @@ import torch
 
 from . import reductions as _reductions
 from .blas import non_overlapping_and_dense
-from .indexing import index_put_plan
+from .indexing import index_plan, index_put_plan, put_plan
 from .scratch import _Plan
 
 #: ``native/cuda/Sort.h`` ``should_use_small_sort``: slices up to this size sort in place
@@ -66,8 +66,10 @@ UNMODELLED = {
     "nanmedian": "nanmedian (Sorting.cu): buffers beyond its outputs",
     "mode": "mode (TensorModeKernel.cu): buffers beyond its outputs",
     "_index_put_impl_": "index_put_(accumulate=True) with a boolean mask whose number of entries its value "
-                        "does not give (Indexing.cu index_put_with_sort_kernel: the mask's nonzero, linear "
-                        "indices, their sorted copy and original positions, expanded values)",
+                        "does not give, or host indices (Indexing.cu index_put_with_sort_kernel: the mask's "
+                        "nonzero, linear indices, their sorted copy and original positions, expanded values)",
+    "index_put_": "x[mask] = v with a mask whose number of entries v does not give, or beside other indices "
+                  "(TensorAdvancedIndexing.cpp make_info: the mask's nonzero, index copies)",
     "multinomial": "multinomial with replacement and more than one sample (MultinomialKernel.cu): "
                    "buffers beyond its output",
 }
@@ -420,8 +422,11 @@ def sorting_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs:
         return nonzero_plan(args, outs)
     if name == "scatter_reduce":
         return scatter_reduce_plan(args, kwargs, outs)
+    if name == "index":
+        return index_plan(args, outs, nonzero_plan)
     if name == "_index_put_impl_" and not _arg(args, kwargs, 3, "accumulate", False):
-        return None
+        put = put_plan(args, kwargs, nonzero_plan)
+        return put if put is not None else [("out", 0), ("note", UNMODELLED["index_put_"])]
     if name == "_index_put_impl_":
         modelled = index_put_plan(args, kwargs, outs, cub_note("index_put_(accumulate=True)"), nonzero_plan,
                                   sms, max_threads_sm)
