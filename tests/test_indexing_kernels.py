@@ -217,3 +217,17 @@ def test_setitem_of_a_number_allocates_no_gpu_scalar() -> None:
         got = allocator_events(puts, short=True)
         assert y[0, :2].tolist() == [1.0, 1.0] and y[1, :2].tolist() == [1.0, 2.0]
     assert got == [("a", 4), ("a", IDX), ("f", IDX), ("f", 4), ("a", 4), ("a", 256_000), ("f", 4), ("f", 256_000)]
+
+
+def test_setitem_of_a_number_under_a_cuda_default_device() -> None:
+    """``torch.set_default_device("cuda")`` (Meta's llama generation): the host scalar of
+    ``probs[mask] = 0.0`` is still made on the host (nothing allocated on the GPU)."""
+    with simulated_cuda(gpu="H200"):
+        torch.set_default_device("cuda")
+        try:
+            probs = torch.rand(4, 100)
+            mask = probs > 0.5
+            got = allocator_events(lambda: probs.__setitem__(mask, 0.0), short=True)
+        finally:
+            torch.set_default_device(None)
+    assert got == []

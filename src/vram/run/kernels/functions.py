@@ -71,5 +71,5 @@ def setitem_on_host(args: tuple[Any, ...]) -> tuple[Any, ...]:
     takes ``masked_fill_``; a simulated tensor's device is not CUDA to that code, so the number is
     made a host tensor here first."""
     if len(args) == 3 and isinstance(args[0], torch.Tensor) and isinstance(args[2], (bool, int, float, complex)):
-        return (args[0], args[1], torch.scalar_tensor(args[2], dtype=args[0].dtype))
+        return (args[0], args[1], torch.scalar_tensor(args[2], dtype=args[0].dtype, device="cpu"))
     return args
