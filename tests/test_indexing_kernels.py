@@ -231,3 +231,14 @@ def test_setitem_of_a_number_under_a_cuda_default_device() -> None:
         finally:
             torch.set_default_device(None)
     assert got == []
+
+
+def test_a_mask_beside_other_indices_is_named() -> None:
+    """``y[m, i]``: a mask broadcast with an index tensor; its count is not read from the output
+    alone, so the op charges its output and names what ``make_info`` allocates."""
+    with simulated_cuda(gpu="H200"):
+        y = torch.zeros(10, 4, device="cuda")
+        m = torch.arange(10, device="cuda") % 2 == 0
+        assert y[m, torch.tensor([0, 1, 2, 3, 0], device="cuda")].shape == (5,)
+        sim = active_sim()
+        assert sim is not None and sim.uncharged.get(UNMODELLED["index"]) == 1

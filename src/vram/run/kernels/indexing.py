@@ -219,7 +219,7 @@ def index_plan(args: tuple[Any, ...], outs: list[Any], nonzero: Callable[..., St
     non-contiguous one ``.contiguous()``), then allocates the output (``build_index_op``). The
     index tensors the kernel reads are the op's operands, freed when it ends (last operand
     first); copies it dropped die when ``make_info`` returns. A mask's entries are read from the
-    output's shape; a mask beside other indices is not modelled (None: outputs only)."""
+    output's shape; a mask beside other indices is not modelled (None: named by the caller)."""
     self, indices = (args[0], args[1]) if len(args) > 1 else (None, None)
     if not (isinstance(self, torch.Tensor) and isinstance(indices, (list, tuple)) and len(outs) == 1
             and isinstance(outs[0], torch.Tensor)) or len(indices) > self.dim():

@@ -68,6 +68,8 @@ UNMODELLED = {
     "_index_put_impl_": "index_put_(accumulate=True) with a boolean mask whose number of entries its value "
                         "does not give, or host indices (Indexing.cu index_put_with_sort_kernel: the mask's "
                         "nonzero, linear indices, their sorted copy and original positions, expanded values)",
+    "index": "x[mask, idx] with a mask beside other indices (TensorAdvancedIndexingUtils.h make_info: the "
+             "mask's nonzero, index copies)",
     "index_put_": "x[mask] = v with a mask whose number of entries v does not give, or beside other indices "
                   "(TensorAdvancedIndexing.cpp make_info: the mask's nonzero, index copies)",
     "multinomial": "multinomial with replacement and more than one sample (MultinomialKernel.cu): "
@@ -423,7 +425,8 @@ def sorting_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs:
     if name == "scatter_reduce":
         return scatter_reduce_plan(args, kwargs, outs)
     if name == "index":
-        return index_plan(args, outs, nonzero_plan)
+        got = index_plan(args, outs, nonzero_plan)
+        return got if got is not None else [("out", 0), ("note", UNMODELLED["index"])] if len(outs) == 1 else None
     if name == "_index_put_impl_" and not _arg(args, kwargs, 3, "accumulate", False):
         put = put_plan(args, kwargs, nonzero_plan)
         return put if put is not None else [("out", 0), ("note", UNMODELLED["index_put_"])]
