@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 from vram.frontend import memory as _memory
 from vram.run.cuda import patches as _patches
 from vram.run.kernels import autocast as _autocast
+from vram.run.kernels import ctc as _ctc
 from vram.run.kernels import cudnn as _cudnn
 from vram.run.kernels import fastpath as _fast
 from vram.run.kernels import functions as _functions
@@ -134,6 +135,8 @@ class FunctionMode(TorchFunctionMode):
             if rewritten is not None:
                 func, name, (args, kwargs) = torch.Tensor.to, "to", rewritten
         b0 = sim.block_of(t0) if t0 is not None else None
+        if name == "__setitem__" and b0 is not None:
+            args = _functions.setitem_on_host(args)
         done = self._method(func, name, t0, b0, args, kwargs)
         if done is not _UNHANDLED:
             return done
@@ -207,6 +210,8 @@ class FunctionMode(TorchFunctionMode):
                 return b0.device
             if name in _cudnn.RNN_OPS:
                 raise NotImplementedError(_cudnn.rnn_refusal(name))
+            if name == "ctc_loss":
+                self._ctc_loss(_ctc.arguments(args, kwargs))
             if name == "record_stream" and len(args) > 1:  # an empty storage has no block: nothing
                 if b0.ptr:  # to do (CUDACachingAllocator.cpp, recordStream); never C++'s, which
                     _memory.get_allocator(b0.device).record_stream(b0.ptr, args[1].cuda_stream)
@@ -229,6 +234,21 @@ class FunctionMode(TorchFunctionMode):
         if name == "pin_memory" and t0 is not None:  # page-locked host memory: not GPU memory
             return t0
         return _UNHANDLED
+
+    def _ctc_loss(self, given: dict[str, Any]) -> None:
+        """CUDA's CTC loss reads its lengths to the host (the longest target sizes ``log_alpha``):
+        unknown ones are a data-dependent read; a call that takes cuDNN's kernel is refused."""
+        def values(x: Any) -> list[int] | None:
+            if not isinstance(x, torch.Tensor):
+                return list(x) if isinstance(x, (list, tuple)) else None
+            v = known.cpu_value(self.sim, x)
+            return None if v is None or known.assumed(self.sim, x) else [int(n) for n in v.reshape(-1).tolist()]
+
+        for key in ("input_lengths", "target_lengths"):
+            if isinstance(given.get(key), torch.Tensor) and values(given[key]) is None:
+                raise value_error("torch.ctc_loss()", f"its {key.replace('_', ' ')}, read by the CUDA kernel")
+        if _ctc.takes_cudnn(given, torch.backends.cudnn.enabled, values):
+            raise NotImplementedError(_ctc.cudnn_refusal())
 
     def _kernel(self, func: Any, name: str, b0: ChargedStorage | None, args: Any, kwargs: Any) -> Any:
         """Python-level functions whose inner calls this mode must see

@@ -14,12 +14,16 @@ carries out on the simulated allocator.
 - `scratch`: embedding backward's sort path, layer-norm / RMS-norm backward's partial sums.
 - `sorting`: sort / argsort, topk, cumsum / cumprod, multinomial, nonzero, scatter_reduce(mean): their
   copies, index and key buffers; cub's temporary storage and the ops not modelled
-  (index_put_ accumulate, unique(dim=...), embedding_bag backward…) named, not charged.
+  (unique(dim=...), embedding_bag backward…) named, not charged.
 - `unique`: torch.unique's worst-case outputs (their storage as CUDA leaves it) and sort buffers.
 - `sdpa`: ``scaled_dot_product_attention``: which backend ``sdp_utils.cpp`` picks, what it
   allocates forward and backward.
 - `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named).
-- `indexing`: ``index_put_(accumulate=True)`` as autograd's ``x[idx]`` backward runs it (linear indices, their sort).
+- `indexing`: ``x[idx]`` / ``x[idx] = v`` (``make_info``'s index copies) and ``index_put_(accumulate=True)``
+  (``x[idx]``'s backward, a user's put): masks' nonzero, the range check, linear indices, their sort.
+- `ctc`: CTC loss forward and backward (``LossCTC.cu``), the refusal of cuDNN's CTC kernel.
+- `histograms`: ``bincount`` / ``histc`` (``SummaryOps.cu``): the extrema read to the host.
+- `scans`: ``cummax`` / ``cummin``'s helpers (no meta kernel in torch), their copies.
 - `linalg`: ``torch.linalg``'s factorizations: outputs charged, cuSOLVER's run-time scratch named.
 - `sparse`: sparse COO/CSR/BSR tensors: which sparse kernels CUDA shares with the CPU, ``_coalesce``,
   sparse ``addmm`` and CSR <-> CSC step by step (Thrust's and cuSPARSE's buffers named);

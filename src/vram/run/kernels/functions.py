@@ -62,3 +62,14 @@ def half_to_float_softmax(func: Any, name: str, args: Any, kwargs: dict[str, Any
         return None
     x = given["input"]
     return lambda: kernel(x, dim, True)
+
+
+def setitem_on_host(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``tensor[index] = number`` as CUDA runs it: ``THPVariable_setitem`` makes the number a 0-dim
+    tensor of the tensor's dtype *on the host* for a CUDA tensor (python_variable_indexing.cpp
+    ``valueToTensor(.., at::Device(kCPU))``), so ``copy_to`` fills without a GPU scalar and a mask
+    takes ``masked_fill_``; a simulated tensor's device is not CUDA to that code, so the number is
+    made a host tensor here first."""
+    if len(args) == 3 and isinstance(args[0], torch.Tensor) and isinstance(args[2], (bool, int, float, complex)):
+        return (args[0], args[1], torch.scalar_tensor(args[2], dtype=args[0].dtype, device="cpu"))
+    return args

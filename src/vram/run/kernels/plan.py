@@ -31,8 +31,20 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   `vram.run.kernels.cudnn_conv` (`cudnn_plan`; `CUDA_META` restrides convolution outputs).
 * **torch.fft** (cuFFT): operand copies and clones in ``SpectralOps.cpp``'s order; the plan
   workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`).
-* **x[idx]'s backward** (``_index_put_impl_`` accumulating, unsafe): linear indices, the gradient
-  made contiguous, the sort's key and index buffers (`vram.run.kernels.indexing`, via `sorting`).
+* **x[idx], x[mask], x[idx] = v** (``index.Tensor``, ``index_put_``): ``make_info``'s nonzero of a
+  mask, host indices copied over, int32 indices made int64, broadcast indices made contiguous
+  (`vram.run.kernels.indexing`, via `sorting`).
+* **index_put_(accumulate=True)** (``x[idx]``'s backward, a user's put): a boolean mask's nonzero,
+  int64 copies of int32 indices, the range check, linear indices, the value made contiguous, the
+  transposed copy of indices on non-adjacent dims, the sort's key and index buffers
+  (`vram.run.kernels.indexing`, via `sorting`).
+* **CTC loss** (``LossCTC.cu``): the lengths and offsets copied to the GPU, ``log_alpha`` before the
+  loss, the backward's ``log_beta`` and, for large problems, the blanks' ``logsumexp``; a call that
+  takes cuDNN's kernel is refused (`vram.run.kernels.ctc`).
+* **bincount / histc** (``SummaryOps.cu``): the minimum and maximum read to the host, a weights
+  conversion (`vram.run.kernels.histograms`).
+* **cummax / cummin**: the helpers' meta kernel (none in torch) and the copy of a non-contiguous
+  input (`vram.run.kernels.scans`).
 * **torch.linalg** (cuSOLVER, MAGMA): outputs charged; the library's workspaces and working
   copies, sized at run time, named (`vram.run.kernels.linalg`).
 * **Sparse tensors** (COO/CSR/BSR): their kernels run on their components' dense ops;
@@ -42,8 +54,8 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   copies, the segmented radix sort's key and index buffers, multinomial's exponential noise and
   checks (``Sort.cpp``, ``SortStable.cu``, ``TensorTopK.cpp``, ``ScanUtils.cuh``,
   ``Distributions.cpp``, ``Nonzero.cu``) in `vram.run.kernels.sorting`; cub's temporary storage,
-  and ops whose scratch is not modelled (``index_put_(accumulate=True)``, ``unique(dim=...)``,
-  ``embedding_bag`` backward, ``median``…), named per call.
+  and ops whose scratch is not modelled (``unique(dim=...)``, ``embedding_bag`` backward,
+  ``median``…), named per call.
 * **torch.unique / unique_consecutive**: worst-case outputs shrunk by ``resize_`` keep their storage
   (`cuda_outputs`), and the sort and scan buffers of ``UniqueCub.cu`` (`vram.run.kernels.unique`).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
@@ -76,18 +88,23 @@ from . import reductions as _reductions
 from . import scratch as _scratch
 from . import sdpa as _sdpa
 from .blas import bmm_plan, mm_plan, non_overlapping_and_dense
+from .ctc import CUDA_META as _CTC_META
+from .ctc import ctc_plan
 from .cudnn import cudnn_plan
 from .cudnn_conv import CUDA_META as _CONV_META
 from .cufft import fft_plan
 from .grouped_mm import CUDA_META as _GROUPED_MM_META
 from .grouped_mm import grouped_mm_plan
+from .histograms import histogram_plan
 from .linalg import linalg_plan
+from .scans import CUDA_META as _SCAN_META
+from .scans import cummaxmin_plan
 from .sorting import sorting_plan
 from .unique import UNIQUE_OPS, unique_outputs, unique_plan
 from .vision import nms_plan
 
 #: ops whose meta kernel is not what the CUDA kernel does -> the CUDA kernel's output, on meta
-CUDA_META = {**_GROUPED_MM_META, **_CONV_META}
+CUDA_META = {**_GROUPED_MM_META, **_CONV_META, **_CTC_META, **_SCAN_META}
 #: ops whose outputs CUDA allocates for the worst case and shrinks with ``resize_`` (`cuda_outputs`)
 SHRUNK_BY_RESIZE = UNIQUE_OPS
 
@@ -117,6 +134,12 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         plan = cudnn_plan(name, args, outs, cc)
     if plan is None:
         plan = fft_plan(name, args, outs)
+    if plan is None:
+        plan = ctc_plan(name, args, outs, sms, max_threads_sm)
+    if plan is None:
+        plan = cummaxmin_plan(name, args)
+    if plan is None:
+        plan = histogram_plan(name, args, kwargs or {}, outs, sms, max_threads_sm)
     if plan is None:
         plan = grouped_mm_plan(name, args, outs, cc)
     if plan is None:

@@ -66,6 +66,21 @@ class _Plan:
             if key in self.index:
                 self.steps.append(("free", self.index.pop(key)))
 
+    def splice(self, steps: list[tuple[str, Any]] | None, outs: list[tuple[str, int]], prefix: str) -> None:
+        """Another op's plan run inside this one: its ("out", i) become temporaries named by
+        `outs` (key, bytes), its own temporaries are named ``prefix.k``."""
+        count = 0
+        for step, arg in steps or []:
+            if step == "out":
+                self.tmp(*outs[arg])
+            elif step == "tmp":
+                self.tmp(f"{prefix}.{count}", arg)
+                count += 1
+            elif step == "free":
+                self.free(f"{prefix}.{arg}")
+            else:
+                self.steps.append((step, arg))
+
     def inner(self, steps: list[tuple[str, Any]], out: int) -> None:
         """Splice another op's plan (a ``sum``) whose output is return `out` of this op."""
         base = self.count

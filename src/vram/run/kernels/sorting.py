@@ -34,7 +34,7 @@ import torch
 
 from . import reductions as _reductions
 from .blas import non_overlapping_and_dense
-from .indexing import index_put_plan
+from .indexing import index_plan, index_put_plan, put_plan
 from .scratch import _Plan
 
 #: ``native/cuda/Sort.h`` ``should_use_small_sort``: slices up to this size sort in place
@@ -61,14 +61,17 @@ UNMODELLED = {
     "_embedding_bag_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
     "_embedding_bag_dense_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
     "index_reduce": "index_reduce (Indexing.cu): buffers beyond its outputs",
-    "bincount": "bincount (SummaryOps.cu): buffers beyond its outputs",
-    "histc": "histc (SummaryOps.cu): buffers beyond its outputs",
     "kthvalue": "kthvalue (Sorting.cu): buffers beyond its outputs",
     "median": "median (Sorting.cu): buffers beyond its outputs",
     "nanmedian": "nanmedian (Sorting.cu): buffers beyond its outputs",
     "mode": "mode (TensorModeKernel.cu): buffers beyond its outputs",
-    "_index_put_impl_": "index_put_(accumulate=True) (Indexing.cu index_put_with_sort_kernel: linear "
-                        "indices, their sorted copy and original positions, expanded values)",
+    "_index_put_impl_": "index_put_(accumulate=True) with a boolean mask whose number of entries its value "
+                        "does not give, or host indices (Indexing.cu index_put_with_sort_kernel: the mask's "
+                        "nonzero, linear indices, their sorted copy and original positions, expanded values)",
+    "index": "x[mask, idx] with a mask beside other indices (TensorAdvancedIndexingUtils.h make_info: the "
+             "mask's nonzero, index copies)",
+    "index_put_": "x[mask] = v with a mask whose number of entries v does not give, or beside other indices "
+                  "(TensorAdvancedIndexing.cpp make_info: the mask's nonzero, index copies)",
     "multinomial": "multinomial with replacement and more than one sample (MultinomialKernel.cu): "
                    "buffers beyond its output",
 }
@@ -421,10 +424,15 @@ def sorting_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs:
         return nonzero_plan(args, outs)
     if name == "scatter_reduce":
         return scatter_reduce_plan(args, kwargs, outs)
+    if name == "index":
+        got = index_plan(args, outs, nonzero_plan)
+        return got if got is not None else [("out", 0), ("note", UNMODELLED["index"])] if len(outs) == 1 else None
     if name == "_index_put_impl_" and not _arg(args, kwargs, 3, "accumulate", False):
-        return None
+        put = put_plan(args, kwargs, nonzero_plan)
+        return put if put is not None else [("out", 0), ("note", UNMODELLED["index_put_"])]
     if name == "_index_put_impl_":
-        modelled = index_put_plan(args, kwargs, outs, cub_note("index_put_(accumulate=True)"))
+        modelled = index_put_plan(args, kwargs, outs, cub_note("index_put_(accumulate=True)"), nonzero_plan,
+                                  sms, max_threads_sm)
         if modelled is not None:
             return modelled
     if name == "aminmax" and args and isinstance(args[0], torch.Tensor):
