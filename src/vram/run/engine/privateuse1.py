@@ -30,6 +30,7 @@ from vram.run.values import known
 from vram.run.values.placeholders import describe, needs_data, value_error
 
 from . import formulas, lazy, meta_cache, native, op_info, sparse_layouts, views
+from . import reads as _reads
 from .cuda_ops import cuda_kernel_ops
 from .dlpack import new_storage
 from .function_mode import FunctionMode
@@ -39,9 +40,13 @@ from .outputs import cublas_if_device, data_dependent
 NAME = "vramsim"
 _META = torch.device("meta")
 _CPU = torch._C.DispatchKey.CPU
+_HAS_STORAGE, _DATA_ADDRESS = torch._C._has_storage, torch._C._data_address  # type: ignore[attr-defined]
+_ENGINE_OWN = known.ENGINE_OWN
 _AS_STRIDED = torch.ops.aten.as_strided.default
 _SET = torch.ops.aten.set_.source_Tensor
 _COPY_FROM = torch.ops.aten._copy_from.default
+#: view ops whose remembered calls take `_plain_view`
+_PLAIN_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.as_strided.default})
 _SET_SOURCE = frozenset(getattr(torch.ops.aten.set_, o) for o in ("source_Tensor", "source_Storage",
                                                                    "source_Storage_storage_offset",
                                                                    "source_Tensor_storage_offset"))
@@ -159,15 +164,19 @@ class BackendState(SimState):
         self._empty = [ChargedStorage(0, 0, i, None) for i in range(len(props))]  # type: ignore[arg-type]
 
     def block_of(self, t: Any) -> ChargedStorage | None:
+        """The charged storage behind `t` (by its storage's data pointer, ``_data_address``:
+        ``storage().data()``), `_empty` for an unknown storage on a simulated GPU, None off them."""
         if not isinstance(t, torch.Tensor):
             return None
         with torch._C.DisableTorchFunction():
             d = t.device
-            if d.type != NAME or not torch._C._has_storage(t):  # a vmap BatchedTensor wraps one
-                return None
-            base = t.data_ptr() - t.storage_offset() * t.element_size()
-        idx = known.engine_index(d.index or 0)
-        return self.blocks.get((idx, base)) or self._empty[idx]
+        if d.type != NAME or not _HAS_STORAGE(t):  # a vmap BatchedTensor wraps one
+            return None
+        own = _ENGINE_OWN[0]
+        idx = d.index or 0
+        if own:  # `known.engine_index`: the identity unless a rank's own GPU trades places with 0
+            idx = known.engine_index(idx)
+        return self.blocks.get((idx, _DATA_ADDRESS(t))) or self._empty[idx]
 
     def storage_block(self, storage: Any) -> ChargedStorage | None:
         device = raw_device(storage)
@@ -209,9 +218,10 @@ class BackendState(SimState):
         nbytes = meta.untyped_storage().nbytes()
         ptr = self.malloc(idx, nbytes) if nbytes else 0
         if not ptr:
-            return new_storage(meta, known.engine_index(idx), ptr, lambda engine_idx, address: None)
+            return new_storage(meta, known.engine_index(idx), ptr, _nothing, nbytes)
         b = self.blocks[(idx, ptr)] = ChargedStorage(ptr, nbytes, idx, None)  # type: ignore[arg-type]
-        return new_storage(meta, known.engine_index(idx), ptr, lambda engine_idx, address: self._died(b, address))
+        return new_storage(meta, known.engine_index(idx), ptr, lambda engine_idx, address: self._died(b, address),
+                           nbytes)
 
     def _died(self, b: ChargedStorage, address: int) -> None:
         with _LOCK:
@@ -230,6 +240,10 @@ class BackendState(SimState):
     def close(self) -> None:
         self.active = False
         self.blocks.clear()
+
+
+def _nothing(engine_idx: int, address: int) -> None:
+    """The death of a storage that holds no block."""
 
 
 def _on_meta(t: Any) -> Any:
@@ -272,7 +286,7 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
         raise RuntimeError(f"vram: a {NAME} tensor outside a simulated run")
     sim = _STATE[-1]
     if op is _COPY_FROM:  # copy_ across devices: the values, where they are known
-        _copy_values(sim, args[0], args[1])
+        _reads.copy_values(sim, args[0], args[1])
         return args[1]
     if op in _SET_SOURCE:  # onto another simulated storage: the CPU kernel, which allocates nothing
         return op._op_dk(_CPU, *args, **kwargs)
@@ -281,6 +295,8 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     seen = meta_cache.lookup(key)
     if seen is not None:
         margs, mkwargs, out = seen
+        if op in _PLAIN_VIEWS and args and isinstance(out, torch.Tensor) and out.layout == torch.strided:
+            return _plain_view(sim, op, args, kwargs, out)
     else:
         margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
     try:
@@ -327,35 +343,14 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     return final
 
 
-def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``_copy_from(src, dst)`` between the host and a simulated GPU (``copy_impl`` in
-    ``ATen/native/Copy.cpp`` hands cross-device copies of PrivateUse1 tensors to it): a simulated
-    `dst` learns `src`'s values when they are known (else they become unknown); a host `dst`
-    gets them, or a placeholder recorded as a read."""
-    if sim.block_of(dst) is not None:
-        value = known.cpu_value(sim, src)
-        if value is None or known.assumed(sim, src):
-            b = sim.block_of(dst)
-            if b is not None:
-                b.forget()
-            if value is None:
-                return
-        derived = sim.block_of(src) is not None  # a copy between simulated tensors: a derived constant
-        known.define(sim, dst, value.to(dst.dtype).expand(dst.shape), known.assumed(sim, src),
-                     max(sim.value_limit, known.DERIVED_LIMIT) if derived else None)
-        return
-    used: list[Any] = []
-    try:
-        value = known.to_cpu_assuming(sim, src, used)
-    except known.Unknown:
-        if sim.strict_values:
-            raise value_error(describe(sim.call) if sim.call is not None else "a copy to the host") from None
-        value = known.placeholder(src)
-        used.append(True)
-    if used:
-        what = describe(sim.call) if sim.call is not None else "a copy to the host"
-        sim.report.record(what, f"zeros {list(src.shape)}{known.reason(sim, src)}", derived=known.known(sim, src))
-    dst.copy_(value)
+def _plain_view(sim: BackendState, op: Any, args: Any, kwargs: Any, out: torch.Tensor) -> torch.Tensor:
+    """A remembered ``view`` or ``as_strided`` (over half of a training step's ops): what `_run`
+    does, less what comes to nothing for them — the return aliases ``self`` (``Tensor(a)``, not
+    written), CUDA's output rules leave it as it is, and the kernel's plan is that output alone,
+    which allocates nothing (`vram.run.kernels.plan.op_plan`; tests/test_engine_speed.py)."""
+    final = views.view_of(args[0], out)
+    known.propagate(sim, op, args, kwargs, final, op_info.tensors(args, kwargs))
+    return final
 
 
 def _charge(sim: BackendState, info: op_info.OpInfo, idx: int, margs: Any, mkwargs: Any, outs: list[Any],

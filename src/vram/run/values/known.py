@@ -230,9 +230,36 @@ def _threads(kernel: Any, n: int) -> Any:
     return call
 
 
+def _first_unknown(sim: SimState, func: Any, args: Any, kwargs: Any, inputs: list[Any]) -> str | None:
+    """`why` of the first input (other than what an overwriting op or ``out=`` writes) whose values
+    are unknown and that cannot stand in as a placeholder (the run is strict, it is larger than
+    `VALUE_LIMIT`, or it is not simulated); None when there is none. One `block_of` per input:
+    `known`, `why` and the placeholder test all read the same block."""
+    skip = {id(args[0])} if args and overwrites(func) else set()
+    if kwargs:
+        skip.update(id(t) for t in tree_leaves(_out_arguments(func, kwargs)))
+    strict = sim.strict_values
+    for t in inputs:
+        if skip and id(t) in skip:
+            continue
+        b = sim.block_of(t)
+        if b is not None:
+            if b.value is None and (strict or t.numel() > VALUE_LIMIT):
+                return b.why
+        elif not (t.device.type == "cpu" or sim.host.of(t) is not None):
+            return "a tensor on the meta device has no values" if isinstance(t, torch.Tensor) and t.is_meta else ""
+    return None
+
+
+_MUTABLE: dict[Any, bool] = {}  # by op: its schema's ``is_mutable`` (``func._schema`` is built on each read)
+
+
 def _written(sim: SimState, func: Any, inputs: list[Any]) -> list[ChargedStorage]:
     """The simulated storages a mutable op may write (conservatively: all its simulated inputs)."""
-    if not func._schema.is_mutable:
+    mutable = _MUTABLE.get(func)
+    if mutable is None:
+        mutable = _MUTABLE[func] = func._schema.is_mutable
+    if not mutable:
         return []
     return [b for t in inputs if (b := sim.block_of(t)) is not None]
 
@@ -244,17 +271,13 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
 
     `computed` is the op's CPU result when the caller already has it (data-dependent ops)."""
     if computed is None:
-        skip = {id(args[0])} if overwrites(func) and args else set()
-        skip.update(id(t) for t in tree_leaves(_out_arguments(func, kwargs)))
-        for t in inputs:  # the common case (a large activation is unknown): return at once
-            if id(t) in skip:
-                continue
-            if not known(sim, t) and (sim.strict_values or t.numel() > VALUE_LIMIT or sim.block_of(t) is None):
-                # new outputs start unknown already; a real-values run passes on why
-                news = [(o, b) for o in tree_leaves(out) if (b := sim.block_of(o)) is not None] \
-                    if sim.real_values else []
-                _forget(news, _written(sim, func, inputs), why(sim, t))
-                return
+        unknown = _first_unknown(sim, func, args, kwargs, inputs)
+        if unknown is not None:  # the common case (a large activation is unknown): return at once
+            # new outputs start unknown already; a real-values run passes on why
+            news = [(o, b) for o in tree_leaves(out) if (b := sim.block_of(o)) is not None] \
+                if sim.real_values else []
+            _forget(news, _written(sim, func, inputs), unknown)
+            return
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
     targets = [(t, b) for t in outs if (b := sim.block_of(t)) is not None]
     written = _written(sim, func, inputs)
