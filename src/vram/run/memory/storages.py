@@ -97,6 +97,10 @@ class SimState:
         except (RuntimeError, NotImplementedError, AttributeError):  # sparse, nested, …
             return None
 
+    def blocks_of(self, tensors: list[Any]) -> list[ChargedStorage | None]:
+        """`block_of` of each of `tensors`."""
+        return [self.block_of(t) for t in tensors]
+
     def idx_of(self, t: Any) -> int | None:
         b = self.block_of(t)
         return None if b is None else b.device

@@ -261,7 +261,7 @@ def _written(sim: SimState, func: Any, inputs: list[Any]) -> list[ChargedStorage
         mutable = _MUTABLE[func] = func._schema.is_mutable
     if not mutable:
         return []
-    return [b for t in inputs if (b := sim.block_of(t)) is not None]
+    return [b for b in sim.blocks_of(inputs) if b is not None]
 
 
 def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs: list[Any],
@@ -279,7 +279,7 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
             _forget(news, _written(sim, func, inputs), unknown)
             return
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    targets = [(t, b) for t in outs if (b := sim.block_of(t)) is not None]
+    targets = [(t, b) for t, b in zip(outs, sim.blocks_of(outs)) if b is not None]
     written = _written(sim, func, inputs)
     if not targets and not written:
         return
