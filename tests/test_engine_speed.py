@@ -37,14 +37,17 @@ def test_settings_follow_each_switch(switch: str) -> None:
     assert meta_cache._settings() == before
 
 
-def test_settings_follow_the_default_dtype() -> None:
+def test_settings_follow_the_default_dtype_and_determinism() -> None:
     saved = torch.get_default_dtype()
     try:
         torch.set_default_dtype(torch.float64)
+        torch.use_deterministic_algorithms(True, warn_only=True)
         assert meta_cache._settings() == meta_cache._settings_reference()
-        assert meta_cache._settings()[0] is torch.float64
+        assert meta_cache._settings()[:3] == (torch.float64, True, True)
     finally:
         torch.set_default_dtype(saved)
+        torch.use_deterministic_algorithms(False)
+    assert meta_cache._settings()[1:3] == (False, False)
 
 
 def _block_reference(sim: Any, t: Any) -> Any:

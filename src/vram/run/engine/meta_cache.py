@@ -81,6 +81,9 @@ def _switch_entries() -> tuple[Any, ...] | None:
 
 
 _SWITCHES = _switch_entries()
+_DEFAULT_DTYPE, _KEY_INCLUDED = torch.get_default_dtype, torch._C._dispatch_tls_is_dispatch_key_included
+_DETERMINISTIC = torch._C._get_deterministic_algorithms
+_DETERMINISTIC_WARN_ONLY = torch._C._get_deterministic_algorithms_warn_only
 
 
 def _switch(unset: Any, e: Any) -> Any:
@@ -102,9 +105,8 @@ def _settings() -> tuple[Any, ...]:
     unset, a, b, c = _SWITCHES
     if a.hide or b.hide or c.hide:
         return _settings_reference()
-    return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
-            torch.is_deterministic_algorithms_warn_only_enabled(),
-            torch._C._dispatch_tls_is_dispatch_key_included(_PYTHON_DISPATCHER),
+    # torch.are_deterministic_algorithms_enabled and its warn-only twin, without their Python frames
+    return (_DEFAULT_DTYPE(), _DETERMINISTIC(), _DETERMINISTIC_WARN_ONLY(), _KEY_INCLUDED(_PYTHON_DISPATCHER),
             _switch(unset, a), _switch(unset, b), _switch(unset, c))
 
 
@@ -120,8 +122,13 @@ def _part(a: Any, device_type: str) -> Any:
     if kind in _PLAIN:
         return (kind, a)
     if kind is list or kind is tuple:
-        parts = [_part(x, device_type) for x in a]
-        return None if any(p is None for p in parts) else (kind, *parts)
+        parts: list[Any] = [kind]
+        for x in a:
+            p = _part(x, device_type)
+            if p is None:
+                return None
+            parts.append(p)
+        return tuple(parts)
     return None
 
 
