@@ -186,3 +186,37 @@ def test_plain_views_allocate_and_know_the_same(monkeypatch: pytest.MonkeyPatch)
     assert seen[0] == [12, 13, 14, 15, 16, 17] and seen[1] == [1, 5, 9, 13, 17, 21]
     # a view of a small unknown tensor makes it known from a placeholder (assumed); a large one stays unknown
     assert seen[4] == [(True, True), (False, False), (True, False), (True, True), (False, False), (True, False)]
+
+
+def _calls() -> list[tuple[Any, Any]]:
+    from collections import namedtuple
+
+    t, u = torch.empty(2), torch.empty(3, dtype=torch.int64)
+    pair = namedtuple("pair", "a b")
+    return [((t, 1, 2.5, None, "mean"), {}), ((t, [t, u], (1, 2)), {"dim": 0, "out": t}),
+            ((torch.Size([2, 3]), t), {}), ((t, [[1, 2], [3]]), {}), ((pair(t, 1),), {"x": {"y": t}}),
+            ((torch.float16, torch.device("meta"), torch.strided, torch.contiguous_format, True, 3j), {}),
+            (([t, None, u],), {"weights": (t,)}), ((), {})]
+
+
+@pytest.mark.parametrize("call", range(len(_calls())))
+def test_flat_maps_as_pytree(call: int) -> None:
+    """`vram.run.values.flat` maps and lists what ``torch.utils._pytree`` does, in its order."""
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    from vram.run.values.flat import map_call, tensors_of
+
+    args, kwargs = _calls()[call]
+    seen: list[list[Any]] = [[], []]
+
+    def tagged(i: int) -> Any:
+        def fn(x: Any) -> Any:
+            seen[i].append(x)
+            return ("leaf", x)
+        return fn
+
+    ours, theirs = map_call(tagged(0), args, kwargs), tree_map(tagged(1), (args, kwargs))
+    assert repr(ours) == repr(theirs) and type(ours[0]) is type(theirs[0])
+    assert [id(x) for x in seen[0]] == [id(x) for x in seen[1]]
+    for x in (args, kwargs, *args):
+        assert [id(t) for t in tensors_of(x)] == [id(t) for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
