@@ -187,7 +187,7 @@ class SimState:
         allocator = _memory.get_allocator(idx)
         self.busy += 1
         try:
-            return allocator.malloc(nbytes, _memory.current_stream(idx).cuda_stream)
+            return allocator.malloc(nbytes, _memory.current_stream_of(idx))  # idx: valid (get_allocator)
         except _SimOOM as e:
             raise torch.OutOfMemoryError(str(e)) from None
         finally:
