@@ -220,3 +220,16 @@ def test_flat_maps_as_pytree(call: int) -> None:
     assert [id(x) for x in seen[0]] == [id(x) for x in seen[1]]
     for x in (args, kwargs, *args):
         assert [id(t) for t in tensors_of(x)] == [id(t) for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def test_current_stream_of_is_current_streams_id() -> None:
+    """What an allocation's stream is read as: the current stream's ``cuda_stream``, 0 by default."""
+    from vram.frontend import memory
+
+    with simulated_cuda(gpu="24GiB", device_count=2):
+        assert memory.current_stream_of(0) == memory.current_stream(0).cuda_stream == 0
+        side = memory.Stream(1)
+        with memory.stream(side):
+            assert memory.current_stream_of(1) == memory.current_stream(1).cuda_stream == side.cuda_stream != 0
+            assert memory.current_stream_of(0) == 0
+        assert memory.current_stream_of(1) == 0
