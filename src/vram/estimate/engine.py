@@ -36,7 +36,7 @@ host memory. The GPU is one simulated H100 (sm90: 32 MiB cuBLAS workspaces).
 simulated runs (`fits`), the batches to run chosen from the room each fitting run left
 (`vram.estimate.search`).
 
-Cost: GPT-2 small (batch 8 × 512, AdamW, 3 iterations) takes 1.3–1.4 s of CPU warm, ~5 s in a
+Cost: GPT-2 small (batch 8 × 512, AdamW, 3 iterations) takes 1.1–1.5 s of CPU warm, ~4–5 s in a
 fresh process (torch's one-time imports, each distinct op's meta kernel once), on a 2-core machine
 under load; ``benchmarks/bench_estimate.py`` measures it and shows where the time goes.
 """
