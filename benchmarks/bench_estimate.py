@@ -28,7 +28,12 @@ took 2.2–2.5 s at that load (0.54 s idle in the earlier measurement on the met
 estimate near 0.4–0.5 s. Before, about half of all time was torch's Python meta kernels, which
 torch 2.13 registers at the Meta key over the C++ structured ones (``activate_meta``); a call
 seen before now skips them, and what remains is the engine's own per-op Python (details and the
-exactness check: benchmarks/README.md).
+exactness check: benchmarks/README.md). The engine's per-op path was then cut (remembered views
+straight to their view, the key's settings read without the config module, storages found by
+their data address, ...): warm fp32 1.66-2.45 -> 1.11-1.45 s (0.63x median of 5 pairs), bf16
+2.15-3.06 -> 1.45-2.09 s (0.72x), bf16 + checkpoint 2.53-3.58 -> 2.11-2.99 s (0.82x) (load average
+3-6; benchmarks/README.md, with ``benchmarks/estimate_allocations.py``, the allocation sequences
+compared before and after).
 
 The model (`gpt2_small`) is GPT-2 small as nanoGPT writes it: 12 layers, d_model 768, 12 heads,
 vocabulary 50,257, 1,024 positions, tied embedding / LM head, causal SDPA, tanh GELU (124.4 M

@@ -36,9 +36,9 @@ host memory. The GPU is one simulated H100 (sm90: 32 MiB cuBLAS workspaces).
 simulated runs (`fits`), the batches to run chosen from the room each fitting run left
 (`vram.estimate.search`).
 
-Cost: the steps run at the speed of shape inference — GPT-2 small (batch 8 × 512, AdamW, 3
-iterations) takes ~0.75 s warm, ~1.9 s in a fresh process (torch's one-time imports);
-``benchmarks/bench_estimate.py`` measures it and shows where the time goes.
+Cost: GPT-2 small (batch 8 × 512, AdamW, 3 iterations) takes 1.1–1.5 s of CPU warm, ~4–5 s in a
+fresh process (torch's one-time imports, each distinct op's meta kernel once), on a 2-core machine
+under load; ``benchmarks/bench_estimate.py`` measures it and shows where the time goes.
 """
 from __future__ import annotations
 

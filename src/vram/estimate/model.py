@@ -45,12 +45,32 @@ def to_gpu(model: nn.Module, sim: Any) -> nn.Module:
     def move(t: torch.Tensor) -> torch.Tensor:
         if sim.block_of(t) is not None:
             return t
-        moved = torch.empty_like(t, device="cuda").requires_grad_(t.requires_grad)
+        moved = _empty_like_on_gpu(t).requires_grad_(t.requires_grad)
         torch._C._swap_tensor_impl(t, moved)
         return t
 
     _apply(model, move)
     return model
+
+
+#: (sizes, strides) -> the permutation ``empty_like`` gives a tensor of that layout
+_PERMUTATIONS: dict[tuple[Any, ...], list[int]] = {}
+
+
+def _empty_like_on_gpu(t: torch.Tensor) -> torch.Tensor:
+    """``torch.empty_like(t, device="cuda")`` for a meta `t`: its Meta kernel is torch's Python
+    reference (``torch._refs.empty_like``), which calls ``torch.empty_permuted`` with the
+    permutation ``compute_elementwise_output_logical_to_physical_perm`` finds from `t`'s sizes
+    and strides alone; that permutation is worked out once per layout and the same call made."""
+    if not t.is_meta or t.layout != torch.strided:
+        return torch.empty_like(t, device="cuda")
+    key = (tuple(t.shape), t.stride())
+    perm = _PERMUTATIONS.get(key)
+    if perm is None:
+        from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
+
+        perm = _PERMUTATIONS[key] = compute_elementwise_output_logical_to_physical_perm(t)[0]
+    return torch.empty_permuted(t.shape, perm, dtype=t.dtype, layout=t.layout, device="cuda", pin_memory=False)
 
 
 def _apply(module: nn.Module, fn: Any) -> None:

@@ -239,6 +239,13 @@ def current_stream(device: Any = None) -> Stream:
     return _rt().current_streams.get(idx) or default_stream(idx)
 
 
+def current_stream_of(allocator_index: int) -> int:
+    """``current_stream(i).cuda_stream`` for a valid device index `i`, with no `Stream` made for
+    the default stream (0) — what every allocation asks."""
+    stream = _rt().current_streams.get(allocator_index)
+    return 0 if stream is None else stream.cuda_stream
+
+
 @contextmanager
 def stream(stream: Stream | None) -> Iterator[None]:
     """``torch.cuda.stream(stream)``: make `stream` the current stream of its device inside the

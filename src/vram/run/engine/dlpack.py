@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -45,6 +46,10 @@ class DLTensor(ctypes.Structure):
                 ("byte_offset", ctypes.c_uint64)]
 
 
+#: each dtype's DLPack type, each device's DLPack device (made once: `new_storage` copies them in)
+_TYPES = {dtype: DLDataType(code, bits, 1) for dtype, (code, bits) in CODES.items()}
+_DEVICES: dict[int, DLDevice] = {}
+_FROM_DLPACK = torch._C._from_dlpack
 _GET_POINTER = ctypes.pythonapi.PyCapsule_GetPointer
 _GET_POINTER.restype, _GET_POINTER.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
 
@@ -61,20 +66,43 @@ class _Block:
         self.died(self.device, self.address)
 
 
-def new_storage(meta: torch.Tensor, device: int, address: int, died: Callable[[int, int], None]) -> torch.Tensor:
+def new_storage(meta: torch.Tensor, device: int, address: int, died: Callable[[int, int], None],
+                nbytes: int | None = None) -> torch.Tensor:
     """A PrivateUse1 tensor viewed as `meta` (sizes, strides, offset, dtype) over a new storage of
-    ``meta``'s storage size at `address` on `device`; ``died(device, address)`` when it is freed."""
+    ``meta``'s storage size (`nbytes`, when the caller has read it) at `address` on `device`;
+    ``died(device, address)`` when it is freed."""
     import numpy as np
 
-    if meta.dtype not in CODES:
+    dltype = _TYPES.get(meta.dtype)
+    if dltype is None:
         raise NotImplementedError(f"vram run --backend privateuse1: no DLPack code for {meta.dtype} yet")
     size = meta.element_size()
-    words = meta.untyped_storage().nbytes() // size
+    words = (meta.untyped_storage().nbytes() if nbytes is None else nbytes) // size
     memory = (ctypes.c_uint8 * (words * size)).from_address(address or EMPTY)
     memory.block = _Block(address, device, died)  # type: ignore[attr-defined]
     capsule = np.frombuffer(memory, dtype=np.uint8).__dlpack__()
     dl = DLTensor.from_address(_GET_POINTER(capsule, b"dltensor"))
-    code, bits = CODES[meta.dtype]
-    dl.device, dl.dtype, dl.shape[0] = DLDevice(EXT_DEV, device), DLDataType(code, bits, 1), words
-    base = torch.utils.dlpack.from_dlpack(capsule)
-    return _AS_STRIDED._op_dk(_CPU, base, meta.shape, meta.stride(), meta.storage_offset())
+    dev = _DEVICES.get(device)
+    if dev is None:
+        dev = _DEVICES[device] = DLDevice(EXT_DEV, device)
+    dl.device, dl.dtype = dev, dltype
+    shape, strides = meta.shape, meta.stride()
+    if not meta.storage_offset() and words == _extent(shape, strides):
+        # the view spans its storage from its start: the DLTensor carries its sizes and strides
+        # (``at::fromDLPack`` copies them; a storage of ``computeStorageNbytes`` bytes: `words`)
+        ndim = len(shape)
+        dl.ndim, dl.shape, dl.strides = ndim, (ctypes.c_int64 * ndim)(*shape), (ctypes.c_int64 * ndim)(*strides)
+        return _FROM_DLPACK(capsule)  # what ``torch.utils.dlpack.from_dlpack`` does with a capsule
+    dl.shape[0] = words
+    base = _FROM_DLPACK(capsule)
+    return _AS_STRIDED._op_dk(_CPU, base, shape, strides, meta.storage_offset())
+
+
+def _extent(shape: Any, strides: tuple[int, ...]) -> int:
+    """Elements from a view's first to one past its last (0 for an empty view)."""
+    n = 1
+    for size, stride in zip(shape, strides):
+        if not size:
+            return 0
+        n += (size - 1) * stride
+    return n

@@ -66,6 +66,8 @@ def tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
 
 _SCALAR_OVERLOADS: dict[tuple[Any, tuple[int, ...]], Any] = {}
 _NUMBER = (bool, int, float, complex)
+#: by op: the positions of its schema's ``Tensor`` arguments (reading ``op._schema`` builds them anew)
+_TENSOR_PLACES: dict[Any, tuple[int, ...]] = {}
 
 
 def scalar_overload(op: Any, args: tuple[Any, ...]) -> Any:
@@ -79,11 +81,14 @@ def scalar_overload(op: Any, args: tuple[Any, ...]) -> Any:
     accept numbers as tensors). The overload of the same op with ``Scalar`` in those places
     computes the same (type promotion treats a wrapped number and a Scalar alike); `op` itself
     when no number is misplaced or no overload fits."""
-    schema_args = op._schema.arguments
-    places = tuple(i for i, a in enumerate(args) if isinstance(a, _NUMBER) and i < len(schema_args)
-                   and isinstance(schema_args[i].type, torch.TensorType))
+    tensor_places = _TENSOR_PLACES.get(op)
+    if tensor_places is None:
+        tensor_places = _TENSOR_PLACES[op] = tuple(
+            i for i, a in enumerate(op._schema.arguments) if isinstance(a.type, torch.TensorType))
+    places = tuple(i for i in tensor_places if i < len(args) and isinstance(args[i], _NUMBER))
     if not places:
         return op
+    schema_args = op._schema.arguments
     found = _SCALAR_OVERLOADS.get((op, places))
     if found is None:
         found = op

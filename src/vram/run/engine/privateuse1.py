@@ -29,32 +29,25 @@ from vram.run.memory.storages import ChargedStorage, SimState
 from vram.run.values import known
 from vram.run.values.placeholders import describe, needs_data, value_error
 
-from . import formulas, lazy, meta_cache, native, op_info, sparse_layouts, views
-from .cuda_ops import cuda_kernel_ops
+from . import lazy, meta_cache, native, op_info, sparse_layouts, views
+from . import reads as _reads
 from .dlpack import new_storage
 from .function_mode import FunctionMode
 from .outputs import cublas_if_device, data_dependent
+from .whole_ops import COPY_FROM as _COPY_FROM
+from .whole_ops import SET_SOURCE as _SET_SOURCE
+from .whole_ops import structured_kernels
 
 #: PrivateUse1's name in a process that ran the engine (``torch.utils.rename_privateuse1_backend``)
 NAME = "vramsim"
 _META = torch.device("meta")
 _CPU = torch._C.DispatchKey.CPU
+_HAS_STORAGE, _DATA_ADDRESS = torch._C._has_storage, torch._C._data_address  # type: ignore[attr-defined]
+_ENGINE_OWN = known.ENGINE_OWN
 _AS_STRIDED = torch.ops.aten.as_strided.default
 _SET = torch.ops.aten.set_.source_Tensor
-_COPY_FROM = torch.ops.aten._copy_from.default
-_SET_SOURCE = frozenset(getattr(torch.ops.aten.set_, o) for o in ("source_Tensor", "source_Storage",
-                                                                   "source_Storage_storage_offset",
-                                                                   "source_Tensor_storage_offset"))
-#: composite ops that reach ``*_overrideable`` kernels on a backend other than CPU/CUDA
-_OVERRIDEABLE = frozenset({"aten::convolution", "aten::convolution_backward", "aten::_convolution",
-                           "aten::_convolution_double_backward"})
-_NON_FUNCTIONAL, _EXPLICIT = "CompositeExplicitAutogradNonFunctional", "CompositeExplicitAutograd"
-_IMPLICIT = "CompositeImplicitAutograd"
-#: CUDA-kernel ops with a ``CompositeImplicitAutograd`` kernel elsewhere that autograd still handles
-#: with a PrivateUse1 kernel registered: ``_fused_rms_norm`` has a derivative of its own
-#: (derivatives.yaml); ``mish_backward`` is called by ``MishBackward0`` with grad mode off (CUDA:
-#: one output, Activation.cpp; the composite ``math_mish_backward`` makes five input-sized temporaries)
-_DIFFERENTIABLE = frozenset({"aten::_fused_rms_norm", "aten::mish_backward"})
+#: view ops whose remembered calls take `_plain_view`
+_PLAIN_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.as_strided.default})
 #: composites whose input a CUDA kernel takes ``contiguous()`` and PrivateUse1 does not
 _CUDA_CONTIGUOUS = frozenset({"group_norm"})
 _STATE: list[BackendState] = []  # the running simulations, innermost last
@@ -83,71 +76,26 @@ def register(devices: int = 1) -> None:
     lib = torch.library.Library("_", "IMPL")  # noqa: TOR901 - a fallback for every namespace
     lib.fallback(_fallback, "PrivateUse1")
     _LIB.append(lib)
-    _LIB.append(_structured_kernels())
+    _LIB.append(structured_kernels(_fallback))
     _LIB.append(views.math_bit_copies(_fallback))
     _LIB.extend(sparse_layouts.register(_STATE))
-
-
-def _structured_kernels() -> Any:
-    """Send each op with a composite kernel below autograd whole to `_fallback`, as CUDA's own
-    kernel and the default engine's dispatch mode see it.
-
-    A backend without kernels gets those ops through their ``CompositeExplicitAutograd`` or
-    ``CompositeExplicitAutogradNonFunctional`` kernels, where CUDA has its own. Structured ops
-    (``add``, ``addmm``, ``mse_loss``…) then allocate an output and call the ``out=`` overload
-    (``mse_loss``: an input-sized ``empty``, then ``resize_`` to a scalar), an order CUDA never
-    has (its generated wrapper allocates each output once, with the meta function's sizes: torchgen
-    ``gen_structured``), and ``convolution`` reaches ``convolution_overrideable``, which no backend
-    here implements. Registered at PrivateUse1, they run whole on meta instead. (Every
-    ``CompositeExplicitAutograd`` op is too many: views, ``detach`` and factories must stay as
-    they are for the script's tensors; those that also have a CPU kernel are device kernels with a
-    math fallback for other backends, as ``native_layer_norm``/``native_group_norm``'s
-    ``math_*_norm``, whose temporaries CUDA's kernels never allocate. So are ops that CUDA has a
-    kernel for (`cuda_kernel_ops`) with only a composite elsewhere: ``_foreach_*`` (one fused
-    launch, not one op per tensor), ``_chunk_cat`` (FSDP2's reduce-scatter input), and
-    ``_fused_rms_norm``, whose ``CompositeImplicitAutograd`` upcasts and saves other tensors.)
-
-    Every other aten op without a composite kernel is registered here too, though the fallback
-    would run it the same way: a Python *fallback* called while a dispatch mode is on the stack
-    but the Python key is excluded (``torch.tensor(data, device=)``: ``internal_new_from_data``)
-    goes through ``python_op_registration_trampoline``, which finds only per-op registrations
-    (torch/csrc/utils/python_dispatch.cpp, ``PythonKernelHolder``: ``func != nullptr`` fails).
-    The fallback stays for other namespaces and ops registered later."""
-    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
-    cuda = cuda_kernel_ops()
-    # which ops have a kernel at each key: one dispatcher query per key (asking per op and key
-    # is as many name lookups as ops, a second of start-up)
-    kernels = {k: frozenset(torch._C._dispatch_get_registrations_for_dispatch_key(k))
-               for k in ("CPU", _NON_FUNCTIONAL, _EXPLICIT, _IMPLICIT)}
-
-    def _has(qualified: str, key: str) -> bool:
-        return qualified in kernels[key]
-    for qualified in torch._C._dispatch_get_all_op_names():
-        if not qualified.startswith("aten::"):
-            continue
-        name, _, overload = qualified[len("aten::"):].partition(".")
-        whole = qualified in _OVERRIDEABLE or _has(qualified, _NON_FUNCTIONAL) or (
-            (_has(qualified, "CPU") or qualified in cuda) and _has(qualified, _EXPLICIT)) or (
-            qualified in cuda and qualified in _DIFFERENTIABLE)
-        if not whole and any(_has(qualified, k) for k in (_IMPLICIT, _EXPLICIT)):
-            continue  # a composite that decomposes into ops that come here
-        op = getattr(getattr(torch.ops.aten, name), overload or "default")
-        if (whole and (op is _COPY_FROM or op in _SET_SOURCE)) or qualified[6:] in _sparse.DENSE_TO_SPARSE:
-            continue  # (the dense-to-sparse conversions: `sparse_layouts`)
-        lib.impl(qualified[len("aten::"):], _whole(op), "PrivateUse1")
-    formulas.register(lib)
-    return lib
-
-
-def _whole(op: Any) -> Any:
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        return _fallback(op, *args, **kwargs)
-    return kernel
 
 
 def _raw_device(t: torch.Tensor) -> torch.device:
     with torch._C.DisableTorchFunction():
         return t.device
+
+
+def _block(blocks: dict[tuple[int, int], ChargedStorage], empty: list[ChargedStorage],
+           t: torch.Tensor) -> ChargedStorage | None:
+    """`BackendState.block_of` of a tensor, torch functions disabled."""
+    d = t.device
+    if d.type != NAME or not _HAS_STORAGE(t):  # a vmap BatchedTensor wraps one
+        return None
+    idx = d.index or 0
+    if _ENGINE_OWN[0]:  # `known.engine_index`: the identity unless a rank's own GPU trades places with 0
+        idx = known.engine_index(idx)
+    return blocks.get((idx, _DATA_ADDRESS(t))) or empty[idx]
 
 
 class BackendState(SimState):
@@ -159,15 +107,18 @@ class BackendState(SimState):
         self._empty = [ChargedStorage(0, 0, i, None) for i in range(len(props))]  # type: ignore[arg-type]
 
     def block_of(self, t: Any) -> ChargedStorage | None:
+        """The charged storage behind `t` (by its storage's data pointer, ``_data_address``:
+        ``storage().data()``), `_empty` for an unknown storage on a simulated GPU, None off them."""
         if not isinstance(t, torch.Tensor):
             return None
         with torch._C.DisableTorchFunction():
-            d = t.device
-            if d.type != NAME or not torch._C._has_storage(t):  # a vmap BatchedTensor wraps one
-                return None
-            base = t.data_ptr() - t.storage_offset() * t.element_size()
-        idx = known.engine_index(d.index or 0)
-        return self.blocks.get((idx, base)) or self._empty[idx]
+            return _block(self.blocks, self._empty, t)
+
+    def blocks_of(self, tensors: list[Any]) -> list[ChargedStorage | None]:
+        """`block_of` of each of `tensors`, with torch functions disabled once for all."""
+        blocks, empty = self.blocks, self._empty
+        with torch._C.DisableTorchFunction():
+            return [_block(blocks, empty, t) if isinstance(t, torch.Tensor) else None for t in tensors]
 
     def storage_block(self, storage: Any) -> ChargedStorage | None:
         device = raw_device(storage)
@@ -209,9 +160,10 @@ class BackendState(SimState):
         nbytes = meta.untyped_storage().nbytes()
         ptr = self.malloc(idx, nbytes) if nbytes else 0
         if not ptr:
-            return new_storage(meta, known.engine_index(idx), ptr, lambda engine_idx, address: None)
+            return new_storage(meta, known.engine_index(idx), ptr, _nothing, nbytes)
         b = self.blocks[(idx, ptr)] = ChargedStorage(ptr, nbytes, idx, None)  # type: ignore[arg-type]
-        return new_storage(meta, known.engine_index(idx), ptr, lambda engine_idx, address: self._died(b, address))
+        return new_storage(meta, known.engine_index(idx), ptr, lambda engine_idx, address: self._died(b, address),
+                           nbytes)
 
     def _died(self, b: ChargedStorage, address: int) -> None:
         with _LOCK:
@@ -232,6 +184,10 @@ class BackendState(SimState):
         self.blocks.clear()
 
 
+def _nothing(engine_idx: int, address: int) -> None:
+    """The death of a storage that holds no block."""
+
+
 def _on_meta(t: Any) -> Any:
     if isinstance(t, torch.device) and t.type == NAME:
         return _META
@@ -248,8 +204,9 @@ def _device(inputs: list[torch.Tensor], kwargs: dict[str, Any]) -> int:
     """The simulated GPU an op runs on: its first simulated tensor's, else its ``device``, else
     the current one."""
     for t in inputs:
-        if t.device.type == NAME:
-            return known.engine_index(t.device.index or 0)
+        d = t.device
+        if d.type == NAME:
+            return known.engine_index(d.index or 0)
     from vram.frontend import memory as _memory
 
     d = kwargs.get("device")
@@ -272,7 +229,7 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
         raise RuntimeError(f"vram: a {NAME} tensor outside a simulated run")
     sim = _STATE[-1]
     if op is _COPY_FROM:  # copy_ across devices: the values, where they are known
-        _copy_values(sim, args[0], args[1])
+        _reads.copy_values(sim, args[0], args[1])
         return args[1]
     if op in _SET_SOURCE:  # onto another simulated storage: the CPU kernel, which allocates nothing
         return op._op_dk(_CPU, *args, **kwargs)
@@ -281,6 +238,8 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     seen = meta_cache.lookup(key)
     if seen is not None:
         margs, mkwargs, out = seen
+        if op in _PLAIN_VIEWS and args and isinstance(out, torch.Tensor) and out.layout == torch.strided:
+            return _plain_view(sim, op, args, kwargs, out)
     else:
         margs, mkwargs = tree_map(_on_meta, args), tree_map(_on_meta, kwargs)
     try:
@@ -327,35 +286,14 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
     return final
 
 
-def _copy_values(sim: BackendState, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``_copy_from(src, dst)`` between the host and a simulated GPU (``copy_impl`` in
-    ``ATen/native/Copy.cpp`` hands cross-device copies of PrivateUse1 tensors to it): a simulated
-    `dst` learns `src`'s values when they are known (else they become unknown); a host `dst`
-    gets them, or a placeholder recorded as a read."""
-    if sim.block_of(dst) is not None:
-        value = known.cpu_value(sim, src)
-        if value is None or known.assumed(sim, src):
-            b = sim.block_of(dst)
-            if b is not None:
-                b.forget()
-            if value is None:
-                return
-        derived = sim.block_of(src) is not None  # a copy between simulated tensors: a derived constant
-        known.define(sim, dst, value.to(dst.dtype).expand(dst.shape), known.assumed(sim, src),
-                     max(sim.value_limit, known.DERIVED_LIMIT) if derived else None)
-        return
-    used: list[Any] = []
-    try:
-        value = known.to_cpu_assuming(sim, src, used)
-    except known.Unknown:
-        if sim.strict_values:
-            raise value_error(describe(sim.call) if sim.call is not None else "a copy to the host") from None
-        value = known.placeholder(src)
-        used.append(True)
-    if used:
-        what = describe(sim.call) if sim.call is not None else "a copy to the host"
-        sim.report.record(what, f"zeros {list(src.shape)}{known.reason(sim, src)}", derived=known.known(sim, src))
-    dst.copy_(value)
+def _plain_view(sim: BackendState, op: Any, args: Any, kwargs: Any, out: torch.Tensor) -> torch.Tensor:
+    """A remembered ``view`` or ``as_strided`` (over half of a training step's ops): what `_run`
+    does, less what comes to nothing for them — the return aliases ``self`` (``Tensor(a)``, not
+    written), CUDA's output rules leave it as it is, and the kernel's plan is that output alone,
+    which allocates nothing (`vram.run.kernels.plan.op_plan`; tests/test_engine_speed.py)."""
+    final = views.view_of(args[0], out)
+    known.propagate(sim, op, args, kwargs, final, op_info.tensors(args, kwargs))
+    return final
 
 
 def _charge(sim: BackendState, info: op_info.OpInfo, idx: int, margs: Any, mkwargs: Any, outs: list[Any],

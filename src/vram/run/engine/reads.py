@@ -14,7 +14,7 @@ from vram.run.memory.storages import SimState
 from vram.run.values import known
 from vram.run.values.placeholders import describe, value_error
 
-__all__ = ["copy_to_host", "host_read", "read"]
+__all__ = ["copy_to_host", "copy_values", "host_read", "read"]
 
 
 def _repr_as(host: torch.Tensor, t: torch.Tensor, device: str | None = None) -> str:
@@ -131,3 +131,34 @@ def sparse_repr(t: torch.Tensor, idx: int, args: Any, kwargs: Any) -> str:
         with torch._C.DisableTorchFunction():
             return torch.Tensor.__format__(host, *args[1:], **kwargs)
     return _repr_as(host, t, f"cuda:{idx}")
+
+
+def copy_values(sim: SimState, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``_copy_from(src, dst)`` between the host and a simulated GPU (``copy_impl`` in
+    ``ATen/native/Copy.cpp`` hands cross-device copies of PrivateUse1 tensors to it): a simulated
+    `dst` learns `src`'s values when they are known (else they become unknown); a host `dst`
+    gets them, or a placeholder recorded as a read."""
+    if sim.block_of(dst) is not None:
+        value = known.cpu_value(sim, src)
+        if value is None or known.assumed(sim, src):
+            b = sim.block_of(dst)
+            if b is not None:
+                b.forget()
+            if value is None:
+                return
+        derived = sim.block_of(src) is not None  # a copy between simulated tensors: a derived constant
+        known.define(sim, dst, value.to(dst.dtype).expand(dst.shape), known.assumed(sim, src),
+                     max(sim.value_limit, known.DERIVED_LIMIT) if derived else None)
+        return
+    used: list[Any] = []
+    try:
+        value = known.to_cpu_assuming(sim, src, used)
+    except known.Unknown:
+        if sim.strict_values:
+            raise value_error(describe(sim.call) if sim.call is not None else "a copy to the host") from None
+        value = known.placeholder(src)
+        used.append(True)
+    if used:
+        what = describe(sim.call) if sim.call is not None else "a copy to the host"
+        sim.report.record(what, f"zeros {list(src.shape)}{known.reason(sim, src)}", derived=known.known(sim, src))
+    dst.copy_(value)

@@ -97,6 +97,10 @@ class SimState:
         except (RuntimeError, NotImplementedError, AttributeError):  # sparse, nested, …
             return None
 
+    def blocks_of(self, tensors: list[Any]) -> list[ChargedStorage | None]:
+        """`block_of` of each of `tensors`."""
+        return [self.block_of(t) for t in tensors]
+
     def idx_of(self, t: Any) -> int | None:
         b = self.block_of(t)
         return None if b is None else b.device
@@ -183,7 +187,7 @@ class SimState:
         allocator = _memory.get_allocator(idx)
         self.busy += 1
         try:
-            return allocator.malloc(nbytes, _memory.current_stream(idx).cuda_stream)
+            return allocator.malloc(nbytes, _memory.current_stream_of(idx))  # idx: valid (get_allocator)
         except _SimOOM as e:
             raise torch.OutOfMemoryError(str(e)) from None
         finally:

@@ -39,6 +39,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from . import real_values
+from .flat import map_call, tensors_of
 from .limits import DERIVED_LIMIT, VALUE_LIMIT, HostMemoryError
 
 if TYPE_CHECKING:  # the run state is passed in; values sit below the storages that hold them
@@ -185,7 +186,7 @@ def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[Any]
         if sim.block_of(args[0]) is None or args[0].numel() > limit:
             raise Unknown
         first, rest = [placeholder(args[0])], args[1:]
-    outs = {id(t) for t in tree_leaves(_out_arguments(func, kwargs)) if isinstance(t, torch.Tensor)}
+    outs = {id(t) for t in tensors_of(_out_arguments(func, kwargs))}
 
     def value(x: Any) -> Any:
         if id(x) in outs and not known(sim, x):
@@ -193,7 +194,7 @@ def run_on_cpu(sim: SimState, func: Any, args: Any, kwargs: Any, used: list[Any]
                 raise Unknown
             return placeholder(x)
         return to_cpu_assuming(sim, x, used)
-    cpu_args, cpu_kwargs = tree_map(value, (rest, kwargs))
+    cpu_args, cpu_kwargs = map_call(value, rest, kwargs)
     cpu_args = (*first, *cpu_args)
     cuda_only = real_values.CUDA_ONLY.get(func)
     kernel = func if cuda_only is None else (lambda *a, **k: cuda_only(sim, func, args, kwargs, (a, k), out))
@@ -230,11 +231,38 @@ def _threads(kernel: Any, n: int) -> Any:
     return call
 
 
+def _first_unknown(sim: SimState, func: Any, args: Any, kwargs: Any, inputs: list[Any]) -> str | None:
+    """`why` of the first input (other than what an overwriting op or ``out=`` writes) whose values
+    are unknown and that cannot stand in as a placeholder (the run is strict, it is larger than
+    `VALUE_LIMIT`, or it is not simulated); None when there is none. One `block_of` per input:
+    `known`, `why` and the placeholder test all read the same block."""
+    skip = {id(args[0])} if args and overwrites(func) else set()
+    if kwargs:
+        skip.update(id(t) for t in tensors_of(_out_arguments(func, kwargs)))
+    strict = sim.strict_values
+    for t in inputs:
+        if skip and id(t) in skip:
+            continue
+        b = sim.block_of(t)
+        if b is not None:
+            if b.value is None and (strict or t.numel() > VALUE_LIMIT):
+                return b.why
+        elif not (t.device.type == "cpu" or sim.host.of(t) is not None):
+            return "a tensor on the meta device has no values" if isinstance(t, torch.Tensor) and t.is_meta else ""
+    return None
+
+
+_MUTABLE: dict[Any, bool] = {}  # by op: its schema's ``is_mutable`` (``func._schema`` is built on each read)
+
+
 def _written(sim: SimState, func: Any, inputs: list[Any]) -> list[ChargedStorage]:
     """The simulated storages a mutable op may write (conservatively: all its simulated inputs)."""
-    if not func._schema.is_mutable:
+    mutable = _MUTABLE.get(func)
+    if mutable is None:
+        mutable = _MUTABLE[func] = func._schema.is_mutable
+    if not mutable:
         return []
-    return [b for t in inputs if (b := sim.block_of(t)) is not None]
+    return [b for b in sim.blocks_of(inputs) if b is not None]
 
 
 def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs: list[Any],
@@ -244,19 +272,15 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
 
     `computed` is the op's CPU result when the caller already has it (data-dependent ops)."""
     if computed is None:
-        skip = {id(args[0])} if overwrites(func) and args else set()
-        skip.update(id(t) for t in tree_leaves(_out_arguments(func, kwargs)))
-        for t in inputs:  # the common case (a large activation is unknown): return at once
-            if id(t) in skip:
-                continue
-            if not known(sim, t) and (sim.strict_values or t.numel() > VALUE_LIMIT or sim.block_of(t) is None):
-                # new outputs start unknown already; a real-values run passes on why
-                news = [(o, b) for o in tree_leaves(out) if (b := sim.block_of(o)) is not None] \
-                    if sim.real_values else []
-                _forget(news, _written(sim, func, inputs), why(sim, t))
-                return
-    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    targets = [(t, b) for t in outs if (b := sim.block_of(t)) is not None]
+        unknown = _first_unknown(sim, func, args, kwargs, inputs)
+        if unknown is not None:  # the common case (a large activation is unknown): return at once
+            # new outputs start unknown already; a real-values run passes on why
+            news = [(o, b) for o in tree_leaves(out) if (b := sim.block_of(o)) is not None] \
+                if sim.real_values else []
+            _forget(news, _written(sim, func, inputs), unknown)
+            return
+    outs = tensors_of(out)
+    targets = [(t, b) for t, b in zip(outs, sim.blocks_of(outs)) if b is not None]
     written = _written(sim, func, inputs)
     if not targets and not written:
         return
@@ -287,7 +311,7 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
     except Exception as e:  # noqa: BLE001 - no CPU kernel, or a CPU-only failure: the values are unknown
         _forget(targets, written, f"{func} failed on the CPU: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
         return
-    results = [r for r in tree_leaves(result) if isinstance(r, torch.Tensor)]
+    results = tensors_of(result)
     if len(results) != len(outs):
         _forget(targets, written, f"{func} on the CPU returned {len(results)} tensors, not {len(outs)}")
         return
@@ -311,7 +335,7 @@ def _limit(sim: SimState, func: Any, args: Any, kwargs: Any, inputs: list[Any]) 
     if sim.value_limit >= DERIVED_LIMIT or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
         return sim.value_limit
     skip = {id(args[0])} if overwrites(func) and args else set()
-    skip.update(id(t) for t in tree_leaves(_out_arguments(func, kwargs)))
+    skip.update(id(t) for t in tensors_of(_out_arguments(func, kwargs)))
     simulated = False
     for t in inputs:
         if id(t) in skip:
