@@ -34,8 +34,14 @@ p.add_argument("--microbatches", type=int, default=None, help="pp: default one p
 p.add_argument("--checkpoint", action="store_true",
                help="checkpoint_wrapper (non-reentrant) around each block: after the TP plan, before DDP or "
                     "fully_shard (torchtitan's order); a pipeline stage's blocks after build_stage")
+p.add_argument("--compile", action="store_true",
+               help="ddp: torch.compile(DistributedDataParallel(model)), as users write it (nanoGPT)")
+p.add_argument("--history", default=None,
+               help="record the allocation history from the start and dump it here (.rankR added per rank)")
 p.add_argument("--tracker", action="store_true")
 a = p.parse_args()
+if a.history:
+    torch.cuda.memory._record_memory_history("all", context=None)
 
 
 def wrap_blocks(blocks):
@@ -66,6 +72,8 @@ if a.mode == "ddp":
     if a.checkpoint:
         wrap_blocks(model.blocks)
     model = torch.nn.parallel.DistributedDataParallel(model, device_ids=None if a.tracker else [dev.index])
+    if a.compile:
+        model = torch.compile(model)
 elif a.mode == "pp":
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
     with torch.device("meta"):
@@ -155,4 +163,6 @@ else:
     step()
     print("peak", torch.cuda.max_memory_allocated())
     print("reserved", torch.cuda.max_memory_reserved())
+    if a.history:
+        torch.cuda.memory._dump_snapshot(a.history)
 dist.destroy_process_group()

@@ -281,13 +281,16 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 
 def check_compile(compile: str | None, parallel: Any) -> None:  # noqa: A002
-    """`compile` is a mode, and not with a multi-GPU layout."""
+    """`compile` is a mode, and with a multi-GPU layout one `Layout.check_compile` models (DDP)."""
     if compile is None:
         return
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile={compile!r}: not a torch.compile mode ({', '.join(COMPILE_MODES)})")
     if parallel is not None:
-        raise ValueError("compile with a multi-GPU layout (ddp, fsdp, tp, pp) is not modelled")
+        layout = getattr(parallel, "layout", None)
+        if layout is None:
+            raise ValueError("compile with a multi-GPU layout: parallel must be a vram.estimate.layout.RankPlan")
+        layout.check_compile(compile)
 
 
 def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any, Any], None] | None = None,

@@ -105,6 +105,23 @@ class Layout:
             raise ValueError("a multi-GPU layout needs at least 2 GPUs (without --ddp/--fsdp/--tp/--pp, "
                              "vram estimate models one GPU)")
 
+    def check_compile(self, mode: str | None) -> None:
+        """One-line errors for the layouts ``--compile`` does not model: every one but ``--ddp``
+        alone, whose ``torch.compile(DistributedDataParallel(model))`` Dynamo's DDPOptimizer
+        splits at the buckets (``torch/_dynamo/backends/distributed.py``), each piece compiled
+        as ``vram run`` compiles it. FSDP2 and tensor parallel hand the compiled graphs DTensor
+        parameters, which ``vram run`` runs eagerly; a pipeline stage's ``submod`` is compiled by
+        neither ``pipeline()`` nor its schedules."""
+        if mode is None:
+            return
+        if self.fsdp > 1 or self.tp > 1:
+            flags = " and ".join(f for f, n in (("--fsdp", self.fsdp), ("--tp", self.tp)) if n > 1)
+            raise ValueError(f"--compile with {flags} is not modelled: the compiled graphs take DTensor "
+                             "parameters, which vram runs eagerly (only --ddp is modelled compiled)")
+        if self.pp > 1:
+            raise ValueError("--compile with --pp is not modelled: a pipeline stage's module is not "
+                             "compiled by pipeline() or its schedules (only --ddp is modelled compiled)")
+
     def coords(self, rank: int) -> dict[str, int]:
         """Row-major coordinates of `rank` on the mesh (as ``init_device_mesh`` lays ranks out)."""
         out: dict[str, int] = {}

@@ -1,0 +1,111 @@
+"""``vram estimate --compile`` with a multi-GPU layout: ``--ddp`` is estimated compiled, as
+``torch.compile(DistributedDataParallel(model))`` runs under ``vram run --nproc-per-node``
+(Dynamo's DDPOptimizer splits the graph at the buckets, each piece compiled by vram's backend);
+the layouts whose compiled graphs ``vram run`` would run eagerly (FSDP2, tensor parallel) or that
+compile nothing (a pipeline's stages) are refused with one line each."""
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed.fsdp")
+
+import vram  # noqa: E402
+from test_fsdp import ENV, PROGRAMS  # noqa: E402 - after the skip: the same environment and programs
+from vram.estimate.layout import Layout  # noqa: E402
+
+INPUT = ["--input", "64x256"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fsdp", "2"], "--compile with --fsdp is not modelled: the compiled graphs take DTensor parameters"),
+    (["--ddp", "2", "--fsdp", "2"], "--compile with --fsdp is not modelled"),
+    (["--tp", "2", "--tp-plan", "tiny_stack:tp_plan"], "--compile with --tp is not modelled"),
+    (["--fsdp", "2", "--tp", "2", "--tp-plan", "tiny_stack:tp_plan"], "--compile with --fsdp and --tp is not modelled"),
+    (["--pp", "2"], "--compile with --pp is not modelled: a pipeline stage's module is not compiled"),
+], ids=["fsdp", "hsdp", "tp", "fsdp-tp", "pp"])
+def test_compile_with_a_layout_it_does_not_model_is_one_line(flags: list[str], message: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before any model is imported or rank launched (the CLI's own entry, in this process)."""
+    from vram.cli.commands import main
+
+    assert main(["estimate", "tiny_stack:stack", *INPUT, *flags, "--compile"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_compile_with_a_layout_it_does_not_model_is_refused_from_python() -> None:
+    with pytest.raises(ValueError, match="--compile with --fsdp is not modelled"):
+        vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout={"fsdp": 2}, compile="default")
+    with pytest.raises(ValueError, match="--compile with --pp is not modelled"):
+        Layout(pp=2).check_compile("default")
+    Layout(ddp=2).check_compile("default")   # modelled
+    Layout(fsdp=2).check_compile(None)       # not compiled: nothing to refuse
+
+
+def _events(trace: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
+    return [(e["action"], e["addr"], e["size"]) for e in trace]
+
+
+@pytest.mark.slow  # compiles in the compile process: two to three minutes with the run by hand
+def test_ddp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``vram.estimate("tiny_stack:stack", 64 x 256, layout={"ddp": 2}, compile="default")`` makes,
+    on its simulated rank, the allocations and frees, in order, at the addresses and of the sizes,
+    that rank 0 of ``torch.compile(DistributedDataParallel(model))`` written by hand
+    (`distributed_programs/estimate_equivalent.py ddp --compile`) makes under ``vram run
+    --nproc-per-node 2``, and rank 1 by hand makes the same requests (the replica it stands for).
+    Dynamo's DDPOptimizer split the graph at DDP's buckets (``_dynamo/backends/distributed.py``:
+    parameters counted in reverse graph order, the first bucket closes once it holds
+    ``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB: the last block's down projection, 1,049,600 bytes; the
+    rest, 7,359,488 bytes, is under ``bucket_cap_mb``'s 25 MiB): two compiled pieces."""
+    if find_spec("triton") is None:
+        pytest.skip("needs triton (the 'compile' extra)")
+    from vram.estimate import distributed
+
+    real_launch = distributed.launch
+
+    def recorded_ranks(spec: Any, *args: Any, command: list[str], **kwargs: Any) -> int:
+        assert command[:2] == ["-m", "vram.estimate.ranks"]
+        return real_launch(spec, *args, command=[str(PROGRAMS / "estimate_rank_recorded.py"), *command[2:]], **kwargs)
+
+    monkeypatch.setattr(distributed, "launch", recorded_ranks)
+    monkeypatch.chdir(PROGRAMS)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(Path(vram.__file__).resolve().parents[1]))   # the ranks run this vram
+    monkeypatch.setenv("ESTIMATE_EVENTS", str(tmp_path / "estimate"))
+    got = vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout={"ddp": 2}, compile="default")
+    assert got.stands_for == {0: [0, 1]}
+    est = got.results[0]
+    assert est.settings["compile"] == "default"
+    recorded = json.loads((tmp_path / "estimate.rank0.json").read_text())
+    down = (256 * 1024 + 256) * 4   # the last block's down projection: weight and bias, float32
+    assert recorded["ddp_buckets"] == [[4 * 525568 * 4 - down, down]]
+    done = subprocess.run([sys.executable, "-m", "vram", "run", "--nproc-per-node", "2", "estimate_equivalent.py",
+                           "ddp", "--world", "2", "--compile", "--history", str(tmp_path / "by_hand.pickle")],
+                          capture_output=True, text=True, env=ENV, timeout=1800, cwd=str(PROGRAMS), check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    peaks = {(int(r), k): int(v) for r, k, v in re.findall(r"^\[rank(\d+)\]:(peak|reserved) (\d+)$", done.stdout, re.M)}
+    assert peaks[0, "peak"] == peaks[1, "peak"] == est.peak_allocated
+    assert peaks[0, "reserved"] == peaks[1, "reserved"] == est.peak_reserved
+    hand = {}
+    for r in (0, 1):
+        with open(tmp_path / f"by_hand.rank{r}.pickle", "rb") as f:
+            hand[r] = _events(pickle.load(f)["device_traces"][r])  # noqa: S301 - written by the run above
+    estimated = [tuple(e) for e in recorded["events"]]
+    # estimate ends by dropping the last batch; the script's snapshot is taken before its batch dies
+    assert estimated[:len(hand[0])] == hand[0]
+    batch = 64 * 256 * 4
+    assert [(a, size) for a, _, size in estimated[len(hand[0]):]] == [("free_requested", batch),
+                                                                      ("free_completed", batch)]
+    assert [(a, size) for a, _, size in hand[1]] == [(a, size) for a, _, size in hand[0]]
