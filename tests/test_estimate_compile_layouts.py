@@ -27,12 +27,12 @@ INPUT = ["--input", "64x256"]
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--fsdp", "2"], "--compile with --fsdp is not modelled: the compiled graphs take DTensor parameters"),
-    (["--ddp", "2", "--fsdp", "2"], "--compile with --fsdp is not modelled"),
-    (["--tp", "2", "--tp-plan", "tiny_stack:tp_plan"], "--compile with --tp is not modelled"),
-    (["--fsdp", "2", "--tp", "2", "--tp-plan", "tiny_stack:tp_plan"], "--compile with --fsdp and --tp is not modelled"),
-    (["--pp", "2"], "--compile with --pp is not modelled: a pipeline stage's module is not compiled"),
-], ids=["fsdp", "hsdp", "tp", "fsdp-tp", "pp"])
+    (["--tp", "2", "--tp-plan", "tiny_stack:tp_plan"], "--compile with --tp is not modelled: Dynamo's trace of "
+                                                       "tensor parallel's DTensors fails"),
+    (["--fsdp", "2", "--tp", "2", "--tp-plan", "tiny_stack:tp_plan"], "--compile with --tp is not modelled"),
+    (["--pp", "2"], "--compile with --pp is not modelled: estimate does not compile pipeline stages"),
+    (["--ddp", "2", "--fsdp", "2"], "--compile with --ddp and --fsdp (HSDP) is not modelled"),
+], ids=["tp", "fsdp-tp", "pp", "hsdp"])
 def test_compile_with_a_layout_it_does_not_model_is_one_line(flags: list[str], message: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """Refused before any model is imported or rank launched (the CLI's own entry, in this process)."""
@@ -44,30 +44,26 @@ def test_compile_with_a_layout_it_does_not_model_is_one_line(flags: list[str], m
 
 
 def test_compile_with_a_layout_it_does_not_model_is_refused_from_python() -> None:
-    with pytest.raises(ValueError, match="--compile with --fsdp is not modelled"):
-        vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout={"fsdp": 2}, compile="default")
     with pytest.raises(ValueError, match="--compile with --pp is not modelled"):
-        Layout(pp=2).check_compile("default")
-    Layout(ddp=2).check_compile("default")   # modelled
-    Layout(fsdp=2).check_compile(None)       # not compiled: nothing to refuse
+        vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout={"pp": 2}, compile="default")
+    with pytest.raises(ValueError, match="--compile with --tp is not modelled"):
+        Layout(tp=2, tp_plan="tiny_stack:tp_plan").check_compile("default")
+    Layout(ddp=2).check_compile("default")    # modelled
+    Layout(fsdp=2).check_compile("default")   # modelled
+    Layout(pp=2).check_compile(None)          # not compiled: nothing to refuse
 
 
 def _events(trace: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
     return [(e["action"], e["addr"], e["size"]) for e in trace]
 
 
-@pytest.mark.slow  # compiles in the compile process: two to three minutes with the run by hand
-def test_ddp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """``vram.estimate("tiny_stack:stack", 64 x 256, layout={"ddp": 2}, compile="default")`` makes,
-    on its simulated rank, the allocations and frees, in order, at the addresses and of the sizes,
-    that rank 0 of ``torch.compile(DistributedDataParallel(model))`` written by hand
-    (`distributed_programs/estimate_equivalent.py ddp --compile`) makes under ``vram run
-    --nproc-per-node 2``, and rank 1 by hand makes the same requests (the replica it stands for).
-    Dynamo's DDPOptimizer split the graph at DDP's buckets (``_dynamo/backends/distributed.py``:
-    parameters counted in reverse graph order, the first bucket closes once it holds
-    ``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB: the last block's down projection, 1,049,600 bytes; the
-    rest, 7,359,488 bytes, is under ``bucket_cap_mb``'s 25 MiB): two compiled pieces."""
+def _estimate_and_by_hand(mode: str, layout: dict[str, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                          capsys: pytest.CaptureFixture[str]) -> tuple[Any, dict[str, Any], dict[int, list[Any]]]:
+    """``vram.estimate("tiny_stack:stack", 64 x 256, layout=, compile="default")``, its simulated
+    rank's recording (`distributed_programs/estimate_rank_recorded.py`), and each rank's allocation
+    history of the loop by hand (`estimate_equivalent.py MODE --compile`: ``torch.compile`` of the
+    wrapped model) under ``vram run --nproc-per-node 2``, whose peaks are the estimate's. Neither
+    runs a graph eagerly (``vram run`` says so when it does; the ranks' notices are forwarded)."""
     if find_spec("triton") is None:
         pytest.skip("needs triton (the 'compile' extra)")
     from vram.estimate import distributed
@@ -84,17 +80,17 @@ def test_ddp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PYTHONPATH", str(Path(vram.__file__).resolve().parents[1]))   # the ranks run this vram
     monkeypatch.setenv("ESTIMATE_EVENTS", str(tmp_path / "estimate"))
-    got = vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout={"ddp": 2}, compile="default")
+    got = vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout=layout, compile="default")
+    assert "eagerly" not in capsys.readouterr().err
     assert got.stands_for == {0: [0, 1]}
     est = got.results[0]
     assert est.settings["compile"] == "default"
     recorded = json.loads((tmp_path / "estimate.rank0.json").read_text())
-    down = (256 * 1024 + 256) * 4   # the last block's down projection: weight and bias, float32
-    assert recorded["ddp_buckets"] == [[4 * 525568 * 4 - down, down]]
     done = subprocess.run([sys.executable, "-m", "vram", "run", "--nproc-per-node", "2", "estimate_equivalent.py",
-                           "ddp", "--world", "2", "--compile", "--history", str(tmp_path / "by_hand.pickle")],
+                           mode, "--world", "2", "--compile", "--history", str(tmp_path / "by_hand.pickle")],
                           capture_output=True, text=True, env=ENV, timeout=1800, cwd=str(PROGRAMS), check=False)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "eagerly" not in done.stderr
     peaks = {(int(r), k): int(v) for r, k, v in re.findall(r"^\[rank(\d+)\]:(peak|reserved) (\d+)$", done.stdout, re.M)}
     assert peaks[0, "peak"] == peaks[1, "peak"] == est.peak_allocated
     assert peaks[0, "reserved"] == peaks[1, "reserved"] == est.peak_reserved
@@ -102,6 +98,13 @@ def test_ddp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path:
     for r in (0, 1):
         with open(tmp_path / f"by_hand.rank{r}.pickle", "rb") as f:
             hand[r] = _events(pickle.load(f)["device_traces"][r])  # noqa: S301 - written by the run above
+    return est, recorded, hand
+
+
+def _same_allocations(recorded: dict[str, Any], hand: dict[int, list[Any]]) -> None:
+    """The simulated rank's allocations and frees are, in order, at the addresses and of the sizes,
+    rank 0's by hand, and rank 1 by hand makes the same requests (the replica or even shard the
+    simulated rank stands for)."""
     estimated = [tuple(e) for e in recorded["events"]]
     # estimate ends by dropping the last batch; the script's snapshot is taken before its batch dies
     assert estimated[:len(hand[0])] == hand[0]
@@ -109,3 +112,43 @@ def test_ddp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path:
     assert [(a, size) for a, _, size in estimated[len(hand[0]):]] == [("free_requested", batch),
                                                                       ("free_completed", batch)]
     assert [(a, size) for a, _, size in hand[1]] == [(a, size) for a, _, size in hand[0]]
+
+
+@pytest.mark.slow  # compiles in the compile process: two to three minutes with the run by hand
+def test_ddp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """``layout={"ddp": 2}``: ``torch.compile(DistributedDataParallel(model))``, as users write it
+    (nanoGPT's train.py). Dynamo's DDPOptimizer split the graph at DDP's buckets
+    (``_dynamo/backends/distributed.py``: parameters counted in reverse graph order, the first
+    bucket closes once it holds ``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB: the last block's down
+    projection, 1,049,600 bytes; the rest, 7,359,488 bytes, is under ``bucket_cap_mb``'s 25 MiB):
+    two compiled pieces, each run as ``vram run`` runs it."""
+    est, recorded, hand = _estimate_and_by_hand("ddp", {"ddp": 2}, tmp_path, monkeypatch, capsys)
+    down = (256 * 1024 + 256) * 4   # the last block's down projection: weight and bias, float32
+    assert recorded["ddp_buckets"] == [[4 * 525568 * 4 - down, down]]
+    assert est.categories["ddp_buckets"] > 0
+    _same_allocations(recorded, hand)
+
+
+@pytest.mark.slow  # compiles in the compile process: two to three minutes with the run by hand
+def test_fsdp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``layout={"fsdp": 2}``: ``torch.compile`` of the model after ``fully_shard`` of each block and
+    the root. FSDP2's hooks are ``_dynamo_disable``d (``_fsdp_state.py``), so Dynamo breaks the
+    graph at each and the compiled graphs take the unsharded parameters, plain tensors, while
+    the all-gathers and reduce-scatters run as without compile."""
+    est, recorded, hand = _estimate_and_by_hand("fsdp", {"fsdp": 2}, tmp_path, monkeypatch, capsys)
+    assert recorded["ddp_buckets"] == []
+    assert est.categories["parameters"] == est.categories["all_gather_buffers"] == 4 * 525568 * 4 // 2
+    _same_allocations(recorded, hand)
+
+
+def test_what_the_ranks_say_they_do_not_model_is_said_once() -> None:
+    """A layout's ranks run in processes of their own, their stderr kept from the user: the
+    ``vram run:`` notices among it (a compiled graph run eagerly ...) are said, once each."""
+    from vram.estimate.distributed import rank_notices
+
+    eager = "vram run: a compiled graph is not modelled (tensor subclasses): it runs eagerly"
+    err = "\n".join([f"[rank0]:{eager}", "[rank0]:  warnings.warn(", f"[rank1]:{eager}",
+                     "[rank1]:vram run: options= is not modelled", "vram run: from the launcher itself"])
+    assert rank_notices(err) == [eager, "vram run: options= is not modelled"]

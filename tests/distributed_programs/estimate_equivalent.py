@@ -108,6 +108,8 @@ else:
             fully_shard(block, mesh=dp)
         fully_shard(model, mesh=dp)
     model.to_empty(device=dev)
+    if a.compile:
+        model = torch.compile(model)
 # Adam's default on CUDA is its foreach implementation (torch/optim/optimizer.py
 # _default_to_fused_or_foreach: every parameter a Tensor, Parameter or DTensor on a foreach device);
 # on the CPU it is the per-tensor loop, whose temporaries differ, so the tracker run asks for foreach

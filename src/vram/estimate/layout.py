@@ -106,21 +106,26 @@ class Layout:
                              "vram estimate models one GPU)")
 
     def check_compile(self, mode: str | None) -> None:
-        """One-line errors for the layouts ``--compile`` does not model: every one but ``--ddp``
-        alone, whose ``torch.compile(DistributedDataParallel(model))`` Dynamo's DDPOptimizer
-        splits at the buckets (``torch/_dynamo/backends/distributed.py``), each piece compiled
-        as ``vram run`` compiles it. FSDP2 and tensor parallel hand the compiled graphs DTensor
-        parameters, which ``vram run`` runs eagerly; a pipeline stage's ``submod`` is compiled by
-        neither ``pipeline()`` nor its schedules."""
+        """One-line errors for the layouts ``--compile`` does not model. Modelled: ``--ddp``
+        (``torch.compile(DistributedDataParallel(model))``: Dynamo's DDPOptimizer splits the
+        graph at the buckets, ``torch/_dynamo/backends/distributed.py``) and ``--fsdp``
+        (``torch.compile`` of the ``fully_shard`` model: FSDP2's hooks are ``_dynamo_disable``d,
+        so the graphs between them take the unsharded, plain parameters), each graph compiled as
+        ``vram run`` compiles it. Tensor parallel's plan makes DTensors inside the traced code
+        (``DTensor.from_local`` in ``ColwiseParallel``'s input hook), whose fake trace fails on
+        the simulated GPU (``vram run`` fails the same program); a pipeline stage is not compiled;
+        HSDP is not yet checked against ``vram run``."""
         if mode is None:
             return
-        if self.fsdp > 1 or self.tp > 1:
-            flags = " and ".join(f for f, n in (("--fsdp", self.fsdp), ("--tp", self.tp)) if n > 1)
-            raise ValueError(f"--compile with {flags} is not modelled: the compiled graphs take DTensor "
-                             "parameters, which vram runs eagerly (only --ddp is modelled compiled)")
+        if self.tp > 1:
+            raise ValueError("--compile with --tp is not modelled: Dynamo's trace of tensor parallel's DTensors "
+                             "fails on the simulated GPU, as under vram run (--ddp and --fsdp are modelled compiled)")
         if self.pp > 1:
-            raise ValueError("--compile with --pp is not modelled: a pipeline stage's module is not "
-                             "compiled by pipeline() or its schedules (only --ddp is modelled compiled)")
+            raise ValueError("--compile with --pp is not modelled: estimate does not compile pipeline "
+                             "stages (--ddp and --fsdp are modelled compiled)")
+        if self.ddp > 1 and self.fsdp > 1:
+            raise ValueError("--compile with --ddp and --fsdp (HSDP) is not modelled: not yet checked against "
+                             "vram run (--ddp and --fsdp alone are modelled compiled)")
 
     def coords(self, rank: int) -> dict[str, int]:
         """Row-major coordinates of `rank` on the mesh (as ``init_device_mesh`` lays ranks out)."""
