@@ -34,8 +34,9 @@ p.add_argument("--microbatches", type=int, default=None, help="pp: default one p
 p.add_argument("--checkpoint", action="store_true",
                help="checkpoint_wrapper (non-reentrant) around each block: after the TP plan, before DDP or "
                     "fully_shard (torchtitan's order); a pipeline stage's blocks after build_stage")
-p.add_argument("--compile", action="store_true",
-               help="ddp: torch.compile(DistributedDataParallel(model)), as users write it (nanoGPT)")
+p.add_argument("--compile", nargs="?", const="outer", choices=["outer", "inner"], default=None,
+               help="torch.compile the wrapped model (ddp: torch.compile(DistributedDataParallel(model)));"
+                    " ddp 'inner': DistributedDataParallel(torch.compile(model)), nanoGPT's train.py order")
 p.add_argument("--history", default=None,
                help="record the allocation history from the start and dump it here (.rankR added per rank)")
 p.add_argument("--tracker", action="store_true")
@@ -71,8 +72,10 @@ if a.mode == "ddp":
     model = stack().to(dev)
     if a.checkpoint:
         wrap_blocks(model.blocks)
+    if a.compile == "inner":
+        model = torch.compile(model)
     model = torch.nn.parallel.DistributedDataParallel(model, device_ids=None if a.tracker else [dev.index])
-    if a.compile:
+    if a.compile == "outer":
         model = torch.compile(model)
 elif a.mode == "pp":
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
