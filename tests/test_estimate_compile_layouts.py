@@ -31,8 +31,7 @@ INPUT = ["--input", "64x256"]
                                                        "tensor parallel's DTensors fails"),
     (["--fsdp", "2", "--tp", "2", "--tp-plan", "tiny_stack:tp_plan"], "--compile with --tp is not modelled"),
     (["--pp", "2"], "--compile with --pp is not modelled: estimate does not compile pipeline stages"),
-    (["--ddp", "2", "--fsdp", "2"], "--compile with --ddp and --fsdp (HSDP) is not modelled"),
-], ids=["tp", "fsdp-tp", "pp", "hsdp"])
+], ids=["tp", "fsdp-tp", "pp"])
 def test_compile_with_a_layout_it_does_not_model_is_one_line(flags: list[str], message: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """Refused before any model is imported or rank launched (the CLI's own entry, in this process)."""
@@ -50,6 +49,7 @@ def test_compile_with_a_layout_it_does_not_model_is_refused_from_python() -> Non
         Layout(tp=2, tp_plan="tiny_stack:tp_plan").check_compile("default")
     Layout(ddp=2).check_compile("default")    # modelled
     Layout(fsdp=2).check_compile("default")   # modelled
+    Layout(ddp=2, fsdp=2).check_compile("default")   # modelled: HSDP
     Layout(pp=2).check_compile(None)          # not compiled: nothing to refuse
 
 
@@ -62,8 +62,9 @@ def _estimate_and_by_hand(mode: str, layout: dict[str, int], tmp_path: Path, mon
     """``vram.estimate("tiny_stack:stack", 64 x 256, layout=, compile="default")``, its simulated
     rank's recording (`distributed_programs/estimate_rank_recorded.py`), and each rank's allocation
     history of the loop by hand (`estimate_equivalent.py MODE --compile`: ``torch.compile`` of the
-    wrapped model) under ``vram run --nproc-per-node 2``, whose peaks are the estimate's. Neither
-    runs a graph eagerly (``vram run`` says so when it does; the ranks' notices are forwarded)."""
+    wrapped model) under ``vram run --nproc-per-node``, whose peaks on every rank are the
+    estimate's. Neither runs a graph eagerly (``vram run`` says so when it does; the estimate
+    says what its ranks say)."""
     if find_spec("triton") is None:
         pytest.skip("needs triton (the 'compile' extra)")
     from vram.estimate import distributed
@@ -82,20 +83,22 @@ def _estimate_and_by_hand(mode: str, layout: dict[str, int], tmp_path: Path, mon
     monkeypatch.setenv("ESTIMATE_EVENTS", str(tmp_path / "estimate"))
     got = vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout=layout, compile="default")
     assert "eagerly" not in capsys.readouterr().err
-    assert got.stands_for == {0: [0, 1]}
+    world = Layout(**layout).world_size
+    assert got.stands_for == {0: list(range(world))}
     est = got.results[0]
     assert est.settings["compile"] == "default"
     recorded = json.loads((tmp_path / "estimate.rank0.json").read_text())
-    done = subprocess.run([sys.executable, "-m", "vram", "run", "--nproc-per-node", "2", "estimate_equivalent.py",
-                           mode, "--world", "2", "--compile", "--history", str(tmp_path / "by_hand.pickle")],
+    done = subprocess.run([sys.executable, "-m", "vram", "run", "--nproc-per-node", str(world),
+                           "estimate_equivalent.py", mode, "--world", str(world), "--compile",
+                           "--history", str(tmp_path / "by_hand.pickle")],
                           capture_output=True, text=True, env=ENV, timeout=1800, cwd=str(PROGRAMS), check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "eagerly" not in done.stderr
     peaks = {(int(r), k): int(v) for r, k, v in re.findall(r"^\[rank(\d+)\]:(peak|reserved) (\d+)$", done.stdout, re.M)}
-    assert peaks[0, "peak"] == peaks[1, "peak"] == est.peak_allocated
-    assert peaks[0, "reserved"] == peaks[1, "reserved"] == est.peak_reserved
+    assert {peaks[r, "peak"] for r in range(world)} == {est.peak_allocated}
+    assert {peaks[r, "reserved"] for r in range(world)} == {est.peak_reserved}
     hand = {}
-    for r in (0, 1):
+    for r in range(world):
         with open(tmp_path / f"by_hand.rank{r}.pickle", "rb") as f:
             hand[r] = _events(pickle.load(f)["device_traces"][r])  # noqa: S301 - written by the run above
     return est, recorded, hand
@@ -103,15 +106,16 @@ def _estimate_and_by_hand(mode: str, layout: dict[str, int], tmp_path: Path, mon
 
 def _same_allocations(recorded: dict[str, Any], hand: dict[int, list[Any]]) -> None:
     """The simulated rank's allocations and frees are, in order, at the addresses and of the sizes,
-    rank 0's by hand, and rank 1 by hand makes the same requests (the replica or even shard the
-    simulated rank stands for)."""
+    rank 0's by hand, and every other rank by hand makes the same requests (the replicas and even
+    shards the simulated rank stands for)."""
     estimated = [tuple(e) for e in recorded["events"]]
     # estimate ends by dropping the last batch; the script's snapshot is taken before its batch dies
     assert estimated[:len(hand[0])] == hand[0]
     batch = 64 * 256 * 4
     assert [(a, size) for a, _, size in estimated[len(hand[0]):]] == [("free_requested", batch),
                                                                       ("free_completed", batch)]
-    assert [(a, size) for a, _, size in hand[1]] == [(a, size) for a, _, size in hand[0]]
+    for r in hand:
+        assert [(a, size) for a, _, size in hand[r]] == [(a, size) for a, _, size in hand[0]]
 
 
 @pytest.mark.slow  # compiles in the compile process: two to three minutes with the run by hand
@@ -142,6 +146,17 @@ def test_fsdp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path
     assert est.categories["parameters"] == est.categories["all_gather_buffers"] == 4 * 525568 * 4 // 2
     _same_allocations(recorded, hand)
 
+
+
+@pytest.mark.slow  # compiles in the compile process, then four ranks by hand: about two minutes
+def test_hsdp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``layout={"ddp": 2, "fsdp": 2}``: ``fully_shard`` over the 2-D (replicate, shard) mesh, then
+    ``torch.compile``; the graphs are the FSDP ones (unsharded plain parameters), the collectives
+    HSDP's. One simulated rank stands for the four."""
+    est, recorded, hand = _estimate_and_by_hand("hsdp", {"ddp": 2, "fsdp": 2}, tmp_path, monkeypatch, capsys)
+    assert est.categories["parameters"] == 4 * 525568 * 4 // 2
+    _same_allocations(recorded, hand)
 
 def test_what_the_ranks_say_they_do_not_model_is_said_once() -> None:
     """A layout's ranks run in processes of their own, their stderr kept from the user: the

@@ -106,15 +106,15 @@ class Layout:
                              "vram estimate models one GPU)")
 
     def check_compile(self, mode: str | None) -> None:
-        """One-line errors for the layouts ``--compile`` does not model. Modelled: ``--ddp``
-        (``torch.compile(DistributedDataParallel(model))``: Dynamo's DDPOptimizer splits the
-        graph at the buckets, ``torch/_dynamo/backends/distributed.py``) and ``--fsdp``
+        """One-line errors for the layouts ``--compile`` does not model. Modelled, each graph
+        compiled as ``vram run`` compiles it: ``--ddp`` (``torch.compile(DistributedDataParallel(
+        model))``: Dynamo's DDPOptimizer splits the graph at the buckets,
+        ``torch/_dynamo/backends/distributed.py``) and ``--fsdp``, with ``--ddp`` too (HSDP)
         (``torch.compile`` of the ``fully_shard`` model: FSDP2's hooks are ``_dynamo_disable``d,
-        so the graphs between them take the unsharded, plain parameters), each graph compiled as
-        ``vram run`` compiles it. Tensor parallel's plan makes DTensors inside the traced code
-        (``DTensor.from_local`` in ``ColwiseParallel``'s input hook), whose fake trace fails on
-        the simulated GPU (``vram run`` fails the same program); a pipeline stage is not compiled;
-        HSDP is not yet checked against ``vram run``."""
+        so the graphs between them take the unsharded, plain parameters). Tensor parallel's plan
+        makes DTensors inside the traced code (``DTensor.from_local`` in ``ColwiseParallel``'s
+        input hook), whose fake trace fails on the simulated GPU (``vram run`` fails the same
+        program); a pipeline stage is not compiled."""
         if mode is None:
             return
         if self.tp > 1:
@@ -123,9 +123,6 @@ class Layout:
         if self.pp > 1:
             raise ValueError("--compile with --pp is not modelled: estimate does not compile pipeline "
                              "stages (--ddp and --fsdp are modelled compiled)")
-        if self.ddp > 1 and self.fsdp > 1:
-            raise ValueError("--compile with --ddp and --fsdp (HSDP) is not modelled: not yet checked against "
-                             "vram run (--ddp and --fsdp alone are modelled compiled)")
 
     def coords(self, rank: int) -> dict[str, int]:
         """Row-major coordinates of `rank` on the mesh (as ``init_device_mesh`` lays ranks out)."""
