@@ -31,7 +31,9 @@ INPUT = ["--input", "64x256"]
                                                        "tensor parallel's DTensors fails"),
     (["--fsdp", "2", "--tp", "2", "--tp-plan", "tiny_stack:tp_plan"], "--compile with --tp is not modelled"),
     (["--pp", "2"], "--compile with --pp is not modelled: estimate does not compile pipeline stages"),
-], ids=["tp", "fsdp-tp", "pp"])
+    (["--fsdp", "2", "--checkpoint"], "--compile with --checkpoint and --fsdp is not modelled"),
+    (["--ddp", "2", "--fsdp", "2", "--checkpoint"], "--compile with --checkpoint and --fsdp is not modelled"),
+], ids=["tp", "fsdp-tp", "pp", "fsdp-checkpoint", "hsdp-checkpoint"])
 def test_compile_with_a_layout_it_does_not_model_is_one_line(flags: list[str], message: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """Refused before any model is imported or rank launched (the CLI's own entry, in this process)."""
@@ -51,6 +53,10 @@ def test_compile_with_a_layout_it_does_not_model_is_refused_from_python() -> Non
     Layout(fsdp=2).check_compile("default")   # modelled
     Layout(ddp=2, fsdp=2).check_compile("default")   # modelled: HSDP
     Layout(pp=2).check_compile(None)          # not compiled: nothing to refuse
+    Layout(ddp=2).check_compile("default", checkpoint=True)   # modelled
+    with pytest.raises(ValueError, match="--compile with --checkpoint and --fsdp is not modelled"):
+        vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout={"fsdp": 2}, compile="default",
+                      checkpoint=True)
 
 
 def _events(trace: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
@@ -58,11 +64,13 @@ def _events(trace: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
 
 
 def _estimate_and_by_hand(mode: str, layout: dict[str, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                          capsys: pytest.CaptureFixture[str]) -> tuple[Any, dict[str, Any], dict[int, list[Any]]]:
+                          capsys: pytest.CaptureFixture[str],
+                          checkpoint: bool = False) -> tuple[Any, dict[str, Any], dict[int, list[Any]]]:
     """``vram.estimate("tiny_stack:stack", 64 x 256, layout=, compile="default")``, its simulated
     rank's recording (`distributed_programs/estimate_rank_recorded.py`), and each rank's allocation
     history of the loop by hand (`estimate_equivalent.py MODE --compile`: ``torch.compile`` of the
-    wrapped model) under ``vram run --nproc-per-node``, whose peaks on every rank are the
+    wrapped model; `checkpoint`: ``checkpoint_wrapper`` around each block before the wrapping)
+    under ``vram run --nproc-per-node``, whose peaks on every rank are the
     estimate's. Neither runs a graph eagerly (``vram run`` says so when it does; the estimate
     says what its ranks say)."""
     if find_spec("triton") is None:
@@ -81,7 +89,8 @@ def _estimate_and_by_hand(mode: str, layout: dict[str, int], tmp_path: Path, mon
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PYTHONPATH", str(Path(vram.__file__).resolve().parents[1]))   # the ranks run this vram
     monkeypatch.setenv("ESTIMATE_EVENTS", str(tmp_path / "estimate"))
-    got = vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout=layout, compile="default")
+    got = vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout=layout, compile="default",
+                        checkpoint=checkpoint)
     assert "eagerly" not in capsys.readouterr().err
     world = Layout(**layout).world_size
     assert got.stands_for == {0: list(range(world))}
@@ -90,7 +99,7 @@ def _estimate_and_by_hand(mode: str, layout: dict[str, int], tmp_path: Path, mon
     recorded = json.loads((tmp_path / "estimate.rank0.json").read_text())
     done = subprocess.run([sys.executable, "-m", "vram", "run", "--nproc-per-node", str(world),
                            "estimate_equivalent.py", mode, "--world", str(world), "--compile",
-                           "--history", str(tmp_path / "by_hand.pickle")],
+                           "--history", str(tmp_path / "by_hand.pickle"), *(["--checkpoint"] if checkpoint else [])],
                           capture_output=True, text=True, env=ENV, timeout=1800, cwd=str(PROGRAMS), check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "eagerly" not in done.stderr
@@ -119,17 +128,22 @@ def _same_allocations(recorded: dict[str, Any], hand: dict[int, list[Any]]) -> N
 
 
 @pytest.mark.slow  # compiles in the compile process: two to three minutes with the run by hand
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpoint"])
 def test_ddp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+                                                                       capsys: pytest.CaptureFixture[str],
+                                                                       checkpoint: bool) -> None:
     """``layout={"ddp": 2}``: ``torch.compile(DistributedDataParallel(model))``, as users write it
     (nanoGPT's train.py). Dynamo's DDPOptimizer split the graph at DDP's buckets
     (``_dynamo/backends/distributed.py``: parameters counted in reverse graph order, the first
     bucket closes once it holds ``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB: the last block's down
     projection, 1,049,600 bytes; the rest, 7,359,488 bytes, is under ``bucket_cap_mb``'s 25 MiB):
-    two compiled pieces, each run as ``vram run`` runs it."""
-    est, recorded, hand = _estimate_and_by_hand("ddp", {"ddp": 2}, tmp_path, monkeypatch, capsys)
-    down = (256 * 1024 + 256) * 4   # the last block's down projection: weight and bias, float32
-    assert recorded["ddp_buckets"] == [[4 * 525568 * 4 - down, down]]
+    two compiled pieces, each run as ``vram run`` runs it. With ``checkpoint=True`` (estimate's
+    ``partial(checkpoint, forward)`` against ``checkpoint_wrapper`` by hand) each block is one
+    ``tag_activation_checkpoint`` node taking its four parameters, so the first bucket is the
+    last block, 2,102,272 bytes."""
+    est, recorded, hand = _estimate_and_by_hand("ddp", {"ddp": 2}, tmp_path, monkeypatch, capsys, checkpoint)
+    first = 525568 * 4 if checkpoint else (256 * 1024 + 256) * 4   # the last block, or its down projection
+    assert recorded["ddp_buckets"] == [[4 * 525568 * 4 - first, first]]
     assert est.categories["ddp_buckets"] > 0
     _same_allocations(recorded, hand)
 
