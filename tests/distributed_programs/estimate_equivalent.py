@@ -34,8 +34,15 @@ p.add_argument("--microbatches", type=int, default=None, help="pp: default one p
 p.add_argument("--checkpoint", action="store_true",
                help="checkpoint_wrapper (non-reentrant) around each block: after the TP plan, before DDP or "
                     "fully_shard (torchtitan's order); a pipeline stage's blocks after build_stage")
+p.add_argument("--compile", nargs="?", const="outer", choices=["outer", "inner"], default=None,
+               help="torch.compile the wrapped model (ddp: torch.compile(DistributedDataParallel(model)));"
+                    " ddp 'inner': DistributedDataParallel(torch.compile(model)), nanoGPT's train.py order")
+p.add_argument("--history", default=None,
+               help="record the allocation history from the start and dump it here (.rankR added per rank)")
 p.add_argument("--tracker", action="store_true")
 a = p.parse_args()
+if a.history:
+    torch.cuda.memory._record_memory_history("all", context=None)
 
 
 def wrap_blocks(blocks):
@@ -65,7 +72,11 @@ if a.mode == "ddp":
     model = stack().to(dev)
     if a.checkpoint:
         wrap_blocks(model.blocks)
+    if a.compile == "inner":
+        model = torch.compile(model)
     model = torch.nn.parallel.DistributedDataParallel(model, device_ids=None if a.tracker else [dev.index])
+    if a.compile == "outer":
+        model = torch.compile(model)
 elif a.mode == "pp":
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
     with torch.device("meta"):
@@ -100,6 +111,8 @@ else:
             fully_shard(block, mesh=dp)
         fully_shard(model, mesh=dp)
     model.to_empty(device=dev)
+    if a.compile:
+        model = torch.compile(model)
 # Adam's default on CUDA is its foreach implementation (torch/optim/optimizer.py
 # _default_to_fused_or_foreach: every parameter a Tensor, Parameter or DTensor on a foreach device);
 # on the CPU it is the per-tensor loop, whose temporaries differ, so the tracker run asks for foreach
@@ -155,4 +168,6 @@ else:
     step()
     print("peak", torch.cuda.max_memory_allocated())
     print("reserved", torch.cuda.max_memory_reserved())
+    if a.history:
+        torch.cuda.memory._dump_snapshot(a.history)
 dist.destroy_process_group()

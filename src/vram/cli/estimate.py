@@ -69,8 +69,6 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.grad_accum < 1 or args.iterations < 1:
         raise ValueError("--grad-accum and --iterations must be positive")
     if (args.ddp, args.fsdp, args.tp, args.pp) != (1, 1, 1, 1) or args.tp_plan or args.microbatches is not None:
-        if args.compile:
-            raise ValueError("--compile with a multi-GPU layout (--ddp, --fsdp, --tp, --pp) is not modelled")
         return _run_layout(args, shapes, model_dtype, names)
     factory = load_factory(args.model)
 
@@ -122,6 +120,7 @@ def _run_layout(args: argparse.Namespace, shapes: list[tuple[list[int], Any]], m
     layout = Layout(ddp=args.ddp, fsdp=args.fsdp, tp=args.tp, pp=args.pp, tp_plan=args.tp_plan,
                     microbatches=args.microbatches, schedule=args.schedule)
     layout.check()
+    layout.check_compile(args.compile, args.checkpoint)
     if args.pp > 1:
         micro = layout.n_microbatches
         if shapes[0][0][0] % micro and not args.max_batch:
@@ -129,7 +128,7 @@ def _run_layout(args: argparse.Namespace, shapes: list[tuple[list[int], Any]], m
     kw: dict[str, Any] = dict(optimizer=None if args.optimizer == "none" else args.optimizer, amp=args.amp,
                               checkpoint=args.checkpoint, grad_accum=args.grad_accum,
                               iterations=args.iterations, gpu=args.gpu, context=args.context, conf=args.conf,
-                              arch=args.arch)
+                              arch=args.arch, compile=args.compile)
     inputs = [(shape, str(dt).replace("torch.", ""), *([name] if name else []))
               for (shape, dt), name in zip(shapes, names)]
     dtype = str(model_dtype).replace("torch.", "") if model_dtype is not None else None

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -97,6 +98,18 @@ def _ranges(ranks: list[int]) -> str:
     return ranges(ranks)
 
 
+def rank_notices(err: str) -> list[str]:
+    """The ``vram run:`` notices in the ranks' stderr (``[rankR]:`` lines), once each: what a
+    rank's simulation does not model (a compiled graph it runs eagerly ...), said as one GPU's
+    estimate says it."""
+    said: dict[str, None] = {}
+    for line in err.splitlines():
+        text = line.partition("]:")[2] if line.startswith("[rank") else ""
+        if text.startswith("vram run: "):
+            said[text] = None
+    return list(said)
+
+
 def _launch(layout: Layout, simulated: list[int], config: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """One launch of the simulated ranks; their answers (an ``error`` raises, one line)."""
     work = tempfile.mkdtemp(prefix="vram-estimate-")
@@ -108,6 +121,8 @@ def _launch(layout: Layout, simulated: list[int], config: dict[str, Any]) -> dic
         spec = Launch(layout.world_size, ranks=simulated)
         out, err = io.StringIO(), io.StringIO()
         launch(spec, [], "", [], out=out, err=err, command=["-m", "vram.estimate.ranks", path])
+        for notice in rank_notices(err.getvalue()):
+            print(notice, file=sys.stderr)
         answers: dict[int, dict[str, Any]] = {}
         for r in simulated:
             try:
@@ -137,6 +152,7 @@ def estimate_layout(model: str, inputs: list[tuple[Any, ...]], layout: Layout, *
     from .model import load_factory
 
     layout.check()
+    layout.check_compile(kw.get("compile"), bool(kw.get("checkpoint")))
     if layout.pp > 1 and any(len(spec) > 2 for spec in inputs):
         raise ValueError("--pp feeds the first stage its inputs in forward's order: name no --input")
     if layout.pp > 1 and (kw.get("amp") or kw.get("grad_accum", 1) != 1):

@@ -280,14 +280,17 @@ def _summarise(run: _Run, gpu: int, context: int, others: int) -> dict[str, Any]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def check_compile(compile: str | None, parallel: Any) -> None:  # noqa: A002
-    """`compile` is a mode, and not with a multi-GPU layout."""
+def check_compile(compile: str | None, parallel: Any, checkpoint: Any = False) -> None:  # noqa: A002
+    """`compile` is a mode, and with a multi-GPU layout one `Layout.check_compile` models."""
     if compile is None:
         return
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile={compile!r}: not a torch.compile mode ({', '.join(COMPILE_MODES)})")
     if parallel is not None:
-        raise ValueError("compile with a multi-GPU layout (ddp, fsdp, tp, pp) is not modelled")
+        layout = getattr(parallel, "layout", None)
+        if layout is None:
+            raise ValueError("compile with a multi-GPU layout: parallel must be a vram.estimate.layout.RankPlan")
+        layout.check_compile(compile, bool(checkpoint))
 
 
 def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any, Any], None] | None = None,
@@ -326,7 +329,7 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
     If the steps run out of memory on `gpu`, ``fits`` is False, ``oom`` says where, and every
     figure comes from the same steps repeated on an unbounded GPU: what the step would need.
     """
-    check_compile(compile, parallel)
+    check_compile(compile, parallel, checkpoint)
     spec, ctx_b = resolve_gpu(gpu, arch), parse_size(context, "context")
     gpu_b = spec.total_memory
     kw = dict(step=step, optimizer=optimizer, loss=loss, amp=amp, checkpoint=checkpoint,
@@ -378,7 +381,7 @@ def _probe(model: Any, example_inputs: Any, *, gpu: int | str, context: int | st
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     kw.update(kwargs)
-    check_compile(kw["compile"], kw["parallel"])
+    check_compile(kw["compile"], kw["parallel"], kw["checkpoint"])
     card, ctx = resolve_gpu(gpu, arch), parse_size(context, "context")
     run = _run(model, example_inputs, gpu=card, context=ctx, keep=False, record=True, **kw)  # type: ignore[arg-type]
     if run.oom is not None:

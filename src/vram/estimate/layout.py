@@ -105,6 +105,30 @@ class Layout:
             raise ValueError("a multi-GPU layout needs at least 2 GPUs (without --ddp/--fsdp/--tp/--pp, "
                              "vram estimate models one GPU)")
 
+    def check_compile(self, mode: str | None, checkpoint: bool = False) -> None:
+        """One-line errors for the layouts ``--compile`` does not model. Modelled, each graph
+        compiled as ``vram run`` compiles it: ``--ddp`` (``torch.compile(DistributedDataParallel(
+        model))``: Dynamo's DDPOptimizer splits the graph at the buckets,
+        ``torch/_dynamo/backends/distributed.py``) and ``--fsdp``, with ``--ddp`` too (HSDP)
+        (``torch.compile`` of the ``fully_shard`` model: FSDP2's hooks are ``_dynamo_disable``d,
+        so the graphs between them take the unsharded, plain parameters). Tensor parallel's plan
+        makes DTensors inside the traced code (``DTensor.from_local`` in ``ColwiseParallel``'s
+        input hook), whose fake trace fails on the simulated GPU (``vram run`` fails the same
+        program); a pipeline stage is not compiled. With `checkpoint`, only ``--ddp``: compiled
+        FSDP2 blocks checkpointed as estimate checkpoints them allocate otherwise than
+        ``checkpoint_wrapper`` blocks by hand (from the first forward on)."""
+        if mode is None:
+            return
+        if self.tp > 1:
+            raise ValueError("--compile with --tp is not modelled: Dynamo's trace of tensor parallel's DTensors "
+                             "fails on the simulated GPU, as under vram run (--ddp and --fsdp are modelled compiled)")
+        if self.pp > 1:
+            raise ValueError("--compile with --pp is not modelled: estimate does not compile pipeline "
+                             "stages (--ddp and --fsdp are modelled compiled)")
+        if checkpoint and self.fsdp > 1:
+            raise ValueError("--compile with --checkpoint and --fsdp is not modelled: compiled FSDP2 blocks "
+                             "checkpointed by estimate allocate unlike checkpoint_wrapper's (--ddp is modelled)")
+
     def coords(self, rank: int) -> dict[str, int]:
         """Row-major coordinates of `rank` on the mesh (as ``init_device_mesh`` lays ranks out)."""
         out: dict[str, int] = {}
