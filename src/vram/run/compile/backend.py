@@ -96,7 +96,11 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     static = [i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))
               if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
-    return {"graph": pickle.dumps(graph_nodes(copy.graph, copy)), "code": copy.code, "inputs": inputs,
+    try:
+        sent = pickle.dumps(graph_nodes(copy.graph, copy))
+    except (pickle.PicklingError, AttributeError, TypeError) as e:  # what the compile process cannot rebuild
+        raise ValueError(f"a graph node that cannot be sent to the compile process: {e}") from e
+    return {"graph": sent, "code": copy.code, "inputs": inputs,
             "autocast": str(autocast).removeprefix("torch.") if autocast is not None else None,
             "grad": torch.is_grad_enabled(), "major": card["major"], "minor": card["minor"], "cudagraphs": cudagraphs,
             "static_inputs": static if cudagraphs else None}
