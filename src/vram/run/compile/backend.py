@@ -91,11 +91,13 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
     graph.output(graph.graph_copy(gm.graph, {}))
     copy = torch.fx.GraphModule(gm, graph)
     retarget(copy, "vramsim")
+    lifted = lift_attributes(copy, gm)
     placeholders = gm.graph.find_nodes(op="placeholder")
-    inputs = [_input_spec(t, node.meta.get("example_value")) for t, node in zip(example_inputs, placeholders)]
+    inputs = [_input_spec(t, None) for t in lifted.values()] + [
+        _input_spec(t, node.meta.get("example_value")) for t, node in zip(example_inputs, placeholders)]
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-    static = [i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))
-              if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
+    static = list(range(len(lifted))) + [len(lifted) + i for i, node in enumerate(placeholders)
+                                         if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
     try:
         sent = pickle.dumps(graph_nodes(copy.graph, copy))
     except (pickle.PicklingError, AttributeError, TypeError) as e:  # what the compile process cannot rebuild
@@ -104,6 +106,32 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
             "autocast": str(autocast).removeprefix("torch.") if autocast is not None else None,
             "grad": torch.is_grad_enabled(), "major": card["major"], "minor": card["minor"], "cudagraphs": cudagraphs,
             "static_inputs": static if cudagraphs else None}
+
+
+def graph_attributes(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The parameters and buffers of a Dynamo graph's module, in ``aot_module_simplified``'s order."""
+    return {**dict(gm.named_parameters(remove_duplicate=False)), **dict(gm.named_buffers(remove_duplicate=False))}
+
+
+def lift_attributes(copy: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The tensors a Dynamo graph reads as module attributes (``get_attr``: what Dynamo registers
+    as parameters and buffers of the graph's module, e.g. a compiled optimizer step's parameters and
+    state) made the graph's first inputs in `copy`, as ``aot_module_simplified``
+    (torch/_functorch/aot_autograd.py) lifts them on a GPU: ``named_parameters`` then
+    ``named_buffers`` (``remove_duplicate=False``), ahead of Dynamo's inputs, static
+    (``_try_get_metadata_from_dynamo``). Returns them by name, in that order."""
+    lifted = graph_attributes(gm)
+    if not lifted:
+        return {}
+    first = next(iter(copy.graph.nodes))
+    with copy.graph.inserting_before(first):
+        placeholders = {name: copy.graph.placeholder(name.replace(".", "_")) for name in lifted}
+    for node in list(copy.graph.find_nodes(op="get_attr")):
+        if str(node.target) in placeholders:
+            node.replace_all_uses_with(placeholders[str(node.target)])
+            copy.graph.erase_node(node)
+    copy.recompile()
+    return lifted
 
 
 def make_backend(client: CompileClient, notices: Notices, trees: Any = None, sim: Any = None) -> Callable[..., Any]:
@@ -117,7 +145,7 @@ def make_backend(client: CompileClient, notices: Notices, trees: Any = None, sim
     graphs: dict[str, CompiledGraph] = {}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+        tensors = [t for t in (*example_inputs, *gm.parameters(), *gm.buffers()) if isinstance(t, torch.Tensor)]
         if not all(isinstance(t, (torch.Tensor, torch.SymInt)) for t in example_inputs):
             notices.say("a compiled graph with inputs other than tensors and sizes is not modelled: it runs eagerly")
             return gm.forward
@@ -154,7 +182,9 @@ def make_backend(client: CompileClient, notices: Notices, trees: Any = None, sim
                 selections = answer["layout"].get("selections", [])
                 benchmark_footprint(selections, index, sim.props[index].L2_cache_size, _workspace(sim, index))
                 _say_bound(notices, selections, sim.props[index])
-        return graphs[key]
+        compiled, lifted = graphs[key], list(graph_attributes(gm).values())
+        # aot_module_simplified's forward: the lifted tensors, then Dynamo's inputs
+        return compiled if not lifted else (lambda *args: compiled(*lifted, *args))
 
     return backend
 
@@ -223,6 +253,7 @@ def _untraced_mode_stack(put: Callable[[Any, str, Any], None], mode: Any) -> Non
         return output
 
     put(convert_frame, "trace_frame", trace_frame)
+    _capturable_on_the_simulated_gpu(put)
     # the simulation's own frames (the mode, the stand-ins), entered from code Dynamo runs eagerly,
     # are not the script's: Dynamo leaves them alone, as it does torch's (trace_rules.SKIP_DIRS)
     from torch._dynamo import trace_rules
@@ -230,6 +261,27 @@ def _untraced_mode_stack(put: Callable[[Any, str, Any], None], mode: Any) -> Non
     skipped = [*trace_rules.SKIP_DIRS, str(Path(__file__).parents[2]) + os.sep]
     put(trace_rules, "SKIP_DIRS", skipped)
     trace_rules._recompile_re()
+
+
+def _capturable_on_the_simulated_gpu(put: Callable[[Any, str, Any], None]) -> None:
+    """A compiled optimizer step whose parameters are all on a GPU and whose state is not made
+    yet is traced with ``capturable=True`` (its ``step`` counters then on the GPU:
+    torch/_dynamo/variables/optimizer.py ``OptimizerVariable._set_capturable``, which asks
+    ``p.is_cuda``). Dynamo traces with the run's function mode off, where a simulated tensor's
+    ``is_cuda`` is False: while it decides, ``is_cuda`` answers True for the simulated device."""
+    from torch._dynamo.variables import optimizer
+
+    original = optimizer.OptimizerVariable._set_capturable
+
+    def set_capturable(self: Any, tx: Any) -> None:
+        torch.Tensor.is_cuda = property(  # type: ignore[method-assign,assignment]
+            lambda t: t.device.type in ("cuda", "vramsim"))
+        try:
+            original(self, tx)
+        finally:
+            del torch.Tensor.is_cuda  # TensorBase's own again
+
+    put(optimizer.OptimizerVariable, "_set_capturable", set_capturable)
 
 
 def install(mode: Any, props: Any) -> Callable[[], None]:
