@@ -155,3 +155,30 @@ def test_a_compiled_optimizer_step_updates_in_place_with_its_state_on_the_gpu(
         assert opt.param_groups[0]["capturable"] and opt.state[m.weight]["step"].is_cuda
     err = capsys.readouterr().err
     assert "eagerly" not in err and "not modelled" not in err, err
+
+
+@needs_triton
+@pytest.mark.slow  # a compile process: about 40 s
+def test_compiled_code_sees_the_simulated_tensors_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    """Code Dynamo traces that asks a tensor's device takes a GPU's branch: ``x.is_cuda`` and
+    ``x.device.type == "cuda"`` are True, ``torch.autocast(device_type=x.device.type)`` is CUDA's
+    (Hugging Face's rotary embeddings; ``vramsim`` has no autocast: Dynamo failed), and tensors
+    the code makes on ``"cuda"`` (``device="cuda"``, ``.to("cuda")``) are on the script's device
+    (Dynamo's fake run refused two devices). All in one graph: Inductor's one kernel writes the
+    (4, 8) float32 result, 128 B, a 512-byte block, beside ``x``'s."""
+    from vram.run.runtime import simulated_cuda
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        on_gpu = x.is_cuda and x.device.type == "cuda"
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            y = x.float() * 2
+        return y + torch.ones(4, 8, device="cuda") + torch.zeros(4, 8).to("cuda"), on_gpu
+
+    with simulated_cuda("H200"):
+        x = torch.randn(4, 8, device="cuda")
+        torch.cuda.reset_peak_memory_stats()
+        out, on_gpu = torch.compile(f)(x)
+        assert on_gpu is True and out.device == torch.device("cuda", 0)
+        assert torch.cuda.max_memory_allocated() == 2 * 512
+    err = capsys.readouterr().err
+    assert "eagerly" not in err and "not modelled" not in err, err

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from . import dynamo_view
 from .client import CompileClient, CompileUnavailable
 from .cudagraph_trees import Trees
 from .max_autotune import MODE_OPTIONS, benchmark_footprint, bound
@@ -253,7 +254,7 @@ def _untraced_mode_stack(put: Callable[[Any, str, Any], None], mode: Any) -> Non
         return output
 
     put(convert_frame, "trace_frame", trace_frame)
-    _capturable_on_the_simulated_gpu(put)
+    dynamo_view.install(put)
     # the simulation's own frames (the mode, the stand-ins), entered from code Dynamo runs eagerly,
     # are not the script's: Dynamo leaves them alone, as it does torch's (trace_rules.SKIP_DIRS)
     from torch._dynamo import trace_rules
@@ -261,27 +262,6 @@ def _untraced_mode_stack(put: Callable[[Any, str, Any], None], mode: Any) -> Non
     skipped = [*trace_rules.SKIP_DIRS, str(Path(__file__).parents[2]) + os.sep]
     put(trace_rules, "SKIP_DIRS", skipped)
     trace_rules._recompile_re()
-
-
-def _capturable_on_the_simulated_gpu(put: Callable[[Any, str, Any], None]) -> None:
-    """A compiled optimizer step whose parameters are all on a GPU and whose state is not made
-    yet is traced with ``capturable=True`` (its ``step`` counters then on the GPU:
-    torch/_dynamo/variables/optimizer.py ``OptimizerVariable._set_capturable``, which asks
-    ``p.is_cuda``). Dynamo traces with the run's function mode off, where a simulated tensor's
-    ``is_cuda`` is False: while it decides, ``is_cuda`` answers True for the simulated device."""
-    from torch._dynamo.variables import optimizer
-
-    original = optimizer.OptimizerVariable._set_capturable
-
-    def set_capturable(self: Any, tx: Any) -> None:
-        torch.Tensor.is_cuda = property(  # type: ignore[method-assign,assignment]
-            lambda t: t.device.type in ("cuda", "vramsim"))
-        try:
-            original(self, tx)
-        finally:
-            del torch.Tensor.is_cuda  # TensorBase's own again
-
-    put(optimizer.OptimizerVariable, "_set_capturable", set_capturable)
 
 
 def install(mode: Any, props: Any) -> Callable[[], None]:
