@@ -182,3 +182,33 @@ def test_compiled_code_sees_the_simulated_tensors_on_cuda(capsys: pytest.Capture
         assert torch.cuda.max_memory_allocated() == 2 * 512
     err = capsys.readouterr().err
     assert "eagerly" not in err and "not modelled" not in err, err
+
+
+@needs_triton
+@pytest.mark.slow  # a compile process, two graphs: about a minute
+def test_the_scripts_inductor_settings_are_compiled_with(capsys: pytest.CaptureFixture[str]) -> None:
+    """``torch._inductor.config.coordinate_descent_tuning = True`` (gpt-fast sets it) is in force
+    in the compile process: the row sum of a (4, 8) tensor is a persistent reduction with one
+    config (``triton_heuristics.persistent_reduction``: XBLOCK 1 only, 8 > xnumel 4), so by
+    default its first launch benchmarks nothing; with the setting, coordinate descent benchmarks
+    it (``CachingAutotuner.run`` -> ``coordinate_descent_tuning``) with the H200's L2-flush buffer
+    (62,914,560 B) over the output (512-byte block). ``max_autotune`` set in the config (chosen
+    by benchmarks on a GPU) runs eagerly, said once."""
+    from vram.run.runtime import simulated_cuda
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.sum(dim=1)
+
+    with simulated_cuda("H200"):
+        x = torch.randn(4, 8, device="cuda")
+        for coordesc, flush in ((False, 0), (True, 62_914_560)):
+            torch._dynamo.reset()
+            torch.cuda.reset_peak_memory_stats()
+            with torch._inductor.config.patch(coordinate_descent_tuning=coordesc):
+                assert torch.compile(f)(x).shape == (4,)
+            assert torch.cuda.max_memory_allocated() == 512 + 512 + flush
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(max_autotune=True):
+            torch.compile(f)(x)
+    err = capsys.readouterr().err
+    assert err.count("torch._inductor.config.max_autotune set by the script") == 1, err

@@ -103,10 +103,42 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
         sent = pickle.dumps(graph_nodes(copy.graph, copy))
     except (pickle.PicklingError, AttributeError, TypeError) as e:  # what the compile process cannot rebuild
         raise ValueError(f"a graph node that cannot be sent to the compile process: {e}") from e
-    return {"graph": sent, "code": copy.code, "inputs": inputs,
+    settings, unsent = inductor_settings()
+    if unsent:
+        raise ValueError(f"torch._inductor.config.{unsent[0]} is set to a Python object the compile process "
+                         "cannot be given")
+    return {"graph": sent, "code": copy.code, "inputs": inputs, "inductor_config": settings,
             "autocast": str(autocast).removeprefix("torch.") if autocast is not None else None,
             "grad": torch.is_grad_enabled(), "major": card["major"], "minor": card["minor"], "cudagraphs": cudagraphs,
             "static_inputs": static if cudagraphs else None}
+
+
+#: Inductor settings the compile process keeps its own: its threads and the caches of compiled
+#: artefacts (a first run on empty caches is modelled)
+_OWN_SETTINGS = frozenset({"compile_threads", "fx_graph_cache", "fx_graph_remote_cache", "autotune_local_cache",
+                           "autotune_remote_cache", "bundled_autotune_remote_cache", "force_disable_caches"})
+
+
+def inductor_settings() -> tuple[dict[str, Any], list[str]]:
+    """The script's own ``torch._inductor.config`` settings (those not at their defaults:
+    ``coordinate_descent_tuning``, ``triton.unique_kernel_names``...), for the compile process,
+    and the names of those whose values cannot be sent (a Python object: a custom pass)."""
+    import pickle
+
+    config = sys.modules.get("torch._inductor.config")
+    if config is None:  # never imported: nothing set
+        return {}, []
+    settings, unsent = {}, []
+    for name, value in config._get_dict(skip_default=True).items():
+        if name in _OWN_SETTINGS:
+            continue
+        try:
+            pickle.dumps(value)
+        except (pickle.PicklingError, AttributeError, TypeError):
+            unsent.append(name)
+            continue
+        settings[name] = value
+    return settings, unsent
 
 
 def graph_attributes(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
@@ -176,7 +208,8 @@ def make_backend(client: CompileClient, notices: Notices, trees: Any = None, sim
         for guess in answer.get("guessed", []):
             notices.say(guess)
         index = indices.pop() if indices else torch.cuda.current_device()
-        key = request["code"] + repr((request["inputs"], request["autocast"], request["grad"], index))
+        key = request["code"] + repr((request["inputs"], request["autocast"], request["grad"], index,
+                                      sorted(request["inductor_config"].items())))
         if key not in graphs:
             graphs[key] = CompiledGraph(answer, index, trees)
             if sim is not None:  # the compile's benchmarks, on the graph's device and the current stream
