@@ -43,6 +43,25 @@ def test_a_function_made_inside_another_travels_by_its_modules_name() -> None:
         graph_nodes(graph)
 
 
+def test_a_torch_cuda_stand_in_in_a_graph_travels_as_torch_cudas_function() -> None:
+    """``torch.cuda.get_device_capability`` is a graph node on a GPU
+    (``trace_rules.torch_non_c_binding_in_graph_functions``); under the run it is the run's
+    stand-in, a lambda pickle cannot name: it is sent by its name in ``torch.cuda``, which the
+    compile process answers for the simulated card."""
+    from vram.run.compile.graph_transport import FunctionRef
+    from vram.run.runtime import simulated_cuda
+
+    with simulated_cuda("H200"):
+        stand_in = torch.cuda.get_device_capability
+        assert "<locals>" in stand_in.__qualname__
+        graph = torch.fx.Graph()
+        graph.output(graph.call_function(stand_in, ()))
+        sent = pickle.loads(pickle.dumps(graph_nodes(graph)))  # noqa: S301 - made here
+    target = sent["nodes"][0][2]
+    assert isinstance(target, FunctionRef) and target.qualified == "torch.cuda.get_device_capability"
+    assert target.resolve() is torch.cuda.get_device_capability
+
+
 _CONV_CHOICES = """
 from vram.run.compile import cuda_process
 cuda_process.prepare(major={major})
@@ -164,8 +183,9 @@ def test_compiled_code_sees_the_simulated_tensors_on_cuda(capsys: pytest.Capture
     ``x.device.type == "cuda"`` are True, ``torch.autocast(device_type=x.device.type)`` is CUDA's
     (Hugging Face's rotary embeddings; ``vramsim`` has no autocast: Dynamo failed), and tensors
     the code makes on ``"cuda"`` (``device="cuda"``, ``.to("cuda")``) are on the script's device
-    (Dynamo's fake run refused two devices). All in one graph: Inductor's one kernel writes the
-    (4, 8) float32 result, 128 B, a 512-byte block, beside ``x``'s."""
+    (Dynamo's fake run refused two devices).
+    All in one graph: Inductor's one kernel writes the (4, 8) float32 result, 128 B, a 512-byte
+    block, beside ``x``'s."""
     from vram.run.runtime import simulated_cuda
 
     def f(x: torch.Tensor) -> tuple[torch.Tensor, bool]:

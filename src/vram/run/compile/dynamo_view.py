@@ -43,7 +43,7 @@ def _as_simulated(device: Any) -> Any:
 
 
 def install(put: Callable[[Any, str, Any], None]) -> None:
-    """Put the three views in place (`put`: the run's attribute patches, undone at its end)."""
+    """Put the views in place (`put`: the run's attribute patches, undone at its end)."""
     from torch._dynamo.variables import optimizer
     from torch._dynamo.variables.tensor import TensorVariable
 

@@ -32,7 +32,8 @@ class HigherOrder:
 class FunctionRef:
     """A function made inside another (``__qualname__`` with ``<locals>``, which pickle cannot name),
     by the qualified name FX's code generation gives it (``torch.fx.node._get_qualified_name``:
-    its module and ``__name__``), which is where its module holds it."""
+    its module and ``__name__``), which is where its module holds it; a stand-in the run put in
+    ``torch.cuda`` by its name there (the compile process has its own for the simulated card)."""
 
     def __init__(self, qualified: str) -> None:
         self.qualified = qualified
@@ -55,6 +56,9 @@ def _sent_target(target: Any) -> Any:
             found = ref.resolve()
         except (AttributeError, ImportError, RuntimeError, ValueError):
             found = None
+        if found is not target:  # the run's stand-in for a torch.cuda function (get_device_capability)
+            name = next((n for n, v in vars(torch.cuda).items() if v is target), None)
+            ref, found = FunctionRef(f"torch.cuda.{name}"), target if name else None
         if found is not target:
             raise ValueError(f"a graph node calling a function defined inside another ({target.__qualname__})")
         return ref
