@@ -182,7 +182,7 @@ def test_compiled_code_sees_the_simulated_tensors_on_cuda(capsys: pytest.Capture
     """Code Dynamo traces that asks a tensor's device takes a GPU's branch: ``x.is_cuda`` and
     ``x.device.type == "cuda"`` are True, ``torch.autocast(device_type=x.device.type)`` is CUDA's
     (Hugging Face's rotary embeddings; ``vramsim`` has no autocast: Dynamo failed), and tensors
-    the code makes on ``"cuda"`` (``device="cuda"``, ``.to("cuda")``) are on the script's device
+    the code makes on ``"cuda"`` (``device="cuda"``, ``.to("cuda")``, ``.cuda()``) are on the script's device
     (Dynamo's fake run refused two devices).
     All in one graph: Inductor's one kernel writes the (4, 8) float32 result, 128 B, a 512-byte
     block, beside ``x``'s."""
@@ -192,7 +192,8 @@ def test_compiled_code_sees_the_simulated_tensors_on_cuda(capsys: pytest.Capture
         on_gpu = x.is_cuda and x.device.type == "cuda"
         with torch.autocast(device_type=x.device.type, enabled=False):
             y = x.float() * 2
-        return y + torch.ones(4, 8, device="cuda") + torch.zeros(4, 8).to("cuda"), on_gpu
+        y = y + torch.ones(4, 8, device="cuda") + torch.zeros(4, 8).to("cuda")
+        return y + torch.full((4, 8), 3.0).cuda(), on_gpu
 
     with simulated_cuda("H200"):
         x = torch.randn(4, 8, device="cuda")

@@ -7,7 +7,8 @@ Dynamo traces branches on the device, it must take a GPU's branch:
 * a tensor's ``device`` (``x.device.type == "cuda"``, ``x.is_cuda``, ``torch.autocast(x.device.type)``:
   Hugging Face's rotary embeddings) is ``cuda:N`` in Dynamo's view of it
   (``TensorVariable.specialize``, whence ``method_attr_device`` and ``method_attr_is_cuda``);
-* a tensor the traced code makes on ``cuda`` (``torch.ones(..., device="cuda")``, ``.to("cuda")``)
+* a tensor the traced code makes on ``cuda`` (``torch.ones(..., device="cuda")``, ``.to("cuda")``,
+  ``.cuda()``)
   is a fake tensor on the simulated device, where the script's tensors are: Dynamo's fake run of
   each node (``utils.run_node``) gets the simulated device for a ``cuda`` one (this process's
   only GPU), so fake propagation finds one device, as on a GPU; the graph keeps the ``cuda``
@@ -42,6 +43,11 @@ def _as_simulated(device: Any) -> Any:
     return device
 
 
+def _simulated_device(value: Any) -> Any:
+    """A ``cuda`` ``torch.device`` as the simulated one; any other value (a string too) as it is."""
+    return _as_simulated(value) if isinstance(value, torch.device) else value
+
+
 def install(put: Callable[[Any, str, Any], None]) -> None:
     """Put the views in place (`put`: the run's attribute patches, undone at its end)."""
     from torch._dynamo.variables import optimizer
@@ -60,7 +66,17 @@ def install(put: Callable[[Any, str, Any], None]) -> None:
     run_node = utils.run_node
 
     def run_node_on_simulated_device(tracer: Any, node: Any, args: Any, kwargs: Any, nnmodule: Any) -> Any:
-        args, kwargs = torch.fx.node.map_aggregate((args, kwargs), _as_simulated)
+        # a device anywhere; a device's name as a ``device=`` argument or ``Tensor.to``'s
+        moves = node.target in ("to", torch.Tensor.to)
+        args = torch.fx.node.map_aggregate(args, _as_simulated if moves else _simulated_device)
+        kwargs = {k: torch.fx.node.map_aggregate(v, _as_simulated if k == "device" or moves else _simulated_device)
+                  for k, v in kwargs.items()}
+        if node.op == "call_method" and node.target == "cuda" and isinstance(args[0], torch.Tensor):
+            # Tensor.cuda(device=None, non_blocking=False): a copy to the (simulated) GPU
+            device = args[1] if len(args) > 1 else kwargs.get("device")
+            device = _as_simulated(torch.device("cuda") if device is None else
+                                   torch.device("cuda", device) if isinstance(device, int) else device)
+            return args[0].to(device, non_blocking=bool(kwargs.get("non_blocking", False)))
         return run_node(tracer, node, args, kwargs, nnmodule)
 
     put(utils, "run_node", run_node_on_simulated_device)
