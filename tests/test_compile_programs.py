@@ -62,6 +62,18 @@ def test_a_torch_cuda_stand_in_in_a_graph_travels_as_torch_cudas_function() -> N
     assert target.resolve() is torch.cuda.get_device_capability
 
 
+def test_inductor_settings_are_those_the_script_changed() -> None:
+    """What the compile process is given of ``torch._inductor.config``: the settings whose value
+    is not the default (``config.py``: ``deterministic`` defaults to False, which a library may
+    set explicitly; sent, it changed the compile's key and compiled an identical graph again),
+    without the caches' and threads' settings, which the compile process keeps."""
+    from vram.run.compile.backend import inductor_settings
+
+    config = torch._inductor.config
+    with config.patch({"deterministic": False, "fx_graph_cache": False, "coordinate_descent_tuning": True}):
+        assert inductor_settings() == ({"coordinate_descent_tuning": True}, [])
+
+
 _CONV_CHOICES = """
 from vram.run.compile import cuda_process
 cuda_process.prepare(major={major})

@@ -130,7 +130,8 @@ def inductor_settings() -> tuple[dict[str, Any], list[str]]:
         return {}, []
     settings, unsent = {}, []
     for name, value in config._get_dict(skip_default=True).items():
-        if name in _OWN_SETTINGS:
+        entry = config._config.get(name)
+        if name in _OWN_SETTINGS or (entry is not None and value == entry.default):  # set to its default
             continue
         try:
             pickle.dumps(value)
