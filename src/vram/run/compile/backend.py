@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from . import dynamo_view
 from .client import CompileClient, CompileUnavailable
 from .cudagraph_trees import Trees
 from .max_autotune import MODE_OPTIONS, benchmark_footprint, bound
@@ -91,15 +92,80 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
     graph.output(graph.graph_copy(gm.graph, {}))
     copy = torch.fx.GraphModule(gm, graph)
     retarget(copy, "vramsim")
+    lifted = lift_attributes(copy, gm)
     placeholders = gm.graph.find_nodes(op="placeholder")
-    inputs = [_input_spec(t, node.meta.get("example_value")) for t, node in zip(example_inputs, placeholders)]
+    inputs = [_input_spec(t, None) for t in lifted.values()] + [
+        _input_spec(t, node.meta.get("example_value")) for t, node in zip(example_inputs, placeholders)]
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-    static = [i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))
-              if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
-    return {"graph": pickle.dumps(graph_nodes(copy.graph, copy)), "code": copy.code, "inputs": inputs,
+    static = list(range(len(lifted))) + [len(lifted) + i for i, node in enumerate(placeholders)
+                                         if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
+    try:
+        sent = pickle.dumps(graph_nodes(copy.graph, copy))
+    except (pickle.PicklingError, AttributeError, TypeError) as e:  # what the compile process cannot rebuild
+        raise ValueError(f"a graph node that cannot be sent to the compile process: {e}") from e
+    settings, unsent = inductor_settings()
+    if unsent:
+        raise ValueError(f"torch._inductor.config.{unsent[0]} is set to a Python object the compile process "
+                         "cannot be given")
+    return {"graph": sent, "code": copy.code, "inputs": inputs, "inductor_config": settings,
             "autocast": str(autocast).removeprefix("torch.") if autocast is not None else None,
             "grad": torch.is_grad_enabled(), "major": card["major"], "minor": card["minor"], "cudagraphs": cudagraphs,
             "static_inputs": static if cudagraphs else None}
+
+
+#: Inductor settings the compile process keeps its own: its threads and the caches of compiled
+#: artefacts (a first run on empty caches is modelled)
+_OWN_SETTINGS = frozenset({"compile_threads", "fx_graph_cache", "fx_graph_remote_cache", "autotune_local_cache",
+                           "autotune_remote_cache", "bundled_autotune_remote_cache", "force_disable_caches"})
+
+
+def inductor_settings() -> tuple[dict[str, Any], list[str]]:
+    """The script's own ``torch._inductor.config`` settings (those not at their defaults:
+    ``coordinate_descent_tuning``, ``triton.unique_kernel_names``...), for the compile process,
+    and the names of those whose values cannot be sent (a Python object: a custom pass)."""
+    import pickle
+
+    config = sys.modules.get("torch._inductor.config")
+    if config is None:  # never imported: nothing set
+        return {}, []
+    settings, unsent = {}, []
+    for name, value in config._get_dict(skip_default=True).items():
+        entry = config._config.get(name)
+        if name in _OWN_SETTINGS or (entry is not None and value == entry.default):  # set to its default
+            continue
+        try:
+            pickle.dumps(value)
+        except (pickle.PicklingError, AttributeError, TypeError):
+            unsent.append(name)
+            continue
+        settings[name] = value
+    return settings, unsent
+
+
+def graph_attributes(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The parameters and buffers of a Dynamo graph's module, in ``aot_module_simplified``'s order."""
+    return {**dict(gm.named_parameters(remove_duplicate=False)), **dict(gm.named_buffers(remove_duplicate=False))}
+
+
+def lift_attributes(copy: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The tensors a Dynamo graph reads as module attributes (``get_attr``: what Dynamo registers
+    as parameters and buffers of the graph's module, e.g. a compiled optimizer step's parameters and
+    state) made the graph's first inputs in `copy`, as ``aot_module_simplified``
+    (torch/_functorch/aot_autograd.py) lifts them on a GPU: ``named_parameters`` then
+    ``named_buffers`` (``remove_duplicate=False``), ahead of Dynamo's inputs, static
+    (``_try_get_metadata_from_dynamo``). Returns them by name, in that order."""
+    lifted = graph_attributes(gm)
+    if not lifted:
+        return {}
+    first = next(iter(copy.graph.nodes))
+    with copy.graph.inserting_before(first):
+        placeholders = {name: copy.graph.placeholder(name.replace(".", "_")) for name in lifted}
+    for node in list(copy.graph.find_nodes(op="get_attr")):
+        if str(node.target) in placeholders:
+            node.replace_all_uses_with(placeholders[str(node.target)])
+            copy.graph.erase_node(node)
+    copy.recompile()
+    return lifted
 
 
 def make_backend(client: CompileClient, notices: Notices, trees: Any = None, sim: Any = None) -> Callable[..., Any]:
@@ -113,7 +179,7 @@ def make_backend(client: CompileClient, notices: Notices, trees: Any = None, sim
     graphs: dict[str, CompiledGraph] = {}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+        tensors = [t for t in (*example_inputs, *gm.parameters(), *gm.buffers()) if isinstance(t, torch.Tensor)]
         if not all(isinstance(t, (torch.Tensor, torch.SymInt)) for t in example_inputs):
             notices.say("a compiled graph with inputs other than tensors and sizes is not modelled: it runs eagerly")
             return gm.forward
@@ -143,14 +209,17 @@ def make_backend(client: CompileClient, notices: Notices, trees: Any = None, sim
         for guess in answer.get("guessed", []):
             notices.say(guess)
         index = indices.pop() if indices else torch.cuda.current_device()
-        key = request["code"] + repr((request["inputs"], request["autocast"], request["grad"], index))
+        key = request["code"] + repr((request["inputs"], request["autocast"], request["grad"], index,
+                                      sorted(request["inductor_config"].items())))
         if key not in graphs:
             graphs[key] = CompiledGraph(answer, index, trees)
             if sim is not None:  # the compile's benchmarks, on the graph's device and the current stream
                 selections = answer["layout"].get("selections", [])
                 benchmark_footprint(selections, index, sim.props[index].L2_cache_size, _workspace(sim, index))
                 _say_bound(notices, selections, sim.props[index])
-        return graphs[key]
+        compiled, lifted = graphs[key], list(graph_attributes(gm).values())
+        # aot_module_simplified's forward: the lifted tensors, then Dynamo's inputs
+        return compiled if not lifted else (lambda *args: compiled(*lifted, *args))
 
     return backend
 
@@ -219,6 +288,7 @@ def _untraced_mode_stack(put: Callable[[Any, str, Any], None], mode: Any) -> Non
         return output
 
     put(convert_frame, "trace_frame", trace_frame)
+    dynamo_view.install(put)
     # the simulation's own frames (the mode, the stand-ins), entered from code Dynamo runs eagerly,
     # are not the script's: Dynamo leaves them alone, as it does torch's (trace_rules.SKIP_DIRS)
     from torch._dynamo import trace_rules

@@ -86,7 +86,11 @@ def prepare(major: int = 9, minor: int = 0, name: str = "NVIDIA H200", total_mem
         return
     if "torch" in sys.modules:
         raise CompileSetupError("vram.run.compile.cuda_process.prepare must run before torch is imported")
-    _LIBS.append(ctypes.CDLL(str(build_library()), os.RTLD_GLOBAL))
+    hooks = ctypes.CDLL(str(build_library()), os.RTLD_GLOBAL)
+    from vram.run.kernels.sdpa_choice import CUDNN_VERSION  # imports torch, after the hooks
+
+    hooks.vram_sim_cuda_set(ctypes.c_int(major), ctypes.c_long(CUDNN_VERSION))  # read at each hook call
+    _LIBS.append(hooks)
     import torch
 
     from vram.run.cuda.api import DeviceProperties

@@ -4,11 +4,13 @@ Pickling a ``GraphModule`` sends its Python code, which the other side traces ag
 symbolic tracer (``torch.fx.graph_module._deserialize_graph_module``): a factory call with
 constant arguments (``torch.arange(512, device=...)``) then runs at trace time and becomes a
 tensor constant, which is not the graph Dynamo traced. So the nodes themselves are sent: op,
-name, target (functions pickle by their qualified name) and arguments, other nodes named, and
-the innermost module of Dynamo's ``nn_module_stack`` (its source path and class name: the class
-itself may not import in the compile process), which AOTAutograd copies to the nodes it traces
-from each node (``fx.proxy``'s preserved node meta), so the compiled forward can say which module
-made each tensor it saves (`module_of`).
+name, target (functions pickle by their qualified name; one made inside another function, as
+``torch.nn.functional.max_pool2d`` is by ``boolean_dispatch``, is sent by the name its module gives
+it: `FunctionRef`) and arguments, other nodes named, and the innermost module of Dynamo's
+``nn_module_stack`` (its source path and class name: the class itself may not import in the
+compile process), which AOTAutograd copies to the nodes it traces from each node (``fx.proxy``'s
+preserved node meta), so the compiled forward can say which module made each tensor it saves
+(`module_of`).
 """
 from __future__ import annotations
 
@@ -31,6 +33,42 @@ class HigherOrder:
         self.name = name
 
 
+class FunctionRef:
+    """A function made inside another (``__qualname__`` with ``<locals>``, which pickle cannot name),
+    by the qualified name FX's code generation gives it (``torch.fx.node._get_qualified_name``:
+    its module and ``__name__``), which is where its module holds it; a stand-in the run put in
+    ``torch.cuda`` by its name there (the compile process has its own for the simulated card)."""
+
+    def __init__(self, qualified: str) -> None:
+        self.qualified = qualified
+
+    def resolve(self) -> Any:
+        import importlib
+
+        module, _, name = self.qualified.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+def _sent_target(target: Any) -> Any:
+    """A node's target as it travels: a higher-order operator by name, a function made inside
+    another by its module's name for it (ValueError when the module does not hold it there)."""
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return HigherOrder(target.name())
+    if callable(target) and "<locals>" in getattr(target, "__qualname__", ""):
+        try:
+            ref = FunctionRef(torch.fx.node._get_qualified_name(target))
+            found = ref.resolve()
+        except (AttributeError, ImportError, RuntimeError, ValueError):
+            found = None
+        if found is not target:  # the run's stand-in for a torch.cuda function (get_device_capability)
+            name = next((n for n, v in vars(torch.cuda).items() if v is target), None)
+            ref, found = FunctionRef(f"torch.cuda.{name}"), target if name else None
+        if found is not target:
+            raise ValueError(f"a graph node calling a function defined inside another ({target.__qualname__})")
+        return ref
+    return target
+
+
 def graph_nodes(graph: torch.fx.Graph, owner: torch.nn.Module | None = None) -> dict[str, Any]:
     """The graph's nodes as plain values, and the subgraphs its ``get_attr`` nodes read from
     `owner` (a higher-order op's body: FlexAttention's ``score_mod`` and ``mask_mod``), each sent
@@ -47,9 +85,7 @@ def graph_nodes(graph: torch.fx.Graph, owner: torch.nn.Module | None = None) -> 
             subgraphs[str(node.target)] = graph_nodes(value.graph, value)
         args = torch.fx.node.map_arg(node.args, lambda n: NodeRef(n.name))  # type: ignore[arg-type,return-value]
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: NodeRef(n.name))  # type: ignore[arg-type,return-value]
-        target = HigherOrder(node.target.name()) if isinstance(node.target, torch._ops.HigherOrderOperator) \
-            else node.target
-        nodes.append((node.op, node.name, target, args, kwargs, module_of(node)))
+        nodes.append((node.op, node.name, _sent_target(node.target), args, kwargs, module_of(node)))
     return {"nodes": nodes, "subgraphs": subgraphs}
 
 
@@ -88,6 +124,8 @@ def graph_module(sent: dict[str, Any]) -> torch.fx.GraphModule:
     for op, name, target, args, kwargs, module in nodes:
         if isinstance(target, HigherOrder):
             target = getattr(torch.ops.higher_order, target.name)
+        elif isinstance(target, FunctionRef):
+            target = target.resolve()
         if op == "call_function" and _device_constant(target, args, kwargs):
             env[name] = _constant_on_device(graph, name, args, kwargs)
             continue

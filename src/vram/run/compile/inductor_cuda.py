@@ -29,6 +29,11 @@ _SDPA = torch._C._nn.scaled_dot_product_attention
 _CUDA = torch.device("cuda", 0)
 
 
+#: Inductor settings whose choices a GPU makes by benchmarking, or that compile for CUDA graphs
+BENCHMARKED_SETTINGS = frozenset({"max_autotune", "max_autotune_gemm", "max_autotune_pointwise",
+                                  "max_autotune_flex", "triton.cudagraphs", "triton.cudagraph_trees"})
+
+
 class NotModelled(RuntimeError):
     """A compiled graph this model of Inductor's CUDA build does not reproduce (named reason)."""
 
@@ -136,7 +141,7 @@ def fake_inputs(example_inputs: Sequence[Any], mode: Any) -> list[Any]:
 def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor],
                      autocast_dtype: torch.dtype | None = None, layout: dict[str, Any] | None = None,
                      cudagraphs: bool = False, static_inputs: Sequence[int] | None = None,
-                     max_autotune: bool = False) -> list[str]:
+                     max_autotune: bool = False, settings: dict[str, Any] | None = None) -> list[str]:
     """Inductor's wrappers for `gm` on CUDA, in the order Inductor generated them (forward first).
     `autocast_dtype`: the CUDA autocast the graph was traced under (Dynamo leaves an enclosing
     ``torch.autocast`` out of the graph: it is ambient state, so it is entered here). `layout`, if
@@ -149,7 +154,10 @@ def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Te
     parameters and buffers), what AOTAutograd's ``static_input_indices`` are on a GPU
     (frontend_utils.py ``_try_get_metadata_from_dynamo``; the graph sent here lost the marks).
     `max_autotune`: compiled with ``max_autotune`` and Inductor's choice without benchmarks
-    (`max_autotune.deterministic_choices`), `layout["selections"]` receiving each selection."""
+    (`max_autotune.deterministic_choices`), `layout["selections"]` receiving each selection.
+    `settings`: the script's own ``torch._inductor.config`` settings, in force as it compiles (the
+    mode's options over them); NotModelled for those that choose by benchmarks on the GPU or
+    compile for CUDA graphs (`BENCHMARKED_SETTINGS`), which ``mode=`` models."""
     from torch._inductor import codecache
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -185,7 +193,12 @@ def compile_for_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Te
     codecache.PyCodeCache.load_by_key_path = spy  # type: ignore[method-assign]
     calls: list[dict[str, Any]] = []
     selections: list[dict[str, Any]] = []
-    options = {"triton.cudagraphs": cudagraphs, **(MODE_OPTIONS["max-autotune"] if max_autotune else {})}
+    refused = sorted(name for name, value in (settings or {}).items() if name in BENCHMARKED_SETTINGS and value)
+    if refused:
+        raise NotModelled(f"torch._inductor.config.{refused[0]} set by the script (compile with mode= for the "
+                          "modelled max-autotune and CUDA graphs)")
+    options = {**(settings or {}), "triton.cudagraphs": cudagraphs,
+               **(MODE_OPTIONS["max-autotune"] if max_autotune else {})}
     try:
         with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None), \
                 inductor_config.patch(options), cudagraph_calls(calls, sources), \

@@ -157,7 +157,8 @@ def compile_request(request: dict[str, Any]) -> dict[str, Any]:
             for node in gm.graph.nodes:  # the compile makes its own fake tensors, in its own mode
                 node.meta.pop("example_value", None)
             sources = compile_for_cuda(gm, inputs, autocast, layout, bool(request.get("cudagraphs")),
-                                       request.get("static_inputs"), bool(request.get("max_autotune")))
+                                       request.get("static_inputs"), bool(request.get("max_autotune")),
+                                       request.get("inductor_config"))
     except NotModelled as e:
         return {"not_modelled": str(e)}
     if layout.get("not_modelled"):
