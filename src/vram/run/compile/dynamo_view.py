@@ -48,6 +48,19 @@ def _simulated_device(value: Any) -> Any:
     return _as_simulated(value) if isinstance(value, torch.device) else value
 
 
+class _CudaNamesSimulated(torch.overrides.TorchFunctionMode):
+    """``cuda`` named as a ``device=`` or ``Tensor.to``'s target, inside a call Dynamo runs whole
+    on fake tensors, is the simulated device."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            args = tuple(_as_simulated(a) for a in args)
+        if "device" in kwargs:
+            kwargs = dict(kwargs, device=_as_simulated(kwargs["device"]))
+        return func(*args, **kwargs)
+
+
 def install(put: Callable[[Any, str, Any], None]) -> None:
     """Put the views in place (`put`: the run's attribute patches, undone at its end)."""
     from torch._dynamo.variables import optimizer
@@ -71,6 +84,12 @@ def install(put: Callable[[Any, str, Any], None]) -> None:
         args = torch.fx.node.map_aggregate(args, _as_simulated if moves else _simulated_device)
         kwargs = {k: torch.fx.node.map_aggregate(v, _as_simulated if k == "device" or moves else _simulated_device)
                   for k, v in kwargs.items()}
+        if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload) and \
+                getattr(node.target, "__module__", "").startswith("torch.distributed"):
+            # a library function run whole (DTensor.from_local moves its input to the mesh's
+            # ``cuda``): the ``cuda`` it names inside is the simulated device too
+            with _CudaNamesSimulated():
+                return run_node(tracer, node, args, kwargs, nnmodule)
         if node.op == "call_method" and node.target == "cuda" and isinstance(args[0], torch.Tensor):
             # Tensor.cuda(device=None, non_blocking=False): a copy to the (simulated) GPU
             device = args[1] if len(args) > 1 else kwargs.get("device")
