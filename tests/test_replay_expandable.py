@@ -2,8 +2,9 @@
 ``segment_unmap`` events, ``is_expandable`` runs), of blocks pending at the start
 (``active_pending_free``), and of blocks allocated before the trace.
 
-No shared recording uses expandable segments, so the recordings are made here with vram's own
-allocator, in PyTorch's format (checked below against CUDACachingAllocator.cpp: ``map_block``
+The recordings are made here with vram's own allocator (the H200's expandable-segment recording
+is checked in `test_gpu_truth.py`, the driver's placement of ranges in `test_expandable_ranges.py`),
+in PyTorch's format (checked below against CUDACachingAllocator.cpp: ``map_block``
 records ``SEGMENT_MAP`` with the mapped range's address and size, ``unmap_block``
 ``SEGMENT_UNMAP``; ``snapshot()`` reports one segment per contiguous mapped run with
 ``is_expandable``). Mid-run traces are the same workload recorded into a ring buffer
