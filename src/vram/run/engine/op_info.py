@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+
+from vram.run.values.flat import tensors_of
 
 _OPS: dict[Any, OpInfo] = {}
 
@@ -47,21 +48,9 @@ def of(op: Any) -> OpInfo:
 
 
 def tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
-    """The tensors among an op's arguments, in ``tree_leaves((args, kwargs))`` order: an aten op's
-    arguments are tensors, lists of them and plain values (anything deeper goes to pytree)."""
-    found: list[torch.Tensor] = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            for x in a:
-                if isinstance(x, torch.Tensor):
-                    found.append(x)
-                elif not isinstance(x, (int, float, bool, type(None))):
-                    return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        elif isinstance(a, dict):
-            return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    return found
+    """The tensors among an op's arguments, in ``tree_leaves((args, kwargs))`` order (the leaves of
+    ``[*args, *kwargs.values()]``, whose flat case `tensors_of` takes without pytree)."""
+    return tensors_of([*args, *kwargs.values()])
 
 
 _SCALAR_OVERLOADS: dict[tuple[Any, tuple[int, ...]], Any] = {}
