@@ -18,6 +18,7 @@ Dynamo traces branches on the device, it must take a GPU's branch:
 """
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -84,10 +85,9 @@ def install(put: Callable[[Any, str, Any], None]) -> None:
         args = torch.fx.node.map_aggregate(args, _as_simulated if moves else _simulated_device)
         kwargs = {k: torch.fx.node.map_aggregate(v, _as_simulated if k == "device" or moves else _simulated_device)
                   for k, v in kwargs.items()}
-        if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload) and \
-                getattr(node.target, "__module__", "").startswith("torch.distributed"):
-            # a library function run whole (DTensor.from_local moves its input to the mesh's
-            # ``cuda``): the ``cuda`` it names inside is the simulated device too
+        if node.op == "call_function" and isinstance(node.target, types.FunctionType):
+            # a Python function run whole (DTensor.from_local moves its input to the device
+            # mesh's ``cuda``): the ``cuda`` it names inside is the simulated device too
             with _CudaNamesSimulated():
                 return run_node(tracer, node, args, kwargs, nnmodule)
         if node.op == "call_method" and node.target == "cuda" and isinstance(args[0], torch.Tensor):
