@@ -132,6 +132,7 @@ def _run_layout(args: argparse.Namespace, shapes: list[tuple[list[int], Any]], m
     inputs = [(shape, str(dt).replace("torch.", ""), *([name] if name else []))
               for (shape, dt), name in zip(shapes, names)]
     dtype = str(model_dtype).replace("torch.", "") if model_dtype is not None else None
-    result = estimate_layout(args.model, inputs, layout, dtype=dtype, max_batch=args.max_batch, **kw)
+    result = estimate_layout(args.model, inputs, layout, dtype=dtype, max_batch=args.max_batch,
+                             progress=sys.stderr if args.max_batch else None, **kw)
     print(json.dumps(result.to_json()) if args.json else result)
     return 0 if all(r.fits for r in result.results.values()) else 1

@@ -110,7 +110,23 @@ def rank_notices(err: str) -> list[str]:
     return list(said)
 
 
-def _launch(layout: Layout, simulated: list[int], config: dict[str, Any]) -> dict[int, dict[str, Any]]:
+class _RankErrors(io.StringIO):
+    """The ranks' stderr, kept; each rank's max-batch progress line (`search.search_largest`) also
+    goes to `progress` as it comes, as ``max-batch: rank R: run …``."""
+
+    def __init__(self, progress: Any) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def write(self, text: str) -> int:
+        rank, sep, line = text.partition("]:")
+        if self.progress is not None and sep and rank.startswith("[rank") and line.startswith("max-batch: "):
+            print(f"max-batch: rank {rank[5:]}: {line[len('max-batch: '):]}", end="", file=self.progress, flush=True)
+        return super().write(text)
+
+
+def _launch(layout: Layout, simulated: list[int], config: dict[str, Any],
+            progress: Any = None) -> dict[int, dict[str, Any]]:
     """One launch of the simulated ranks; their answers (an ``error`` raises, one line)."""
     work = tempfile.mkdtemp(prefix="vram-estimate-")
     try:
@@ -119,7 +135,7 @@ def _launch(layout: Layout, simulated: list[int], config: dict[str, Any]) -> dic
         with open(path, "w") as f:
             json.dump(config, f)
         spec = Launch(layout.world_size, ranks=simulated)
-        out, err = io.StringIO(), io.StringIO()
+        out, err = io.StringIO(), _RankErrors(progress)
         launch(spec, [], "", [], out=out, err=err, command=["-m", "vram.estimate.ranks", path])
         for notice in rank_notices(err.getvalue()):
             print(notice, file=sys.stderr)
@@ -141,11 +157,12 @@ def _launch(layout: Layout, simulated: list[int], config: dict[str, Any]) -> dic
 
 
 def estimate_layout(model: str, inputs: list[tuple[Any, ...]], layout: Layout, *, dtype: str | None = None,
-                    max_batch: bool = False, **kw: Any) -> LayoutEstimate:
+                    max_batch: bool = False, progress: Any = None, **kw: Any) -> LayoutEstimate:
     """Estimate `model` ("MODULE:FACTORY") on every rank of `layout`; `inputs` are (shape, dtype
     name) in forward's order, or (shape, dtype name, argument name) passed as keywords, with the
     per-rank micro-batch first; `kw` are `vram.estimate.estimate`'s settings
-    (optimizer, amp, checkpoint, grad_accum, iterations, gpu, context, conf, arch)."""
+    (optimizer, amp, checkpoint, grad_accum, iterations, gpu, context, conf, arch). `progress` (a
+    text stream): ``max_batch``'s runs, one line each as it ends (``rank R:`` when a rank searches)."""
     import torch
 
     from .layout import pipeline_blocks
@@ -173,9 +190,10 @@ def estimate_layout(model: str, inputs: list[tuple[Any, ...]], layout: Layout, *
     if max_batch:
         if layout.pp > 1:
             best = search_largest(lambda b: all(a["fits"] for a in _launch(
-                layout, simulated, dict(config, mode="fits", batch=b)).values()))
+                layout, simulated, dict(config, mode="fits", batch=b)).values()), progress=progress)
         else:
-            best = min(a["max_batch"] for a in _launch(layout, simulated, dict(config, mode="search")).values())
+            best = min(a["max_batch"] for a in _launch(layout, simulated, dict(config, mode="search"),
+                                                       progress).values())
     answers = _launch(layout, simulated, dict(config, batch=best if best else None))
     results = {r: EstimateResult(**a["estimate"]) for r, a in answers.items()}
     return LayoutEstimate(layout, stands_for, results, best,
@@ -184,7 +202,7 @@ def estimate_layout(model: str, inputs: list[tuple[Any, ...]], layout: Layout, *
 
 
 def estimate_on_layout(model: Any, example_inputs: Any, layout: Any, *, max_batch: bool = False,
-                       **kw: Any) -> LayoutEstimate:
+                       progress: Any = None, **kw: Any) -> LayoutEstimate:
     """``vram.estimate(model, inputs, layout=...)``: `estimate_layout` from Python.
 
     `layout` is a `Layout` or its fields as a dict (``{"fsdp": 8}``, ``{"tp": 2, "tp_plan":
@@ -229,4 +247,4 @@ def estimate_on_layout(model: Any, example_inputs: Any, layout: Any, *, max_batc
         json.dumps(kw)
     except TypeError as e:
         raise ValueError(f"layout: a setting cannot be sent to the ranks: {e}") from None
-    return estimate_layout(target, inputs, lay, max_batch=max_batch, **kw)
+    return estimate_layout(target, inputs, lay, max_batch=max_batch, progress=progress, **kw)

@@ -120,6 +120,8 @@ class _Run:
     peak_reserved: int = 0
     #: ``torch.cuda.memory._snapshot()`` at the end of a run made with ``record`` (history from its start)
     snapshot: dict[str, Any] | None = None
+    #: bytes the tracked GPU held outside the caching allocator at the end (NCCL's communicators)
+    outside: int = 0
 
 
 @contextmanager
@@ -231,11 +233,13 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
             peak_allocated = _memory.max_memory_allocated(0 if parallel is None else parallel.device)
             peak_reserved = _memory.max_memory_reserved(0 if parallel is None else parallel.device)
             snapshot = _memory._snapshot() if record else None
+            outside = _memory.get_device(0 if parallel is None else parallel.device).outside
             for h in hooks:
                 h.remove()
         finally:
             uninstall()
-    return _Run(tr if keep else None, oom, time.perf_counter() - t0, resident, peak_allocated, peak_reserved, snapshot)
+    return _Run(tr if keep else None, oom, time.perf_counter() - t0, resident, peak_allocated, peak_reserved, snapshot,
+                outside)
 
 
 def _summarise(run: _Run, gpu: int, context: int, others: int) -> dict[str, Any]:
@@ -365,10 +369,10 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
 def fits(model: Any, example_inputs: Any, *, gpu: int | str = "80GiB", context: int | str = CUDA_CONTEXT,
          arch: str | None = None, **kwargs: Any) -> bool:
     """Whether `estimate`'s steps run on `gpu` without OOM (one simulated run, no report)."""
-    return _probe(model, example_inputs, gpu=gpu, context=context, arch=arch, **kwargs).fits
+    return probe(model, example_inputs, gpu=gpu, context=context, arch=arch, **kwargs).fits
 
 
-def _probe(model: Any, example_inputs: Any, *, gpu: int | str, context: int | str, arch: str | None,
+def probe(model: Any, example_inputs: Any, *, gpu: int | str, context: int | str, arch: str | None,
            **kwargs: Any) -> Probe:
     """`fits`, with the room a fitting run left: the card's memory less the smallest card on which
     the run's recorded requests replay without an OOM (`smallest_card`; `vram.estimate.search.Probe`).
@@ -388,6 +392,8 @@ def _probe(model: Any, example_inputs: Any, *, gpu: int | str, context: int | st
         return Probe(False)
     assert run.snapshot is not None
     # every cudaMalloc of the run succeeds on a card of the context + its peak reserved: the same run
+    # (what NCCL holds outside the allocator stays beside the context on the smaller cards)
+    ctx += run.outside
     need = smallest_card(run.snapshot, ctx, ctx + run.peak_allocated, min(ctx + run.peak_reserved, card.total_memory))
     return Probe(True, None if need is None else card.total_memory - need, run.peak_allocated)
 
@@ -417,5 +423,5 @@ def max_batch(model: Any, make_inputs: Callable[[int], Any], *, gpu: int | str =
     batch size, which allocator rounding can break by a few samples near the boundary. `progress`:
     see `search_largest`.
     """
-    return search_largest(lambda b: _probe(model, make_inputs(b), gpu=gpu, context=context, arch=arch, **kwargs),
+    return search_largest(lambda b: probe(model, make_inputs(b), gpu=gpu, context=context, arch=arch, **kwargs),
                           limit, progress)

@@ -32,7 +32,7 @@ def _inputs(config: dict[str, Any], batch: int | None) -> Any:
 
 def answer(config: dict[str, Any], rank: int) -> dict[str, Any]:
     """What this rank was asked (see the module doc)."""
-    from .engine import estimate, fits
+    from .engine import estimate, fits, probe
     from .layout import Layout, RankPlan
     from .model import load_factory
     from .search import search_largest
@@ -57,7 +57,8 @@ def answer(config: dict[str, Any], rank: int) -> dict[str, Any]:
 
     mode, batch = config["mode"], config["batch"]
     if mode == "search":
-        return {"max_batch": search_largest(lambda b: fits(build, _inputs(config, b), parallel=plan(b), **kw))}
+        return {"max_batch": search_largest(lambda b: probe(build, _inputs(config, b), parallel=plan(b), **kw),
+                                            progress=sys.stderr)}
     if mode == "fits":
         return {"fits": fits(build, _inputs(config, batch), parallel=plan(batch), **kw)}
     from vram.devices.gpus import resolve_gpu

@@ -8,8 +8,9 @@ batch (activations, gradients of them), so the batch at which the room runs out 
 the two largest fitting runs, tried, and the bracket around the answer closed from both sides.
 Rounding (blocks, 2 and 20 MiB segments) and fragmentation make the guess optimistic, so it is
 often off by a few batches or more; then the next one uses the new point. After `GUESSES` guesses
-the search doubles and bisects, as it does without rooms (multi-rank layouts, where the probe is
-only "every rank fits"): at most `GUESSES` runs more than that search, usually fewer in all.
+the search doubles and bisects, as it does without rooms (pipeline stages, where a probe is one
+launch of every stage and says only whether all fit): at most `GUESSES` runs more than that
+search, usually fewer in all.
 Fitting is assumed monotonic in the batch size.
 """
 from __future__ import annotations
