@@ -30,11 +30,14 @@ def _cache_folder() -> Path:
 
 
 def _source_key() -> str:
-    """This package's sources and the torch build: a change to either compiles again."""
+    """This package's sources, the card figures the compile reads (`vram.devices.clocks`) and the
+    torch build: a change to any compiles again."""
     import torch
 
+    from vram.devices import clocks
+
     digest = hashlib.sha256(torch.__version__.encode())
-    for path in sorted(_PACKAGE.glob("*.py")) + sorted(_PACKAGE.glob("*.cpp")):
+    for path in sorted(_PACKAGE.glob("*.py")) + sorted(_PACKAGE.glob("*.cpp")) + [Path(clocks.__file__)]:
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
