@@ -165,3 +165,28 @@ def test_the_learned_heuristic_pads_under_deterministic_on_an_a100(capsys: pytes
     allocs = [e["size"] for e in trace if e["action"] == "alloc" and e["size"] != flush]
     assert allocs == [8192 * 8192 * 2, 8192 * 2048 * 2, 8192 * 2048 * 2, 8_519_680]
     assert "pad_mm" not in capsys.readouterr().err
+
+
+@needs_triton
+@pytest.mark.slow  # two compile processes: about a minute
+def test_the_scripts_tf32_setting_reaches_pad_mms_cost_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """An L4's float32 figure is 30.3 TFLOPS, with TF32 120 (Inductor's datasheet table): machine
+    balances 0.5*1000*30.3/300.048 = 50.49 and 199.97. fp32 (256, 256) @ (256, 257) (n padded to
+    260; intensity 256*256*257/(3*256*257 - 256) = 85.44) is memory bound with TF32, so not padded
+    and not said, and compute bound without it (left to the timing, said). (``get_device_tflops``
+    is cached per dtype for the process's life, on a GPU as in the compile process: one run each.)"""
+    import torch
+
+    from vram.run.runtime import simulated_cuda
+
+    saved, said = torch.backends.cuda.matmul.fp32_precision, {}
+    try:
+        for precision in ("tf32", "ieee"):
+            torch.backends.cuda.matmul.fp32_precision = precision
+            with simulated_cuda("L4"), torch.no_grad():
+                torch.compile(torch.nn.Linear(256, 257, bias=False).cuda())(torch.zeros(256, 256, device="cuda"))
+            said[precision] = capsys.readouterr().err
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved
+    assert "pad_mm" not in said["tf32"] and "not modelled (" not in said["tf32"]
+    assert said["ieee"].count("pad_mm") == 1 and "1 matmul with unaligned sizes" in said["ieee"]

@@ -77,7 +77,7 @@ class CompileClient:
         key = hashlib.sha256(pickle.dumps((self.source_key, self.card, request["code"], request["graph"],
                                            request["inputs"], request["autocast"], request["grad"],
                                            request.get("cudagraphs", False), request.get("static_inputs"),
-                                           request.get("max_autotune", False),
+                                           request.get("max_autotune", False), request.get("fp32_precision"),
                                            sorted(request.get("inductor_config", {}).items())))).hexdigest()
         if key in self.memo:
             return self.memo[key]

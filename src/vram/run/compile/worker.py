@@ -143,6 +143,7 @@ def compile_request(request: dict[str, Any]) -> dict[str, Any]:
     except NotModelledInput as e:
         return {"not_modelled": str(e)}
     autocast = getattr(torch, request["autocast"]) if request["autocast"] else None
+    torch.backends.cuda.matmul.fp32_precision = request.get("fp32_precision") or "none"
     from .cuda_process import GUESSED
     from .matmul_padding import UNDECIDED, notice
 
