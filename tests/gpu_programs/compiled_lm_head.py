@@ -11,27 +11,7 @@ import tempfile
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="lm_head_inductor_"))
 
 import torch  # noqa: E402
-
-DECISIONS = []
-
-
-def watch_pad_mm():
-    from torch._inductor.fx_passes import pad_mm
-
-    should, faster = pad_mm._should_pad, pad_mm.is_padded_faster
-
-    def should_pad(match, mat1, mat2, op, input=None):
-        answer = should(match, mat1, mat2, op, input)
-        DECISIONS.append({"op": str(op), "shapes": [list(map(int, mat1.shape)), list(map(int, mat2.shape))],
-                          "dtype": str(mat1.dtype), "pad": bool(answer)})
-        return answer
-
-    def is_padded_faster(key, ori_time, pad_time):
-        answer = faster(key, ori_time, pad_time)
-        DECISIONS.append({"bench": key, "ori_time": ori_time, "pad_time": pad_time, "pad": bool(answer)})
-        return answer
-
-    pad_mm._should_pad, pad_mm.is_padded_faster = should_pad, is_padded_faster
+from pad_mm_decisions import DECISIONS, watch_pad_mm  # noqa: E402 - this folder's program (sys.path[0])
 
 
 class Head(torch.nn.Module):
