@@ -17,9 +17,10 @@ unpadded one takes over 1.1 times as long (``is_padded_faster``). The compile pr
 Triton's driver and ``nvidia-smi`` with the simulated card's figures while this runs
 (`card_answers`), so all but the timing is Inductor's own code.
 
-Padding adds ``constant_pad_nd`` copies of the operands (and of ``addmm``'s bias) and a larger
-output, sliced back: `padding_bytes` is that sum, the most a padded matmul allocates beyond the
-unpadded one (a copy Inductor fuses into its producer costs only its padding).
+Padding adds ``constant_pad_nd`` copies of the operands (and ``cat`` copies of ``addmm``'s bias)
+and a larger output, sliced back: `padding_bytes` is what that allocates beyond the unpadded
+matmul (a copy Inductor fuses into its producer costs only its padding; the sliced output is a
+strided view, which a consumer needing it dense would copy).
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def padding_bytes(batch: int, sizes: Sequence[int], pads: Sequence[int], itemsiz
     padded by `pads` (torch/_inductor/fx_passes/pad_mm.py ``pad_mm``/``pad_bmm``/``pad_addmm``):
     mat1 ``(m+mp, k+kp)`` when mp or kp, mat2 ``(k+kp, n+np)`` when kp or np (each ``batch``
     times for ``bmm``), the output's growth ``(m+mp)(n+np) - mn``, and addmm's `bias` (its shape)
-    padded along n (and m, 2-D) where it is not broadcast; `itemsizes`: mat1's, mat2's."""
+    padded along n, then m (2-D), where it is not broadcast (``pad_dim``: one ``cat`` each);
+    `itemsizes`: mat1's, mat2's."""
     (m, k, n), (mp, kp, np_), (size1, size2) = sizes, pads, itemsizes
     total = batch * ((m + mp) * (n + np_) - m * n) * size1
     if mp or kp:
@@ -55,15 +57,13 @@ def padding_bytes(batch: int, sizes: Sequence[int], pads: Sequence[int], itemsiz
         total += batch * (k + kp) * (n + np_) * size2
     if bias is not None:
         shape = list(bias)
-        if np_ and shape and shape[-1] != 1:
-            shape[-1] += np_
-        if mp and len(shape) == 2 and shape[0] != 1:
-            shape[0] += mp
-        if shape != list(bias):
-            count = 1
-            for d in shape:
-                count *= d
-            total += count * size1
+        for dim, pad in ((len(shape) - 1, np_), (0 if len(shape) == 2 else -1, mp)):
+            if pad and dim >= 0 and shape[dim] != 1:
+                shape[dim] += pad
+                count = 1
+                for d in shape:
+                    count *= d
+                total += count * size1
     return total
 
 
@@ -73,11 +73,9 @@ def notice() -> str | None:
         return None
     total = sum(cost for cost, _ in UNDECIDED)
     cost, what = max(UNDECIDED)
-    many = f"{len(UNDECIDED)} matmuls" if len(UNDECIDED) > 1 else "1 matmul"
-    they = "they" if len(UNDECIDED) > 1 else "it"
-    return (f"{PAD_MM}: {many} with unaligned sizes compiled unpadded; padded, {they} would allocate at most "
-            f"{total:,} bytes more (padded copies of the operands, larger outputs; the largest: {what}, "
-            f"{cost:,} bytes)")
+    many, them = (f"{len(UNDECIDED)} matmuls", "them") if len(UNDECIDED) > 1 else ("1 matmul", "it")
+    return (f"{PAD_MM}: {many} with unaligned sizes compiled unpadded; padding {them} allocates {total:,} "
+            f"bytes more (padded copies of the operands, larger outputs; the largest: {what}, {cost:,} bytes)")
 
 
 def _describe(op: Any, mat1: Any, mat2: Any) -> str:
