@@ -1,6 +1,6 @@
 """Inductor's ``pad_mm`` (torch/_inductor/fx_passes/pad_mm.py) in the compile process: each rule
 that needs no GPU decides as it does on the simulated card; what only a benchmark decides is said
-once per graph, with what padding would allocate.
+once per graph, with what padding allocates.
 
 On a GPU, a matmul (``mm``, ``addmm``, ``bmm``) with a size not a multiple of 8 (fp16/bf16) or
 4 (fp32) is padded, in this order (``should_pad``): never if ``can_pad`` refuses (shape padding
@@ -13,9 +13,11 @@ cache (a first run: empty here); then the learned AutoHeuristic, when
 ``use_autoheuristic("pad_mm")`` (``TORCHINDUCTOR_AUTOHEURISTIC_USE=pad_mm``, or
 ``deterministic``; models for sm80 with 163 KB and sm90 with 227 KB of shared memory); then, under
 ``deterministic``, never; else both matmuls are timed and the padded one is taken when the
-unpadded one takes over 1.1 times as long (``is_padded_faster``). The compile process answers
-Triton's driver and ``nvidia-smi`` with the simulated card's figures while this runs
-(`card_answers`), so all but the timing is Inductor's own code.
+unpadded one takes over 1.1 times as long (``is_padded_faster``; no rule decides that case
+without the times: ``should_exclude_padding_time`` only leaves an operand's padding out of the
+timed padded call and adds to the cache key, and the replacement pads it all the same). The
+compile process answers Triton's driver and ``nvidia-smi`` with the simulated card's figures
+while this runs (`card_answers`), so all but the timing is Inductor's own code.
 
 Padding adds ``constant_pad_nd`` copies of the operands (and ``cat`` copies of ``addmm``'s bias)
 and a larger output, sliced back: `padding_bytes` is what that allocates beyond the unpadded
