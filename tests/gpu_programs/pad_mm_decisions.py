@@ -114,7 +114,7 @@ GRID = [  # (name, kind, m, k, n, batch, bias)
 ]
 
 
-def one(name, kind, m, k, n, batch, bias, dtype, precision):
+def one(name, kind, m, k, n, batch, bias, dtype, precision, deterministic):
     torch._dynamo.reset()
     torch.backends.cuda.matmul.fp32_precision = precision
     a = torch.randn(*([batch] if batch else []), m, k, device="cuda", dtype=dtype)
@@ -127,11 +127,14 @@ def one(name, kind, m, k, n, batch, bias, dtype, precision):
     DECISIONS.clear()
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=100000)
+    # set before each compile: Dynamo ends each frame with torch.use_deterministic_algorithms(prior),
+    # which sets Inductor's deterministic back (torch/_dynamo/convert_frame.py)
+    torch._inductor.config.deterministic = deterministic
     out = attempt(lambda: torch.compile(fn)(a, b, c))
     trace = torch.cuda.memory._snapshot()["device_traces"][0]
     torch.cuda.memory._record_memory_history(enabled=None)
     say("grid", name=name, op=kind, m=m, k=k, n=n, batch=batch, bias=bias, dtype=str(dtype), precision=precision,
-        deterministic=torch._inductor.config.deterministic, ok=not isinstance(out, str),
+        deterministic=deterministic, ok=not isinstance(out, str),
         decisions=list(DECISIONS), pad_mm_bench=counters["inductor"]["pad_mm_bench"],
         allocs=[e["size"] for e in trace if e["action"] == "alloc"])
 
@@ -146,12 +149,11 @@ def main():
     watch_pad_mm()
     cases = [(torch.float16, "ieee"), (torch.bfloat16, "ieee"), (torch.float32, "ieee"), (torch.float32, "tf32")]
     for deterministic in (False, True):
-        torch._inductor.config.deterministic = deterministic
         for dtype, precision in cases:
             for case in GRID:
                 if dtype == torch.float32 and case[0].startswith("gpt2"):
                     continue  # fp32 copies of the LM head's gradient: 1.6 GB each, same decision path
-                one_case(*case, dtype, precision)
+                one_case(*case, dtype, precision, deterministic)
     print("done", file=sys.stderr)
 
 
