@@ -22,6 +22,8 @@ rec nested_encoder $R nested_encoder -- $P/nested_encoder.py &
 rec compiled_cnn_bn $R compiled_cnn_bn -- $P/compiled_cnn_bn.py &
 rec compiled_dynamic $R compiled_dynamic -- $P/compiled_dynamic.py &
 rec compiled_opt_step $R compiled_opt_step -- $P/compiled_opt_step.py &
+rec pad_mm_decisions $R pad_mm_decisions -- $P/pad_mm_decisions.py &
+rec compiled_lm_head $R compiled_lm_head -- $P/compiled_lm_head.py &
 rec compiled_gpt_default $R compiled_gpt_default -- $KIT/compiled_gpt.py --mode default &
 rec compiled_gpt_reduce_overhead $R compiled_gpt_reduce_overhead -- $KIT/compiled_gpt.py --mode reduce-overhead &
 wait

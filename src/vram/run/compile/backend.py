@@ -81,7 +81,8 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
     """What the compile process needs for `gm` (`worker.compile_request`): a copy of the graph with
     the simulated devices retargeted to ``cuda:0``, its nodes pickled (`graph_transport`); the
     inputs' sizes, strides, dtypes, ``requires_grad``, whether each is a parameter and a leaf; the ambient
-    CUDA autocast and grad mode; with `cudagraphs`, compiled for CUDA graphs, the inputs Dynamo
+    CUDA autocast and grad mode, cuBLAS's float32 matmul precision (TF32: what pad_mm's cost model
+    and learned heuristic read); with `cudagraphs`, compiled for CUDA graphs, the inputs Dynamo
     marked static."""
     import pickle
 
@@ -110,6 +111,7 @@ def graph_request(gm: torch.fx.GraphModule, example_inputs: list[Any], card: dic
     return {"graph": sent, "code": copy.code, "inputs": inputs, "inductor_config": settings,
             "autocast": str(autocast).removeprefix("torch.") if autocast is not None else None,
             "grad": torch.is_grad_enabled(), "major": card["major"], "minor": card["minor"], "cudagraphs": cudagraphs,
+            "fp32_precision": torch.backends.cuda.matmul.fp32_precision,
             "static_inputs": static if cudagraphs else None}
 
 

@@ -30,11 +30,14 @@ def _cache_folder() -> Path:
 
 
 def _source_key() -> str:
-    """This package's sources and the torch build: a change to either compiles again."""
+    """This package's sources, the card figures the compile reads (`vram.devices.clocks`) and the
+    torch build: a change to any compiles again."""
     import torch
 
+    from vram.devices import clocks
+
     digest = hashlib.sha256(torch.__version__.encode())
-    for path in sorted(_PACKAGE.glob("*.py")) + sorted(_PACKAGE.glob("*.cpp")):
+    for path in sorted(_PACKAGE.glob("*.py")) + sorted(_PACKAGE.glob("*.cpp")) + [Path(clocks.__file__)]:
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -74,7 +77,7 @@ class CompileClient:
         key = hashlib.sha256(pickle.dumps((self.source_key, self.card, request["code"], request["graph"],
                                            request["inputs"], request["autocast"], request["grad"],
                                            request.get("cudagraphs", False), request.get("static_inputs"),
-                                           request.get("max_autotune", False),
+                                           request.get("max_autotune", False), request.get("fp32_precision"),
                                            sorted(request.get("inductor_config", {}).items())))).hexdigest()
         if key in self.memo:
             return self.memo[key]

@@ -35,12 +35,6 @@ _LIBS: list[Any] = []  # the loaded hooks library, and the CUDA kernel registrat
 #: choices Inductor makes by benchmarking on the GPU at compile time, met since the last clear:
 #: each made as named (the compile process reports them; the run says them)
 GUESSED: set[str] = set()
-PAD_MM = ("Inductor's padding of a matmul with unaligned sizes (pad_mm: padded and unpadded benchmarked "
-          "on the GPU while compiling) is not modelled: compiled unpadded")
-
-
-class _Benchmark(Exception):
-    """A compile-time benchmark was asked for (no GPU to time it)."""
 
 
 class CompileSetupError(RuntimeError):
@@ -99,6 +93,9 @@ def prepare(major: int = 9, minor: int = 0, name: str = "NVIDIA H200", total_mem
     props.L2_cache_size = l2_cache_size
     _patch_cuda_module(torch, props)
     _patch_inductor(torch, props)
+    from .matmul_padding import patch_pad_mm
+
+    patch_pad_mm({"name": name, "major": major, "minor": minor, "multi_processor_count": multi_processor_count})
     _register_cuda_kernels(torch, major, minor)
 
 
@@ -151,31 +148,6 @@ def _patch_inductor(torch: Any, props: Any) -> None:
 
     AsyncCompile.triton = triton
     AsyncCompile.wait = lambda self, scope: None
-    _patch_pad_mm()
-
-
-def _patch_pad_mm() -> None:
-    """``pad_mm._should_pad`` decides by benchmarking both matmuls on the GPU when its cheaper
-    rules (torch/_inductor/fx_passes/pad_mm.py: alignment, ``force_shape_pad``, compute bound)
-    leave it open: then the matmul stays unpadded and `PAD_MM` is noted."""
-    from torch._inductor.fx_passes import pad_mm
-
-    original, get_do_bench = pad_mm._should_pad, pad_mm.get_do_bench
-
-    def refuse(*args: Any, **kwargs: Any) -> float:
-        raise _Benchmark
-
-    def should_pad(*args: Any, **kwargs: Any) -> bool:
-        pad_mm.get_do_bench = lambda: refuse
-        try:
-            return bool(original(*args, **kwargs))
-        except _Benchmark:
-            GUESSED.add(PAD_MM)
-            return False
-        finally:
-            pad_mm.get_do_bench = get_do_bench
-
-    pad_mm._should_pad = should_pad
 
 
 class UnbuiltKernel:

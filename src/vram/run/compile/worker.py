@@ -143,9 +143,12 @@ def compile_request(request: dict[str, Any]) -> dict[str, Any]:
     except NotModelledInput as e:
         return {"not_modelled": str(e)}
     autocast = getattr(torch, request["autocast"]) if request["autocast"] else None
+    torch.backends.cuda.matmul.fp32_precision = request.get("fp32_precision") or "none"
     from .cuda_process import GUESSED
+    from .matmul_padding import UNDECIDED, notice
 
     GUESSED.clear()
+    UNDECIDED.clear()
     layout: dict[str, Any] = {}
     try:
         with torch.set_grad_enabled(request["grad"]):
@@ -165,7 +168,7 @@ def compile_request(request: dict[str, Any]) -> dict[str, Any]:
         return {"not_modelled": ", ".join(layout["not_modelled"])}
     kernels = {name: info for source in sources for name, info in kernel_configs(source).items()}
     return {"sources": sources, "layout": layout, "backends": backends, "kernels": kernels,
-            "guessed": sorted(GUESSED)}
+            "guessed": sorted(GUESSED | {line for line in [notice()] if line is not None})}
 
 
 def main(argv: list[str]) -> int:
