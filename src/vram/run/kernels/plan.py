@@ -54,8 +54,11 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   copies, the segmented radix sort's key and index buffers, multinomial's exponential noise and
   checks (``Sort.cpp``, ``SortStable.cu``, ``TensorTopK.cpp``, ``ScanUtils.cuh``,
   ``Distributions.cpp``, ``Nonzero.cu``) in `vram.run.kernels.sorting`; cub's temporary storage,
-  and ops whose scratch is not modelled (``unique(dim=...)``, ``embedding_bag`` backward,
-  ``median``…), named per call.
+  and ops whose scratch is not modelled (``unique(dim=...)``, ``embedding_bag`` backward…), named
+  per call.
+* **median, kthvalue, mode, multinomial with replacement**: contiguous copies, ``median()``'s
+  sort, the sampling buffers (``Sorting.cpp``, ``TensorModeKernel.cpp``, ``MultinomialKernel.cu``)
+  in `vram.run.kernels.selection`.
 * **torch.unique / unique_consecutive**: worst-case outputs shrunk by ``resize_`` keep their storage
   (`cuda_outputs`), and the sort and scan buffers of ``UniqueCub.cu`` (`vram.run.kernels.unique`).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
@@ -99,6 +102,7 @@ from .histograms import histogram_plan
 from .linalg import linalg_plan
 from .scans import CUDA_META as _SCAN_META
 from .scans import cummaxmin_plan
+from .selection import selection_plan
 from .sorting import sorting_plan
 from .unique import UNIQUE_OPS, unique_outputs, unique_plan
 from .vision import nms_plan
@@ -146,6 +150,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         plan = linalg_plan(name, outs)
     if plan is None:
         plan = unique_plan(name, args, kwargs or {}, outs)
+    if plan is None:
+        plan = selection_plan(name, args, kwargs or {}, outs)
     if plan is None:
         plan = sorting_plan(name, args, kwargs or {}, outs, sms, max_threads_sm)
     if plan is None:

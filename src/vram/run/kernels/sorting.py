@@ -11,7 +11,7 @@
 * ``cumsum`` / ``cumprod``: `scan_plan` (``native/ReduceOps.cpp`` ``impl_func_cum_ops``,
   ``native/cuda/ScanKernels.cpp``, ``ScanUtils.cuh`` ``scan_dim``).
 * ``multinomial`` without replacement or with one sample: `multinomial_plan` (``native/Distributions.cpp``
-  ``multinomial_out``).
+  ``multinomial_out``; with replacement: `vram.run.kernels.selection`).
 * ``nonzero``: `nonzero_plan` (``native/cuda/Nonzero.cu`` ``nonzero_cuda_out_impl``).
 * ``scatter_reduce(reduce="mean")``: `scatter_reduce_plan` (``native/TensorAdvancedIndexing.cpp``).
 
@@ -61,10 +61,6 @@ UNMODELLED = {
     "_embedding_bag_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
     "_embedding_bag_dense_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
     "index_reduce": "index_reduce (Indexing.cu): buffers beyond its outputs",
-    "kthvalue": "kthvalue (Sorting.cu): buffers beyond its outputs",
-    "median": "median (Sorting.cu): buffers beyond its outputs",
-    "nanmedian": "nanmedian (Sorting.cu): buffers beyond its outputs",
-    "mode": "mode (TensorModeKernel.cu): buffers beyond its outputs",
     "_index_put_impl_": "index_put_(accumulate=True) with a boolean mask whose number of entries its value "
                         "does not give, or host indices (Indexing.cu index_put_with_sort_kernel: the mask's "
                         "nonzero, linear indices, their sorted copy and original positions, expanded values)",
@@ -72,8 +68,6 @@ UNMODELLED = {
              "mask's nonzero, index copies)",
     "index_put_": "x[mask] = v with a mask whose number of entries v does not give, or beside other indices "
                   "(TensorAdvancedIndexing.cpp make_info: the mask's nonzero, index copies)",
-    "multinomial": "multinomial with replacement and more than one sample (MultinomialKernel.cu): "
-                   "buffers beyond its output",
 }
 
 
@@ -321,18 +315,14 @@ def multinomial_plan(args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[A
     ``_assert_async``, ``q = empty_like(self)`` (``exponential_`` and ``div_out`` write it in place),
     then ``argmax_out(result, q, -1, true)`` (or ``vals = empty(result.sizes())`` and ``topk_out``).
     Locals die in reverse: vals, q, zero_prob_condition, is_valid, self_min, self_max. With
-    replacement and more samples the stub runs: named (`UNMODELLED`)."""
+    replacement and more samples the stub runs (`vram.run.kernels.selection`)."""
     x = args[0] if args else None
     if not isinstance(x, torch.Tensor) or len(outs) != 1 or not isinstance(outs[0], torch.Tensor):
         return None
     n = int(_arg(args, kwargs, 1, "num_samples", 1))
-    replacement = bool(_arg(args, kwargs, 2, "replacement", False))
     p = _Plan()
     p.steps.append(("out", 0))
     if outs[0].numel() == 0:
-        return p.steps
-    if replacement and n != 1:
-        p.steps.append(("note", UNMODELLED["multinomial"]))
         return p.steps
     scalar = torch.empty((), dtype=x.dtype, device="meta")
     flag = torch.empty((), dtype=torch.bool, device="meta")
@@ -439,6 +429,6 @@ def sorting_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs:
         dim = kwargs.get("dim")
         return _reductions.reduction_plan(name, (args[0],) if dim is None else (args[0], dim), outs,
                                           sms, max_threads_sm)
-    if name in UNMODELLED and name != "multinomial":
+    if name in UNMODELLED:
         return [*(("out", i) for i in range(len(outs))), ("note", UNMODELLED[name])]
     return None
