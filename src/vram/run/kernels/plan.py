@@ -121,7 +121,7 @@ def cuda_outputs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: 
 
 def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
             max_threads_sm: int = 2048, cc: tuple[int, int] = (9, 0),
-            kwargs: dict[str, Any] | None = None) -> list[tuple[str, Any]]:
+            kwargs: dict[str, Any] | None = None, mask_counts: dict[int, int] | None = None) -> list[tuple[str, Any]]:
     """The order in which a CUDA kernel allocates: ("out", i), ("tmp", nbytes) or ("free", j).
 
     ``("free", j)`` frees the j-th "tmp" of the plan. SDPA kernels follow `vram.run.kernels.sdpa.op_plan`,
@@ -130,8 +130,9 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     `vram.run.kernels.reductions.reduction_plan` (staging buffers of multi-block launches, on a
     device of `sms` SMs of `max_threads_sm` threads), ``_grouped_mm`` `vram.run.kernels.grouped_mm` (by
     the capability `cc`), sorting, top-k, scans, sampling and ``nonzero`` `vram.run.kernels.sorting`
-    (which reads keyword-only arguments from `kwargs`); ops without special knowledge allocate their
-    outputs in output order.
+    (which reads keyword-only arguments from `kwargs`, and the entries of an indexing op's boolean
+    masks whose values the run knows from `mask_counts`, by position); ops without special knowledge
+    allocate their outputs in output order.
     """
     plan = _sdpa.op_plan(name, args, outs, sms, cc)
     if plan is None:
@@ -153,7 +154,7 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     if plan is None:
         plan = selection_plan(name, args, kwargs or {}, outs)
     if plan is None:
-        plan = sorting_plan(name, args, kwargs or {}, outs, sms, max_threads_sm)
+        plan = sorting_plan(name, args, kwargs or {}, outs, sms, max_threads_sm, mask_counts)
     if plan is None:
         plan = _reductions.reduction_plan(name, args, outs, sms, max_threads_sm)
     if plan is None:

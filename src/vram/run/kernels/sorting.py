@@ -61,13 +61,14 @@ UNMODELLED = {
     "_embedding_bag_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
     "_embedding_bag_dense_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
     "index_reduce": "index_reduce (Indexing.cu): buffers beyond its outputs",
-    "_index_put_impl_": "index_put_(accumulate=True) with a boolean mask whose number of entries its value "
-                        "does not give, or host indices (Indexing.cu index_put_with_sort_kernel: the mask's "
-                        "nonzero, linear indices, their sorted copy and original positions, expanded values)",
-    "index": "x[mask, idx] with a mask beside other indices (TensorAdvancedIndexingUtils.h make_info: the "
-             "mask's nonzero, index copies)",
-    "index_put_": "x[mask] = v with a mask whose number of entries v does not give, or beside other indices "
-                  "(TensorAdvancedIndexing.cpp make_info: the mask's nonzero, index copies)",
+    "_index_put_impl_": "index_put_(accumulate=True) with a boolean mask whose values the run does not know "
+                        "and whose number of entries its value does not give, or host indices (Indexing.cu "
+                        "index_put_with_sort_kernel: the mask's nonzero, linear indices, their sorted copy and "
+                        "original positions, expanded values)",
+    "index": "x[mask, idx] with a mask beside other indices whose values the run does not know "
+             "(TensorAdvancedIndexingUtils.h make_info: the mask's nonzero, index copies)",
+    "index_put_": "x[mask] = v with a mask whose values the run does not know and whose number of entries v "
+                  "does not give (TensorAdvancedIndexing.cpp make_info: the mask's nonzero, index copies)",
 }
 
 
@@ -400,8 +401,10 @@ def nonzero_plan(args: tuple[Any, ...], outs: list[Any]) -> list[tuple[str, Any]
 
 
 def sorting_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any], sms: int,
-                 max_threads_sm: int) -> list[tuple[str, Any]] | None:
-    """The allocation order of an op this module knows (see the module doc), None for others."""
+                 max_threads_sm: int, known: dict[int, int] | None = None) -> list[tuple[str, Any]] | None:
+    """The allocation order of an op this module knows (see the module doc), None for others;
+    `known`: the entries of the boolean masks among an indexing op's indices whose values the run
+    knows, by position (`vram.run.kernels.indexing.mask_counts`)."""
     if name == "sort":
         return sort_plan(args, kwargs, outs)
     if name == "topk":
@@ -415,14 +418,14 @@ def sorting_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs:
     if name == "scatter_reduce":
         return scatter_reduce_plan(args, kwargs, outs)
     if name == "index":
-        got = index_plan(args, outs, nonzero_plan)
+        got = index_plan(args, outs, nonzero_plan, known)
         return got if got is not None else [("out", 0), ("note", UNMODELLED["index"])] if len(outs) == 1 else None
     if name == "_index_put_impl_" and not _arg(args, kwargs, 3, "accumulate", False):
-        put = put_plan(args, kwargs, nonzero_plan)
+        put = put_plan(args, kwargs, nonzero_plan, known)
         return put if put is not None else [("out", 0), ("note", UNMODELLED["index_put_"])]
     if name == "_index_put_impl_":
         modelled = index_put_plan(args, kwargs, outs, cub_note("index_put_(accumulate=True)"), nonzero_plan,
-                                  sms, max_threads_sm)
+                                  sms, max_threads_sm, known)
         if modelled is not None:
             return modelled
     if name == "aminmax" and args and isinstance(args[0], torch.Tensor):
