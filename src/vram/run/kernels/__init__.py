@@ -20,7 +20,8 @@ carries out on the simulated allocator.
 - `unique`: torch.unique's worst-case outputs (their storage as CUDA leaves it) and sort buffers.
 - `sdpa`: ``scaled_dot_product_attention``: which backend ``sdp_utils.cpp`` picks, what it
   allocates forward and backward.
-- `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named).
+- `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named);
+  `cufft_half`: its composites for float16 / complex32 inputs, which CUDA alone accepts.
 - `indexing`: ``x[idx]`` / ``x[idx] = v`` (``make_info``'s index copies) and ``index_put_(accumulate=True)``
   (``x[idx]``'s backward, a user's put): masks' nonzero, the range check, linear indices, their sort.
 - `ctc`: CTC loss forward and backward (``LossCTC.cu``), the refusal of cuDNN's CTC kernel.

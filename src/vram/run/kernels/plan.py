@@ -30,7 +30,8 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   and named at the end of a run), and the survivable OOM of a workspace, in
   `vram.run.kernels.cudnn_conv` (`cudnn_plan`; `CUDA_META` restrides convolution outputs).
 * **torch.fft** (cuFFT): operand copies and clones in ``SpectralOps.cpp``'s order; the plan
-  workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`).
+  workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`); half precision as CUDA
+  runs it (`vram.run.kernels.cufft_half`), its refusals (non-power-of-two sizes) CUDA's.
 * **x[idx], x[mask], x[idx] = v** (``index.Tensor``, ``index_put_``): ``make_info``'s nonzero of a
   mask, host indices copied over, int32 indices made int64, broadcast indices made contiguous
   (`vram.run.kernels.indexing`, via `sorting`).
@@ -138,7 +139,7 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     if plan is None:
         plan = cudnn_plan(name, args, outs, cc)
     if plan is None:
-        plan = fft_plan(name, args, outs)
+        plan = fft_plan(name, args, outs, cc)
     if plan is None:
         plan = ctc_plan(name, args, outs, sms, max_threads_sm)
     if plan is None:
