@@ -14,10 +14,11 @@ carries out on the simulated allocator.
 - `scratch`: embedding backward's sort path, layer-norm / RMS-norm backward's partial sums.
 - `sorting`: sort / argsort, topk, cumsum / cumprod, multinomial, nonzero, scatter_reduce(mean): their
   copies, index and key buffers; cub's temporary storage and the ops not modelled
-  (unique(dim=...), embedding_bag backward…) named, not charged.
+  (embedding_bag backward…) named, not charged.
 - `selection`: median / nanmedian / kthvalue / mode (contiguous copies, ``median()``'s sort) and
   multinomial with replacement (its distribution buffers).
-- `unique`: torch.unique's worst-case outputs (their storage as CUDA leaves it) and sort buffers.
+- `unique`: torch.unique's worst-case outputs (their storage as CUDA leaves it) and sort buffers;
+  ``unique(dim=...)``'s row copy and index buffers.
 - `sdpa`: ``scaled_dot_product_attention``: which backend ``sdp_utils.cpp`` picks, what it
   allocates forward and backward.
 - `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named);

@@ -55,13 +55,14 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   copies, the segmented radix sort's key and index buffers, multinomial's exponential noise and
   checks (``Sort.cpp``, ``SortStable.cu``, ``TensorTopK.cpp``, ``ScanUtils.cuh``,
   ``Distributions.cpp``, ``Nonzero.cu``) in `vram.run.kernels.sorting`; cub's temporary storage,
-  and ops whose scratch is not modelled (``unique(dim=...)``, ``embedding_bag`` backward…), named
-  per call.
+  and ops whose scratch is not modelled (``embedding_bag`` backward…), named per call.
 * **median, kthvalue, mode, multinomial with replacement**: contiguous copies, ``median()``'s
   sort, the sampling buffers (``Sorting.cpp``, ``TensorModeKernel.cpp``, ``MultinomialKernel.cu``)
   in `vram.run.kernels.selection`.
 * **torch.unique / unique_consecutive**: worst-case outputs shrunk by ``resize_`` keep their storage
-  (`cuda_outputs`), and the sort and scan buffers of ``UniqueCub.cu`` (`vram.run.kernels.unique`).
+  (`cuda_outputs`), and the sort and scan buffers of ``UniqueCub.cu``; along a dim, the row
+  copy, index and range buffers of ``Unique.cu`` (Thrust's own storage named)
+  (`vram.run.kernels.unique`).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
   before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
 * **_grouped_mm** (mixture-of-experts layers): the CUDA kernel's output layout and dtypes, which

@@ -54,10 +54,6 @@ MB_BLOCKS_PER_SM = 65536 // (40 * MB_BLOCK_THREADS)
 
 #: ops with buffers beyond their outputs that no plan models yet: named, not charged
 UNMODELLED = {
-    "unique_consecutive": "torch.unique_consecutive(dim=...) (Unique.cu unique_dim_cuda_template): "
-                          "buffers beyond its outputs",
-    "unique_dim": "torch.unique(dim=...) (Unique.cu unique_dim_cuda_template): buffers beyond its outputs",
-    "unique_dim_consecutive": "torch.unique_consecutive(dim=...) (Unique.cu): buffers beyond its outputs",
     "_embedding_bag_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
     "_embedding_bag_dense_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
     "index_reduce": "index_reduce (Indexing.cu): buffers beyond its outputs",
