@@ -12,9 +12,10 @@ carries out on the simulated allocator.
 - `autocast`: CUDA autocast's cast policy (lower precision, float32, promote, banned).
 - `reductions`: the staging buffers and semaphores of ``Reduce.cuh``'s reductions.
 - `scratch`: embedding backward's sort path, layer-norm / RMS-norm backward's partial sums.
+- `embedding_bag`: ``embedding_bag``'s forward output order and its backward (sort, segments).
 - `sorting`: sort / argsort, topk, cumsum / cumprod, multinomial, nonzero, scatter_reduce(mean): their
   copies, index and key buffers; cub's temporary storage and the ops not modelled
-  (embedding_bag backward…) named, not charged.
+  (index_reduce…) named, not charged.
 - `selection`: median / nanmedian / kthvalue / mode (contiguous copies, ``median()``'s sort) and
   multinomial with replacement (its distribution buffers).
 - `unique`: torch.unique's worst-case outputs (their storage as CUDA leaves it) and sort buffers;

@@ -55,7 +55,7 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   copies, the segmented radix sort's key and index buffers, multinomial's exponential noise and
   checks (``Sort.cpp``, ``SortStable.cu``, ``TensorTopK.cpp``, ``ScanUtils.cuh``,
   ``Distributions.cpp``, ``Nonzero.cu``) in `vram.run.kernels.sorting`; cub's temporary storage,
-  and ops whose scratch is not modelled (``embedding_bag`` backward…), named per call.
+  and ops whose scratch is not modelled (``index_reduce``…), named per call.
 * **median, kthvalue, mode, multinomial with replacement**: contiguous copies, ``median()``'s
   sort, the sampling buffers (``Sorting.cpp``, ``TensorModeKernel.cpp``, ``MultinomialKernel.cu``)
   in `vram.run.kernels.selection`.
@@ -71,6 +71,8 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
 * **scaled_dot_product_attention**: backend choice (flash / memory-efficient / cuDNN / math, by the
   simulated compute capability) and what each kernel allocates, forward and backward, live in
   `vram.run.kernels.sdpa` (re-exported here); `op_plan` asks it first.
+* **embedding_bag**: the forward's output order, the backward's copies, sort and segment buffers
+  (``EmbeddingBag.cu``; `vram.run.kernels.embedding_bag`).
 * **embedding / layer-norm / RMS-norm backward**: sort buffers, segment tables and partial
   gradients (``Embedding.cu``, ``EmbeddingBackwardKernel.cu``, ``layer_norm_kernel.cu``) live in
   `vram.run.kernels.scratch`; cub's own temporary storage there is named, not charged.
@@ -98,6 +100,7 @@ from .ctc import ctc_plan
 from .cudnn import cudnn_plan
 from .cudnn_conv import CUDA_META as _CONV_META
 from .cufft import fft_plan
+from .embedding_bag import embedding_bag_plan
 from .grouped_mm import CUDA_META as _GROUPED_MM_META
 from .grouped_mm import grouped_mm_plan
 from .histograms import histogram_plan
@@ -153,6 +156,8 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
         plan = linalg_plan(name, outs)
     if plan is None:
         plan = unique_plan(name, args, kwargs or {}, outs)
+    if plan is None:
+        plan = embedding_bag_plan(name, args, outs, sms)
     if plan is None:
         plan = selection_plan(name, args, kwargs or {}, outs)
     if plan is None:

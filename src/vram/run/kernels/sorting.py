@@ -54,8 +54,6 @@ MB_BLOCKS_PER_SM = 65536 // (40 * MB_BLOCK_THREADS)
 
 #: ops with buffers beyond their outputs that no plan models yet: named, not charged
 UNMODELLED = {
-    "_embedding_bag_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
-    "_embedding_bag_dense_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
     "index_reduce": "index_reduce (Indexing.cu): buffers beyond its outputs",
     "_index_put_impl_": "index_put_(accumulate=True) with a boolean mask whose values the run does not know "
                         "and whose number of entries its value does not give, or host indices (Indexing.cu "
