@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 
-from .scratch import _nbytes, _Plan, _segments, _sort_indices
+from .scratch import CUB_NOTE, _nbytes, _Plan, _segments, _sort_indices
 
 #: ``EmbeddingBagMode`` (EmbeddingBag.h)
 SUM, MEAN, MAX = 0, 1, 2
 UNMODELLED = ("embedding_bag backward with sparse=True, or without the forward's offset2bag (EmbeddingBag.cpp "
               "_embedding_bag_sparse_backward, make_offset2bag): buffers beyond its output")
+CUB_BAG_NOTE = CUB_NOTE.replace("embedding_dense_backward", "embedding_bag backward")
 FORWARD_OPS = ("_embedding_bag", "_embedding_bag_forward_only")
 BACKWARD_OPS = ("_embedding_bag_backward", "_embedding_bag_dense_backward")
 
@@ -82,7 +83,7 @@ def backward_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int) -
     else:
         if not indices.is_contiguous():
             p.tmp("indices", n * isz)
-        _sort_indices(p, n, isz, bool(scale))
+        _sort_indices(p, n, isz, bool(scale), CUB_BAG_NOTE)
         _segments(p, grad, n, isz, int(num_weights), sms, bags=True)
         p.free("count", "orig", "sorted", "indices")
     p.free("grad", "promoted")

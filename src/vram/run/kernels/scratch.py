@@ -132,13 +132,13 @@ def embedding_backward_plan(args: tuple[Any, ...], outs: list[Any], sms: int) ->
     return p.steps
 
 
-def _sort_indices(p: _Plan, n: int, isz: int, scale: bool) -> None:
+def _sort_indices(p: _Plan, n: int, isz: int, scale: bool, note: str = CUB_NOTE) -> None:
     """``sorted_indices``, ``orig_indices``, ``range = arange(num_indices)`` (freed after cub's
     radix sort), ``count`` when scaling by frequency (its cub scans named with the sort's)."""
     p.tmp("sorted", n * isz)
     p.tmp("orig", n * isz)
     p.tmp("range", n * isz)
-    p.steps.append(("note", CUB_NOTE))  # radix_sort_pairs' temp storage (and the later cub calls)
+    p.steps.append(("note", note))  # radix_sort_pairs' temp storage (and the later cub calls)
     p.free("range")
     if scale:
         p.tmp("count", n * isz)
