@@ -131,3 +131,29 @@ def test_half_precision_refusals_are_cudas() -> None:
         with pytest.raises(RuntimeError, match="less than SM_53, but the device containing input half tensor only "
                                                "has SM_52"):
             torch.fft.rfft(torch.empty(64, dtype=torch.float16, device="cuda"))
+
+
+def test_half_precision_hermitian_transforms() -> None:
+    """``ihfftn`` of x [4, 8, 16] float16 over all dims (``fft_ihfftn_impl``): ``_fft_r2c`` of the
+    last dim ([4, 8, 9] complex32: 1,152 B); ``tmp = at::conj_physical(tmp)`` (1,152 B; the
+    transform's output freed as it is replaced); ``_fft_c2c`` of dims (0, 1) into a new 1,152 B
+    output, whose ``_exec_fft`` clones the input (half precision with an inner stride of 9, not 1:
+    ``CuFFTConfig``'s ``clone_input``), 1,152 B freed on return; then ``tmp`` dies. ``_exec_fft``
+    leaves that output strided batch-last, (8, 1, 32). ``hfftn`` of it (``fft_hfftn_impl``):
+    ``_fft_c2c`` of dims (0, 1) (1,152 B; its input's inner stride is 1 now: no clone), conjugated
+    (``conj()``, a view whose conjugate bit the dispatcher's conjugate fallback resolves into a
+    1,152 B copy before ``_fft_c2r``, which takes no conjugate views), ``_fft_c2r`` of the last dim
+    to 16 points: the [4, 8, 16] half output (1,024 B), then its contiguous clone of the input
+    (1,152 B) freed; then the resolved copy, then the c2c result."""
+    with simulated_cuda(gpu="H200"):
+        x = torch.empty(4, 8, 16, dtype=torch.float16, device="cuda")
+        keep: list[torch.Tensor] = []
+        ev = _trace(lambda: keep.append(torch.fft.ihfftn(x)))
+        k = 1152
+        assert ev == [("alloc", k), ("alloc", k), ("free_completed", k), ("alloc", k), ("alloc", k),
+                      ("free_completed", k), ("free_completed", k)]
+        ev2 = _trace(lambda: keep.append(torch.fft.hfftn(keep[0])))
+        assert keep[0].stride() == (8, 1, 32)
+        assert ev2[len(ev):] == [("alloc", k), ("alloc", k), ("alloc", 1024), ("alloc", k), ("free_completed", k),
+                                 ("free_completed", k), ("free_completed", k)]
+        assert keep[1].shape == (4, 8, 16) and keep[1].dtype == torch.float16

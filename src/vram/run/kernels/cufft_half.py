@@ -15,7 +15,8 @@ charges (and where cuFFT's half-precision rule, power-of-two signal sizes, refus
   which scales its output in place; ``hfft`` conjugates its input (a view), ``ifft`` / ``ihfft``
   of a real input conjugate the result (a view; ``conj_physical_out`` into ``out=``).
 
-``hfftn`` / ``ihfftn`` (and their 2-D forms) are not ported: they keep PyTorch's refusal.
+Every ``torch.fft`` transform is ported (``fft`` … ``ihfftn`` and the 2-D forms); ``stft`` /
+``istft`` call the kernels themselves and need no port.
 """
 from __future__ import annotations
 
@@ -147,10 +148,11 @@ def _shape_and_dims(x: torch.Tensor, s: Any, dim: Any) -> tuple[list[int], list[
 
 def _fftn(out: torch.Tensor | None, x: torch.Tensor, s: Any, dim: Any, norm: str | None,
           forward: bool) -> torch.Tensor:
-    """``fft_fftn`` / ``fft_ifftn``: promoted to complex, resized, one ``_fft_c2c``."""
+    """``fft_fftn`` / ``fft_ifftn``: promoted to complex, resized, one ``_fft_c2c`` (the promoted
+    and the resized tensors are both locals there: they live until it returns)."""
     shape, dims = _shape_and_dims(x, s, dim)
-    x = _resize(_promote(x, True), dims, shape)
-    return _kernel(_C2C, out, x, dims, _norm(norm, forward), forward)
+    promoted = _promote(x, True)
+    return _kernel(_C2C, out, _resize(promoted, dims, shape), dims, _norm(norm, forward), forward)
 
 
 def _rfftn(out: torch.Tensor | None, x: torch.Tensor, s: Any, dim: Any, norm: str | None) -> torch.Tensor:
@@ -163,18 +165,50 @@ def _rfftn(out: torch.Tensor | None, x: torch.Tensor, s: Any, dim: Any, norm: st
     return _kernel(_R2C, out, _resize(x, dims, shape), dims, _norm(norm, True), True)
 
 
-def _irfftn(out: torch.Tensor | None, x: torch.Tensor, s: Any, dim: Any, norm: str | None) -> torch.Tensor:
-    """``fft_irfftn_impl`` (``canonicalize_fft_c2r_shape_and_dim_args``: the last dim's output
-    size, its input size ``last / 2 + 1``)."""
+def _c2r_shape(name: str, x: torch.Tensor, s: Any, dim: Any) -> tuple[list[int], list[int], int]:
+    """``canonicalize_fft_c2r_shape_and_dim_args``: the shape (its last entry the input size
+    ``last / 2 + 1``), the dims, and the last dim's output size ``last``."""
     shape, dims = _shape_and_dims(x, s, dim)
     if not shape:
-        raise RuntimeError("irfftn must transform at least one axis")
+        raise RuntimeError(f"{name} must transform at least one axis")
     last = 2 * (x.size(dims[-1]) - 1) if s is None or list(s)[-1] == -1 else shape[-1]
     if last < 1:
         raise RuntimeError(f"Invalid number of data points ({last}) specified")
     shape[-1] = last // 2 + 1
-    x = _resize(_promote(x, True), dims, shape)
-    return _kernel(_C2R, out, x, dims, _norm(norm, False), last)
+    return shape, dims, last
+
+
+def _irfftn(out: torch.Tensor | None, x: torch.Tensor, s: Any, dim: Any, norm: str | None) -> torch.Tensor:
+    """``fft_irfftn_impl``: promoted to complex, resized, one ``_fft_c2r``."""
+    shape, dims, last = _c2r_shape("irfftn", x, s, dim)
+    promoted = _promote(x, True)
+    return _kernel(_C2R, out, _resize(promoted, dims, shape), dims, _norm(norm, False), last)
+
+
+def _hfftn(out: torch.Tensor | None, x: torch.Tensor, s: Any, dim: Any, norm: str | None) -> torch.Tensor:
+    """``fft_hfftn_impl``: promoted, resized; a ``_fft_c2c`` over all but the last dim (more than
+    one), conjugated (a view), then ``_fft_c2r`` of the last dim."""
+    shape, dims, last = _c2r_shape("hfftn", x, s, dim)
+    promoted = _promote(x, True)
+    resized = _resize(promoted, dims, shape)
+    mode = _norm(norm, True)
+    tmp = _C2C(resized, dims[:-1], mode, True) if len(dims) > 1 else resized
+    return _kernel(_C2R, out, tmp.conj(), [dims[-1]], mode, last)
+
+
+def _ihfftn(out: torch.Tensor | None, x: torch.Tensor, s: Any, dim: Any, norm: str | None) -> torch.Tensor:
+    """``fft_ihfftn_impl``: resized; ``_fft_r2c`` of the last dim; one dim: its conjugate (a view,
+    or ``at::conj_physical_out(tmp, out)`` as written there); more: ``conj_physical`` (a new
+    tensor), then ``_fft_c2c`` of the other dims."""
+    shape, dims = _shape_and_dims(x, s, dim)
+    if not shape:
+        raise RuntimeError("ihfftn must transform at least one axis")
+    mode = _norm(norm, False)
+    tmp = _R2C(_resize(x, dims, shape), [dims[-1]], mode, True)
+    if len(dims) == 1:
+        return tmp.conj() if out is None else torch.conj_physical(out, out=tmp)
+    tmp = torch.conj_physical(tmp)  # the transform's output goes as its conjugate replaces it
+    return _kernel(_C2C, out, tmp, dims[:-1], mode, False)
 
 
 def _one(run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -219,6 +253,10 @@ HALF_FFT: dict[Any, Callable[..., torch.Tensor]] = {
     torch.fft.rfft2: _many(_rfftn, _TWO),
     torch.fft.irfftn: _many(_irfftn, None),
     torch.fft.irfft2: _many(_irfftn, _TWO),
+    torch.fft.hfftn: _many(_hfftn, None),
+    torch.fft.hfft2: _many(_hfftn, _TWO),
+    torch.fft.ihfftn: _many(_ihfftn, None),
+    torch.fft.ihfft2: _many(_ihfftn, _TWO),
 }
 
 
