@@ -109,7 +109,13 @@ def test_half_precision_transforms_run_as_on_cuda() -> None:
         ev3 = _trace(lambda: keep.append(torch.fft.fftn(x)))
         assert ev3[len(ev2):] == [("alloc", 1024), ("alloc", 1024), ("free_completed", 1024)]
         assert keep[-1].dtype == torch.complex32
-        assert _workspace_notes() == 4
+        # fftn with s = (4, 128): the promoted copy (1,024 B), then ``resize_fft_input`` pads it
+        # (``constant_pad_nd``: [4, 128] complex32, 2,048 B), the c2c output (2,048 B); the padded
+        # input dies when ``fftn_c2c`` returns, the promoted one when ``fft_fftn`` does
+        ev4 = _trace(lambda: keep.append(torch.fft.fftn(x, s=(4, 128))))
+        assert ev4[len(ev3):] == [("alloc", 1024), ("alloc", 2048), ("alloc", 2048), ("free_completed", 2048),
+                                  ("free_completed", 1024)]
+        assert _workspace_notes() == 5
 
 
 def test_half_precision_refusals_are_cudas() -> None:
