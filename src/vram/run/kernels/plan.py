@@ -81,8 +81,10 @@ The rules follow the newest PyTorch sources read (2026); older releases differ i
 the shared cuBLASLt workspace, each Lt matmul allocated and freed its own 1 MiB).
 
 Not modelled (documented limitations) — mostly transient scratch that raises a peak without
-changing steady state: cuDNN workspaces outside the measured table; cub temporary storage; NCCL buffers;
-CUDA graphs. Refused instead
+changing steady state: cuDNN workspaces outside the measured table; cub and Thrust temporary
+storage; cuFFT plan workspaces; ``torch.mode`` over slices of more than 2,048 elements and
+``nanmedian()`` without a dim; embedding_bag's sparse backward; masks whose values the run does
+not know; NCCL buffers; CUDA graphs. Refused instead
 (`RNN_OPS`: not scratch, the saved state differs): cuDNN's recurrent layers.
 """
 from __future__ import annotations
