@@ -141,15 +141,40 @@ def test_indices_on_non_adjacent_dims_sort_a_transposed_copy() -> None:
                    ("f", zb), ("f", 640_000), ("f", i), ("f", 4)]
 
 
-def test_a_mask_whose_count_the_value_does_not_give_stays_named() -> None:
-    """``y.index_put_((m,), scalar, accumulate=True)``: the number of entries is the mask's, which
-    the 0-dim value does not carry: named, not charged."""
+def test_a_known_mask_whose_count_the_value_does_not_give_is_counted_from_its_values() -> None:
+    """``y.index_put_((m,), scalar, accumulate=True)`` (``Tensor.index_put_``: ``unsafe=false``), m
+    every other row of 1,000: the 0-dim value does not carry the 500 entries, the mask's known
+    values do. ``m.nonzero()``: its 4 B count, the [500, 1] int64 output (4,000 B), the count
+    freed; the range check: ``aminmax`` (two 0-dim int64, 8 B each; 500 elements reduce in one
+    block), ``index_max < size`` and ``index_min >= -size`` (1 B each, each freed with its
+    statement), the extrema freed; ``remainder`` (4,000 B) and ``linearIndex`` (4,000 B), the
+    remainder freed; ``makeLinearIndex`` returns: the nonzero freed; the value expanded to
+    ``vals_shape`` [500, 64] made contiguous (128,000 B); ``sorted_indices``, ``orig_indices``,
+    ``range`` (4,000 B each) freed last made first; then the expanded value and the linear index."""
     with simulated_cuda(gpu="H200"):
         y = torch.zeros(ROWS, F, device="cuda")
         m = torch.arange(ROWS, device="cuda") % 2 == 0
+        one = torch.tensor(1.0, device="cuda")
+        got = allocator_events(lambda: y.index_put_((m,), one, accumulate=True), short=True)
+        sim = active_sim()
+        assert sim is not None and UNMODELLED["_index_put_impl_"] not in sim.uncharged
+    k = 4000
+    assert got == [("a", 4), ("a", k), ("f", 4), ("a", 8), ("a", 8), ("a", 1), ("f", 1), ("a", 1), ("f", 1),
+                   ("f", 8), ("f", 8), ("a", k), ("a", k), ("f", k), ("f", k), ("a", 128_000), ("a", k), ("a", k),
+                   ("a", k), ("f", k), ("f", k), ("f", k), ("f", 128_000), ("f", k)]
+
+
+def test_a_mask_whose_values_are_unknown_and_not_counted_by_the_value_stays_named() -> None:
+    """The same put through a mask of uninitialized memory (``torch.empty``: values unknown) and a
+    0-dim value: nothing gives the number of entries, so the op names what it does not charge."""
+    with simulated_cuda(gpu="H200"):
+        y = torch.zeros(ROWS, F, device="cuda")
+        m = torch.empty(ROWS, device="cuda", dtype=torch.bool)
         y.index_put_((m,), torch.tensor(1.0, device="cuda"), accumulate=True)
+        y[m] = torch.tensor(2.0, device="cuda")
         sim = active_sim()
         assert sim is not None and sim.uncharged.get(UNMODELLED["_index_put_impl_"]) == 1
+        assert sim.uncharged.get(UNMODELLED["index_put_"]) == 1
 
 
 # -- x[idx] and x[idx] = v: make_info (TensorAdvancedIndexingUtils.h) -------------------------------
@@ -233,12 +258,25 @@ def test_setitem_of_a_number_under_a_cuda_default_device() -> None:
     assert got == []
 
 
-def test_a_mask_beside_other_indices_is_named() -> None:
-    """``y[m, i]``: a mask broadcast with an index tensor; its count is not read from the output
-    alone, so the op charges its output and names what ``make_info`` allocates."""
+def test_a_known_mask_beside_other_indices_and_a_broadcast_value_are_counted() -> None:
+    """``y[m, i]`` (y [10, 4], m every other row: 5 entries, i 5 int64): ``make_info`` makes
+    ``m.nonzero()`` (4 B count, [5, 1] int64 = 40 B, the count freed); the mask's column and i
+    have the same strides (no copies); the output [5] float (20 B); the nonzero freed when the op
+    ends. ``z[m2] = v`` (z [1000, 64], m2 every fourth row: 250 entries, v [64] broadcast over
+    them): ``_index_put_impl_``'s ``make_info``: the nonzero (4 B count, [250, 1] int64 = 2,000 B,
+    the count freed), the put through it, the nonzero freed; v is broadcast by the iterator."""
     with simulated_cuda(gpu="H200"):
         y = torch.zeros(10, 4, device="cuda")
         m = torch.arange(10, device="cuda") % 2 == 0
-        assert y[m, torch.tensor([0, 1, 2, 3, 0], device="cuda")].shape == (5,)
+        i = torch.tensor([0, 1, 2, 3, 0], device="cuda")
+        z = torch.zeros(ROWS, F, device="cuda")
+        m2 = torch.arange(ROWS, device="cuda") % 4 == 0
+        v = torch.ones(F, device="cuda")
+        pair = _events(lambda: y[m, i])
+        put = allocator_events(lambda: z.__setitem__(m2, v), short=True)
+        assert z[4].sum().item() == F and z[1].sum().item() == 0
         sim = active_sim()
-        assert sim is not None and sim.uncharged.get(UNMODELLED["index"]) == 1
+        assert sim is not None and UNMODELLED["index"] not in sim.uncharged
+        assert UNMODELLED["index_put_"] not in sim.uncharged
+    assert pair == [("a", 4), ("a", 40), ("f", 4), ("a", 20), ("f", 40)]
+    assert put[len(pair):] == [("a", 4), ("a", 2000), ("f", 4), ("f", 2000)]

@@ -1,7 +1,8 @@
-"""`vram.run.kernels.scratch`: what embedding / layer-norm / RMS-norm backward kernels allocate besides outputs.
+"""`vram.run.kernels.scratch` and `vram.run.kernels.embedding_bag`: what embedding, embedding-bag,
+layer-norm and RMS-norm backward kernels allocate besides outputs.
 
 Expected sequences are worked by hand from the CUDA host code (``aten/src/ATen/native/cuda``):
-``Embedding.cu`` ``embedding_dense_backward_cuda``, ``EmbeddingBackwardKernel.cu``
+``Embedding.cu`` ``embedding_dense_backward_cuda``, ``EmbeddingBag.cu``, ``EmbeddingBackwardKernel.cu``
 ``embedding_backward_cuda_kernel`` and ``layer_norm_kernel.cu`` ``layer_norm_backward_cuda`` /
 ``LaunchGammaBetaBackwardCUDAKernel``; each step is derived in the comments.
 """
@@ -11,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from vram.run.kernels.embedding_bag import UNMODELLED as EMBEDDING_BAG_UNMODELLED  # noqa: E402
 from vram.run.kernels.plan import op_plan  # noqa: E402
 from vram.run.kernels.reductions import reduction_plan  # noqa: E402
 from vram.run.kernels.scratch import CUB_NOTE, embedding_backward_plan, norm_backward_plan  # noqa: E402
@@ -141,3 +143,55 @@ def test_layer_norm_backward_copies_a_strided_grad() -> None:
     args = (dy, x, [32], _meta(64, 1), _meta(64, 1), w, w, [True, True, True])
     assert norm_backward_plan("native_layer_norm_backward", args, [x, w, w], A100, 2048) == [
         ("out", 0), ("out", 1), ("out", 2), ("tmp", 64 * 32 * 4), ("free", 0)]
+
+
+def test_embedding_bag_forward_order_and_backward_sort_on_the_simulated_h200() -> None:
+    """``nn.EmbeddingBag(100, 16, mode="mean")`` on 40 int64 indices in 4 bags (EmbeddingBag.cu).
+    Forward ``_embedding_bag_cuda``: ``bag_size`` [4] 32 B, ``offset2bag`` [40] 320 B, ``output``
+    [4, 16] 256 B (``max_indices`` ``empty({0})``). Backward (``_embedding_bag_backward``, same
+    index dtypes: no promotion): the 0-dim grad of ``sum`` (4 B); ``grad_.contiguous()`` of its
+    expand (256 B); ``embedding_bag_backward_cuda_sum_avg``: ``sorted_indices``, ``orig_indices``,
+    ``range`` (320 B each; range freed after cub's sort); ``embedding_backward_cuda_kernel``:
+    ``grad_weight`` [100, 16] 6,400 B, ``segment_offsets`` 320, a 0-dim int64 8, max_segments =
+    min(40, 100) = 40: 320 and 320, 8, max_partial = 40/10 + 40 = 44: 352 B; a bag never takes the
+    fused path: ``grad_weight_per_segment`` [44, 16] fp32 2,816 B, freed, then the kernel's locals
+    in reverse, orig, sorted, the grad copy. ``mode="max"``: the forward adds ``max_indices`` [4, 16]
+    int64 (512 B) last; its backward is the grad copy and ``grad_weight`` (zeros) alone."""
+    with simulated_cuda(gpu="H200"):
+        idx = torch.arange(40, device="cuda") % 7
+        offsets = torch.tensor([0, 10, 20, 30], device="cuda")
+        bag = torch.nn.EmbeddingBag(100, 16, mode="mean", device="cuda")
+        maxed = torch.nn.EmbeddingBag(100, 16, mode="max", device="cuda")
+        torch.cuda.memory._record_memory_history()
+        loss = bag(idx, offsets).sum()
+        loss.backward()
+        del loss
+        loss = maxed(idx, offsets).sum()
+        loss.backward()
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        torch.cuda.memory._record_memory_history(enabled=None)
+    got = [(e["action"][0], e["size"]) for e in trace if e["action"] in ("alloc", "free_requested")]
+    forward = [("a", 32), ("a", 320), ("a", 256), ("a", 4), ("f", 256), ("a", 4)]  # + sum, its output's
+    # release (mean's backward keeps offset2bag and bag_size, not the output), the 0-dim grad
+    kernel = [("a", 256), ("a", 320), ("a", 320), ("a", 320), ("f", 320), ("a", 6400), ("a", 320), ("a", 8),
+              ("a", 320), ("a", 320), ("a", 8), ("a", 352), ("a", 2816), ("f", 2816), ("f", 352), ("f", 8),
+              ("f", 320), ("f", 320), ("f", 8), ("f", 320), ("f", 320), ("f", 320), ("f", 256)]
+    graph = [("f", 320), ("f", 32), ("f", 4), ("f", 4)]  # offset2bag, bag_size, the sum and its grad
+    maxed_forward = [("a", 32), ("a", 320), ("a", 256), ("a", 512), ("a", 4), ("f", 256), ("a", 4)]
+    maxed_backward = [("a", 256), ("a", 6400), ("f", 256)]
+    maxed_graph = [("f", 320), ("f", 32), ("f", 512), ("f", 4)]
+    assert got == forward + kernel + graph + maxed_forward + maxed_backward + maxed_graph
+
+
+def test_embedding_bag_backward_promotes_int32_indices_and_names_sparse() -> None:
+    """``promoteIndicesAndOffsets``: int32 indices beside int64 offsets are copied to int64 (40 x 8 =
+    320 B) before anything else and die last, and the kernels' index buffers are then int64 (the
+    sort's three 320 B buffers). ``sparse=True`` runs ``_embedding_bag_sparse_backward``: named."""
+    grad, idx, offsets = _meta(4, 16), _meta(40, dtype=torch.int32), _meta(4, dtype=torch.long)
+    o2b, size, maxi = _meta(40, dtype=torch.long), _meta(4, dtype=torch.long), _meta(0, dtype=torch.long)
+    plan = op_plan("_embedding_bag_backward", (grad, idx, offsets, o2b, size, maxi, 100, False, 0, False, None),
+                   [_meta(100, 16)], A100)
+    assert plan[:4] == [("tmp", 320), ("tmp", 320), ("tmp", 320), ("tmp", 320)] and plan[-1] == ("free", 0)
+    sparse = op_plan("_embedding_bag_backward", (grad, idx, offsets, o2b, size, maxi, 100, False, 0, True, None),
+                     [_meta(100, 16)], A100)
+    assert sparse == [("out", 0), ("note", EMBEDDING_BAG_UNMODELLED)]

@@ -31,8 +31,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from vram.run.kernels.plan import op_plan  # noqa: E402
-from vram.run.kernels.sorting import UNMODELLED, cub_note, dense_strides_dim_last  # noqa: E402
-from vram.run.kernels.unique import unique_outputs  # noqa: E402
+from vram.run.kernels.sorting import cub_note, dense_strides_dim_last  # noqa: E402
+from vram.run.kernels.unique import THRUST_NOTE, unique_outputs  # noqa: E402
 from vram.run.runtime import active_sim, simulated_cuda  # noqa: E402
 
 H200 = 132
@@ -114,9 +114,6 @@ def test_multinomial_one_sample_allocates_exponential_noise_of_the_input() -> No
     assert plan == [("out", 0), ("tmp", 4), ("tmp", 4), ("tmp", 1), ("tmp", 1), ("tmp", 1), ("free", 3), ("free", 2),
                     ("tmp", 8), ("tmp", 2), ("tmp", 1), ("free", 6), ("free", 5), ("tmp", 1), ("free", 8),
                     ("tmp", 402056), ("free", 9), ("free", 7), ("free", 4), ("free", 0), ("free", 1)]
-    # with replacement and several samples the stub runs: named, not charged
-    assert op_plan("multinomial", (p, 4, True), [_meta(2, 4, dtype=torch.long)], H200)[-1] == (
-        "note", UNMODELLED["multinomial"])
 
 
 def test_sorted_topk_of_more_than_4096_sorts_a_copy() -> None:
@@ -209,3 +206,32 @@ def test_unique_of_bools_counts_trues_and_keeps_two_element_outputs() -> None:
 
     values, _, counts = unique_outputs("_unique2", (b, True, True), {}, tuple(outs))
     assert values.untyped_storage().nbytes() == 2 and counts.untyped_storage().nbytes() == 16
+
+
+def test_unique_along_a_dim_copies_rows_and_sorts_indices() -> None:
+    """``unique(dim=0)`` (``unique_dim_cuda_template``, Unique.cu) of 1,000 int64 rows of 2 (3
+    distinct), with inverse and counts: ``input_flat`` is ``x.moveaxis(0, 0)``, contiguous, so no
+    copy; ``indices = arange(1000)`` 8,000 B; ``compute_unique``: ``inv_loc`` 8,000 B and the
+    inverse output 8,000 B, ``inv_loc`` dying with its block; ``range = arange(1001)`` 8,008 B,
+    ``counts.resize_(3)`` 24 B (the output), ``range`` dying with its block; ``index_select``'s
+    [3, 2] values 48 B; ``indices`` freed. ``unique(y, dim=1)`` of ``y = x.t()`` [2, 1000], nothing
+    else asked: ``y.moveaxis(1, 0)`` is x again (no copy), ``indices`` 8,000 B, inverse and counts
+    ``empty({0})`` (nothing), the [2, 3] values 48 B, ``indices`` freed. Of a strided [1000, 2]
+    (``z.t()`` for z [2, 1000]) along dim 0: ``moveaxis`` keeps it strided, so its 16,000 B copy
+    comes first and dies last. Thrust's own storage is named once per call."""
+    with simulated_cuda(gpu="H200"):
+        x = torch.tensor([[1, 2], [3, 4], [1, 2], [5, 6], [3, 4]] * 200, device="cuda")
+        z = torch.empty(2, 1000, dtype=torch.long, device="cuda")
+        torch.cuda.memory._record_memory_history()
+        u, inv, cnt = torch.unique(x, dim=0, return_inverse=True, return_counts=True)
+        v = torch.unique(x.t(), dim=1)
+        w = torch.unique_consecutive(z.t(), dim=0)
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        assert u.tolist() == [[1, 2], [3, 4], [5, 6]] and cnt.tolist() == [400, 400, 200] and inv.shape == (1000,)
+        assert v.shape == (2, 3) and w.shape[1] == 2
+        assert active_sim().uncharged[THRUST_NOTE] == 3
+    got = [(e["action"][0], e["size"]) for e in trace if e["action"] in ("alloc", "free_requested")]
+    assert got[:12] == [("a", 8000), ("a", 8000), ("a", 8000), ("f", 8000), ("a", 8008), ("a", 24), ("f", 8008),
+                        ("a", 48), ("f", 8000), ("a", 8000), ("a", 48), ("f", 8000)]
+    assert got[12:] == [("a", 16000), ("a", 8000), ("a", w.numel() * 8), ("f", 8000), ("f", 16000)]

@@ -27,7 +27,8 @@ EXT_DEV = 12
 CODES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.float64: (2, 64), torch.bfloat16: (4, 16),
          torch.int64: (0, 64), torch.int32: (0, 32), torch.int16: (0, 16), torch.int8: (0, 8),
          torch.uint8: (1, 8), torch.uint16: (1, 16), torch.uint32: (1, 32),
-         torch.uint64: (1, 64), torch.bool: (6, 8), torch.complex64: (5, 64), torch.complex128: (5, 128)}
+         torch.uint64: (1, 64), torch.bool: (6, 8), torch.complex32: (5, 32), torch.complex64: (5, 64),
+         torch.complex128: (5, 128)}
 #: the address a zero-byte storage gets (never read, never charged)
 EMPTY = 1 << 40
 

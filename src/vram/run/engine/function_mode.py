@@ -150,10 +150,8 @@ class FunctionMode(TorchFunctionMode):
                 return self._call(func, lambda: _autocast.cross_entropy_autocast(args, kwargs, self._cast),
                                   None, False, args, kwargs)
             args, kwargs = _autocast.autocast_args(name, args, kwargs, self._eligible, self._cast)
-        if name in ("softmax", "log_softmax") and b0 is not None:
-            fused = _functions.half_to_float_softmax(func, name, args, kwargs)
-            if fused is not None:
-                return self._call(func, fused, None, False, args, kwargs)
+        if b0 is not None and (variant := _functions.cuda_variant(func, name, args, kwargs, self._again)) is not None:
+            return self._call(func, variant, None, False, args, kwargs)
         if name == "_nested_tensor_from_tensor_list" and _patches.strided_nested_on_gpu(
                 (list(args) + [None] * 4)[3] if len(args) > 3 else kwargs.get("device"),
                 args[0] if args else kwargs.get("list", []), lambda t: sim.seen_idx(t) is not None):

@@ -24,7 +24,7 @@ from vram.run.values.placeholders import describe, needs_data, value_error
 
 from .dynamo_guard import import_dynamo_when_compiling
 from .function_mode import draws_host_default, parse_device
-from .outputs import cublas_if_device, data_dependent
+from .outputs import cublas_if_device, data_dependent, mask_counts
 
 __all__ = ["DispatchMode"]
 
@@ -117,7 +117,7 @@ class DispatchMode(TorchDispatchMode):
         name = func.overloadpacket.__name__
         props = sim.props[idx]
         plan = _plan.op_plan(name, args, outs, props.multi_processor_count, props.max_threads_per_multi_processor,
-                             (props.major, props.minor), kwargs)
+                             (props.major, props.minor), kwargs, mask_counts(sim, name, args, kwargs))
         done: list[Any] = []
         seen: set[int] = set()
 

@@ -33,7 +33,7 @@ from . import lazy, meta_cache, native, op_info, sparse_layouts, views
 from . import reads as _reads
 from .dlpack import new_storage
 from .function_mode import FunctionMode
-from .outputs import cublas_if_device, data_dependent
+from .outputs import cublas_if_device, data_dependent, mask_counts
 from .whole_ops import COPY_FROM as _COPY_FROM
 from .whole_ops import SET_SOURCE as _SET_SOURCE
 from .whole_ops import structured_kernels
@@ -275,7 +275,7 @@ def _run(op: Any, args: Any, kwargs: Any) -> Any:
             results[i] = views.view_of(src, o)
     inputs = op_info.tensors(args, kwargs)
     idx = _device(inputs, kwargs)
-    _charge(sim, info, idx, margs, mkwargs, outs, results)
+    _charge(sim, info, idx, margs, mkwargs, outs, results, mask_counts(sim, name, args, kwargs))
     for i, o in enumerate(outs):  # outputs the kernel's plan leaves out live on the host (SDPA's
         if results[i] is o and isinstance(o, torch.Tensor):  # philox seed and offset)
             results[i] = torch.zeros(o.shape, dtype=o.dtype)
@@ -297,11 +297,11 @@ def _plain_view(sim: BackendState, op: Any, args: Any, kwargs: Any, out: torch.T
 
 
 def _charge(sim: BackendState, info: op_info.OpInfo, idx: int, margs: Any, mkwargs: Any, outs: list[Any],
-            results: list[Any]) -> None:
+            results: list[Any], counts: dict[int, int] | None) -> None:
     name = info.name
     props = sim.props[idx]
     plan = _plan.op_plan(name, margs, outs, props.multi_processor_count, props.max_threads_per_multi_processor,
-                         (props.major, props.minor), mkwargs)
+                         (props.major, props.minor), mkwargs, counts)
     returns = info.returns
 
     def on_out(arg: int) -> None:

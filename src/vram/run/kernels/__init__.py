@@ -12,13 +12,18 @@ carries out on the simulated allocator.
 - `autocast`: CUDA autocast's cast policy (lower precision, float32, promote, banned).
 - `reductions`: the staging buffers and semaphores of ``Reduce.cuh``'s reductions.
 - `scratch`: embedding backward's sort path, layer-norm / RMS-norm backward's partial sums.
+- `embedding_bag`: ``embedding_bag``'s forward output order and its backward (sort, segments).
 - `sorting`: sort / argsort, topk, cumsum / cumprod, multinomial, nonzero, scatter_reduce(mean): their
   copies, index and key buffers; cub's temporary storage and the ops not modelled
-  (unique(dim=...), embedding_bag backward…) named, not charged.
-- `unique`: torch.unique's worst-case outputs (their storage as CUDA leaves it) and sort buffers.
+  (index_reduce…) named, not charged.
+- `selection`: median / nanmedian / kthvalue / mode (contiguous copies, ``median()``'s sort) and
+  multinomial with replacement (its distribution buffers).
+- `unique`: torch.unique's worst-case outputs (their storage as CUDA leaves it) and sort buffers;
+  ``unique(dim=...)``'s row copy and index buffers.
 - `sdpa`: ``scaled_dot_product_attention``: which backend ``sdp_utils.cpp`` picks, what it
   allocates forward and backward.
-- `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named).
+- `cufft`: ``torch.fft`` as ``SpectralOps.cpp`` runs it (copies, clones; the workspace named);
+  `cufft_half`: its composites for float16 / complex32 inputs, which CUDA alone accepts.
 - `indexing`: ``x[idx]`` / ``x[idx] = v`` (``make_info``'s index copies) and ``index_put_(accumulate=True)``
   (``x[idx]``'s backward, a user's put): masks' nonzero, the range check, linear indices, their sort.
 - `ctc`: CTC loss forward and backward (``LossCTC.cu``), the refusal of cuDNN's CTC kernel.

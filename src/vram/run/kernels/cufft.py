@@ -20,6 +20,10 @@ Read from ``aten/src/ATen/native/cuda/SpectralOps.cpp`` and ``CuFFTPlanCache.h``
   (``cufftXtMakePlanMany``): a CPU machine cannot ask it, so it is not charged and the run names
   such calls (`WORKSPACE`). Plans live in a per-device LRU cache (``CuFFTParamsLRUCache``, 4096 by
   default) and hold no caching-allocator memory (auto-allocation is off).
+* Half precision (``CuFFTConfig``): a compute capability of at least 5.3 and power-of-two signal
+  sizes (the two-sided size of each transformed dim of one ``_exec_fft``), else CUDA refuses when
+  it makes the plan; the refusal is raised here with CUDA's message. (``torch.fft``'s composites
+  reach these kernels with half inputs through `vram.run.kernels.cufft_half`.)
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ WORKSPACE = ("cuFFT plan workspaces (torch.fft on CUDA: SpectralOps.cpp _exec_ff
 UNMODELLED = ("cuFFT transforms of more than three dims, or two-sided real-to-complex ones with dims "
               "starting at (0, 1) (SpectralOps.cpp: intermediate buffers not modelled)")
 _MAX_NDIM = 3  # cufft_max_ndim
+_HALF = (torch.float16, torch.complex32)
 
 
 def optimized_path(dims: list[int]) -> bool:
@@ -69,7 +74,10 @@ def _exec(x: torch.Tensor, dims: list[int], out_sizes: list[int], c2r: bool) -> 
         r = p.reshape(shape)
         taken.append(r.numel() * r.element_size())
     signal = [r.shape[0]] + [max(r.shape[i + 1], out_sizes[d]) for i, d in enumerate(dims)]
-    clone = x.dtype in (torch.float16, torch.complex32) and r.stride(-1) != 1
+    if x.dtype in _HALF and any(n & (n - 1) for n in signal[1:]):
+        raise RuntimeError("cuFFT only supports dimensions whose sizes are powers of two when computing in half "
+                           f"precision, but got a signal size of{signal[1:]}")
+    clone = x.dtype in _HALF and r.stride(-1) != 1
     if clone or _must_clone(list(r.stride()), signal, c2r):
         taken.append(r.numel() * r.element_size())
     return taken
@@ -95,9 +103,10 @@ def _dims(arg: Any, ndim: int) -> list[int]:
     return [int(d) % ndim for d in arg]
 
 
-def fft_plan(name: str, args: tuple[Any, ...], outs: list[Any]) -> list[tuple[str, Any]] | None:
+def fft_plan(name: str, args: tuple[Any, ...], outs: list[Any],
+             cc: tuple[int, int] = (9, 0)) -> list[tuple[str, Any]] | None:
     """The allocation order of ``_fft_c2c`` / ``_fft_r2c`` / ``_fft_c2r`` on CUDA (`module
-    docstring`); None for other ops."""
+    docstring`) on a GPU of compute capability `cc`; None for other ops."""
     if name not in ("_fft_c2c", "_fft_r2c", "_fft_c2r") or len(args) < 4 or len(outs) != 1:
         return None
     x, out = args[0], outs[0]
@@ -106,6 +115,9 @@ def fft_plan(name: str, args: tuple[Any, ...], outs: list[Any]) -> list[tuple[st
     dims = _dims(args[1], x.dim())
     if not dims:
         return None
+    if x.dtype in _HALF and cc < (5, 3):
+        raise RuntimeError("cuFFT doesn't support signals of half type with compute capability less than SM_53, "
+                           f"but the device containing input half tensor only has SM_{cc[0]}{cc[1]}")
     plan: list[tuple[str, Any]] = []
     held = [0]
     if name == "_fft_c2c":

@@ -1,5 +1,6 @@
 """Python-level torch functions a simulated run sees whole or goes through: the ones whose inner
-torch calls must meet the function mode (`TRANSPARENT`), and softmax's half-to-float variant.
+torch calls must meet the function mode (`TRANSPARENT`), and what CUDA runs in place of a generic
+composite (`cuda_variant`: softmax's half-to-float kernel, half-precision ``torch.fft``).
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from .cufft_half import half_fft
 
 # -- Python-level torch functions ------------------------------------------------------------------
 #: Python-level torch functions whose own torch calls must meet the function mode (autocast's casts,
@@ -62,6 +65,18 @@ def half_to_float_softmax(func: Any, name: str, args: Any, kwargs: dict[str, Any
         return None
     x = given["input"]
     return lambda: kernel(x, dim, True)
+
+
+def cuda_variant(func: Any, name: str, args: Any, kwargs: dict[str, Any],
+                 again: Callable[[Callable[[], Any]], Any]) -> Callable[[], Any] | None:
+    """The call CUDA makes of `func` where the simulated device would take another path:
+    `half_to_float_softmax`, or a half-precision ``torch.fft`` function run step by step
+    (`vram.run.kernels.cufft_half.half_fft`, through `again`: with the function mode pushed, so
+    that its inner calls meet it); None for other calls."""
+    if name in _SOFTMAX_KERNELS:
+        return half_to_float_softmax(func, name, args, kwargs)
+    run = half_fft(func, args, kwargs)
+    return None if run is None else lambda: again(run)
 
 
 def setitem_on_host(args: tuple[Any, ...]) -> tuple[Any, ...]:

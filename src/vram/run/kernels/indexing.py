@@ -27,8 +27,9 @@ accumulating put goes to ``index_put_with_sort_stub``) and ``native/cuda/Indexin
   they die at the end of their block (range, orig, sorted, the transposed copy), then
   ``expandedValue``, ``linearIndex`` and ``self_`` when the function returns.
 
-The number of entries of a mask comes from the value it puts (``x[mask]``'s gradient has them);
-a mask whose count the value does not give is named, not charged (`vram.run.kernels.sorting`).
+The number of entries of a mask is the run's count where its values are known (`mask_counts`),
+else it comes from the value it puts (``x[mask]``'s gradient has them); a mask counted by neither
+is named, not charged (`vram.run.kernels.sorting`).
 """
 from __future__ import annotations
 
@@ -64,10 +65,28 @@ def _mask_count(self: torch.Tensor, indices: list[Any], value: torch.Tensor) -> 
     return int(value.shape[pos])
 
 
-def _long_indices(p: _Plan, self: torch.Tensor, indices: list[Any], value: torch.Tensor,
+def mask_counts(self: torch.Tensor, indices: list[Any], value: torch.Tensor | None,
+                known: dict[int, int] | None) -> dict[int, int] | None:
+    """The entries of each boolean mask in `indices`, by position: the run's known count
+    (`known`: the mask's values are known), else the one `value` gives (`_mask_count`); None when
+    a mask's count is neither."""
+    counts: dict[int, int] = {}
+    for j, t in enumerate(indices):
+        if t is not None and t.dtype in _MASKS:
+            n = (known or {}).get(j)
+            if n is None and value is not None:
+                n = _mask_count(self, indices, value)
+            if n is None:
+                return None
+            counts[j] = n
+    return counts
+
+
+def _long_indices(p: _Plan, self: torch.Tensor, indices: list[Any], counts: dict[int, int],
                   nonzero: Callable[..., Steps | None]) -> list[torch.Tensor | None] | None:
     """``expandTensors`` then the int32 -> int64 copies: the int64 index per dim of ``self`` (meta),
-    each charged where the source allocates it; None where a mask's count is not known."""
+    each charged where the source allocates it (`counts`: each mask's entries); None for host
+    indices."""
     out: list[torch.Tensor | None] = []
     for j, t in enumerate(indices):
         if t is None:
@@ -75,9 +94,7 @@ def _long_indices(p: _Plan, self: torch.Tensor, indices: list[Any], value: torch
         elif t.device.type == "cpu":  # computeLinearIndex's products made on the host, then copied
             return None
         elif t.dtype in _MASKS:
-            n = _mask_count(self, indices, value)
-            if n is None:
-                return None
+            n = counts[j]
             cols = torch.empty((t.dim(), n), dtype=torch.int64, device="meta").t()
             p.splice(nonzero((t,), [cols]), [(f"nonzero{j}", n * t.dim() * _INT64)], f"nz{j}")
             out += [cols.select(1, c) for c in range(t.dim())]
@@ -120,9 +137,11 @@ def _front(x: torch.Tensor, indices: list[Any]) -> tuple[torch.Tensor, list[Any]
 
 
 def index_put_plan(args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any], cub_note: str,
-                   nonzero: Callable[..., Steps | None], sms: int, max_threads_sm: int) -> Steps | None:
+                   nonzero: Callable[..., Steps | None], sms: int, max_threads_sm: int,
+                   known: dict[int, int] | None = None) -> Steps | None:
     """The steps of ``index_put_with_sort_kernel`` (module doc), None outside the modelled case;
-    `nonzero` is the plan of ``nonzero`` (a mask's expansion)."""
+    `nonzero` is the plan of ``nonzero`` (a mask's expansion), `known` the masks' counts the run
+    knows (`mask_counts`)."""
     self = args[0] if args else kwargs.get("self")
     indices = args[1] if len(args) > 1 else kwargs.get("indices")
     value = args[2] if len(args) > 2 else kwargs.get("values")
@@ -135,7 +154,8 @@ def index_put_plan(args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any
     p.steps.append(("out", 0))
     if not self.is_contiguous():
         p.tmp("self_", self.numel() * self.element_size())
-    longs = _long_indices(p, self, list(indices), value, nonzero)
+    counts = mask_counts(self, list(indices), value, known)
+    longs = None if counts is None else _long_indices(p, self, list(indices), counts, nonzero)
     if longs is None or len(longs) > self.dim():
         return None
     longs += [None] * (self.dim() - len(longs))
@@ -210,7 +230,8 @@ def _make_info(p: _Plan, self: torch.Tensor, indices: list[Any], counts: dict[in
     return final
 
 
-def index_plan(args: tuple[Any, ...], outs: list[Any], nonzero: Callable[..., Steps | None]) -> Steps | None:
+def index_plan(args: tuple[Any, ...], outs: list[Any], nonzero: Callable[..., Steps | None],
+               known: dict[int, int] | None = None) -> Steps | None:
     """``index.Tensor`` (``x[idx]``, ``x[mask]``) on CUDA: its structured meta function runs
     ``make_info`` (TensorAdvancedIndexingUtils.h; ``expandTensors(.., ensure_same_device)``: a mask's
     ``nonzero()`` [nnz, dims] int64, or the host's nonzero copied over for a mask on the CPU, a host
@@ -218,19 +239,21 @@ def index_plan(args: tuple[Any, ...], outs: list[Any], nonzero: Callable[..., St
     indices ``.to(kLong)``; ``AdvancedIndex``: with two or more indices whose strides differ, each
     non-contiguous one ``.contiguous()``), then allocates the output (``build_index_op``). The
     index tensors the kernel reads are the op's operands, freed when it ends (last operand
-    first); copies it dropped die when ``make_info`` returns. A mask's entries are read from the
-    output's shape; a mask beside other indices is not modelled (None: named by the caller)."""
+    first); copies it dropped die when ``make_info`` returns. A lone mask's entries are read from
+    the output's shape, a mask beside other indices from `known` (`mask_counts`); None without."""
     self, indices = (args[0], args[1]) if len(args) > 1 else (None, None)
     if not (isinstance(self, torch.Tensor) and isinstance(indices, (list, tuple)) and len(outs) == 1
             and isinstance(outs[0], torch.Tensor)) or len(indices) > self.dim():
         return None
     defined = [j for j, t in enumerate(indices) if t is not None]
     masks = [j for j in defined if indices[j].dtype in _MASKS]
-    if not defined or (masks and len(defined) > 1):
+    if not defined:
         return None
-    p, counts = _Plan(), {}
-    if masks:
-        counts[masks[0]] = int(outs[0].shape[masks[0]])
+    lone = masks and len(defined) == 1
+    counts = {masks[0]: int(outs[0].shape[masks[0]])} if lone else mask_counts(self, list(indices), None, known)
+    if counts is None:
+        return None
+    p = _Plan()
     try:
         final = _make_info(p, self, list(indices), counts, nonzero)
     except RuntimeError:
@@ -243,14 +266,16 @@ def index_plan(args: tuple[Any, ...], outs: list[Any], nonzero: Callable[..., St
     return p.steps
 
 
-def put_plan(args: tuple[Any, ...], kwargs: dict[str, Any], nonzero: Callable[..., Steps | None]) -> Steps | None:
+def put_plan(args: tuple[Any, ...], kwargs: dict[str, Any], nonzero: Callable[..., Steps | None],
+             known: dict[int, int] | None = None) -> Steps | None:
     """``index_put_`` without accumulating (``x[idx] = v``; ``_index_put_impl_``,
     TensorAdvancedIndexing.cpp): a one-element host value with masks alone on ``self``'s device
     is ``masked_fill_`` (nothing allocated); otherwise a one-element 0-dim host value is copied
     over (``value.to(device)``), ``make_info`` (see `index_plan`) makes the index tensors and
     ``index_put_stub`` writes through them; they die when it returns (the iterator, then the
-    ``AdvancedIndex``'s vector in order), the copied value last. A mask's entries are read from
-    the value; a mask the value does not count is not modelled (None)."""
+    ``AdvancedIndex``'s vector in order), the copied value last. A mask's entries are the run's
+    known count (`known`), else read from the value; a mask counted by neither is not modelled
+    (None)."""
     self = args[0] if args else kwargs.get("self")
     indices = args[1] if len(args) > 1 else kwargs.get("indices")
     value = args[2] if len(args) > 2 else kwargs.get("values")
@@ -262,13 +287,11 @@ def put_plan(args: tuple[Any, ...], kwargs: dict[str, Any], nonzero: Callable[..
     host_value = value.numel() == 1 and value.device.type == "cpu"
     if host_value and len(masks) == len(defined) == 1 and indices[masks[0]].device.type != "cpu":
         return [("out", 0)]  # canDispatchToMaskedFill
-    p, counts = _Plan(), {}
+    counts = mask_counts(self, list(indices), value, known)
+    if counts is None:
+        return None
+    p = _Plan()
     p.steps.append(("out", 0))
-    if masks:
-        n = _mask_count(self, list(indices), value) if len(defined) == 1 else None
-        if n is None:
-            return None
-        counts[masks[0]] = n
     if host_value and value.dim() == 0:
         p.tmp("value", value.element_size())
     try:

@@ -30,7 +30,8 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   and named at the end of a run), and the survivable OOM of a workspace, in
   `vram.run.kernels.cudnn_conv` (`cudnn_plan`; `CUDA_META` restrides convolution outputs).
 * **torch.fft** (cuFFT): operand copies and clones in ``SpectralOps.cpp``'s order; the plan
-  workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`).
+  workspace cuFFT sizes is named, not charged (`vram.run.kernels.cufft`); half precision as CUDA
+  runs it (`vram.run.kernels.cufft_half`), its refusals (non-power-of-two sizes) CUDA's.
 * **x[idx], x[mask], x[idx] = v** (``index.Tensor``, ``index_put_``): ``make_info``'s nonzero of a
   mask, host indices copied over, int32 indices made int64, broadcast indices made contiguous
   (`vram.run.kernels.indexing`, via `sorting`).
@@ -54,10 +55,14 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
   copies, the segmented radix sort's key and index buffers, multinomial's exponential noise and
   checks (``Sort.cpp``, ``SortStable.cu``, ``TensorTopK.cpp``, ``ScanUtils.cuh``,
   ``Distributions.cpp``, ``Nonzero.cu``) in `vram.run.kernels.sorting`; cub's temporary storage,
-  and ops whose scratch is not modelled (``unique(dim=...)``, ``embedding_bag`` backward,
-  ``median``…), named per call.
+  and ops whose scratch is not modelled (``index_reduce``…), named per call.
+* **median, kthvalue, mode, multinomial with replacement**: contiguous copies, ``median()``'s
+  sort, the sampling buffers (``Sorting.cpp``, ``TensorModeKernel.cpp``, ``MultinomialKernel.cu``)
+  in `vram.run.kernels.selection`.
 * **torch.unique / unique_consecutive**: worst-case outputs shrunk by ``resize_`` keep their storage
-  (`cuda_outputs`), and the sort and scan buffers of ``UniqueCub.cu`` (`vram.run.kernels.unique`).
+  (`cuda_outputs`), and the sort and scan buffers of ``UniqueCub.cu``; along a dim, the row
+  copy, index and range buffers of ``Unique.cu`` (Thrust's own storage named)
+  (`vram.run.kernels.unique`).
 * **_foreach_norm / _foreach_powsum** (``clip_grad_norm_``) take a per-chunk partials buffer
   before their outputs and free it on return (``ForeachReduceOp.cu``; `foreach_norm_plan`).
 * **_grouped_mm** (mixture-of-experts layers): the CUDA kernel's output layout and dtypes, which
@@ -66,6 +71,8 @@ rule taken from PyTorch's CUDA sources (paths relative to ``aten/src/ATen``):
 * **scaled_dot_product_attention**: backend choice (flash / memory-efficient / cuDNN / math, by the
   simulated compute capability) and what each kernel allocates, forward and backward, live in
   `vram.run.kernels.sdpa` (re-exported here); `op_plan` asks it first.
+* **embedding_bag**: the forward's output order, the backward's copies, sort and segment buffers
+  (``EmbeddingBag.cu``; `vram.run.kernels.embedding_bag`).
 * **embedding / layer-norm / RMS-norm backward**: sort buffers, segment tables and partial
   gradients (``Embedding.cu``, ``EmbeddingBackwardKernel.cu``, ``layer_norm_kernel.cu``) live in
   `vram.run.kernels.scratch`; cub's own temporary storage there is named, not charged.
@@ -74,8 +81,10 @@ The rules follow the newest PyTorch sources read (2026); older releases differ i
 the shared cuBLASLt workspace, each Lt matmul allocated and freed its own 1 MiB).
 
 Not modelled (documented limitations) — mostly transient scratch that raises a peak without
-changing steady state: cuDNN workspaces outside the measured table; cub temporary storage; NCCL buffers;
-CUDA graphs. Refused instead
+changing steady state: cuDNN workspaces outside the measured table; cub and Thrust temporary
+storage; cuFFT plan workspaces; ``torch.mode`` over slices of more than 2,048 elements and
+``nanmedian()`` without a dim; embedding_bag's sparse backward; masks whose values the run does
+not know; NCCL buffers; CUDA graphs. Refused instead
 (`RNN_OPS`: not scratch, the saved state differs): cuDNN's recurrent layers.
 """
 from __future__ import annotations
@@ -93,12 +102,14 @@ from .ctc import ctc_plan
 from .cudnn import cudnn_plan
 from .cudnn_conv import CUDA_META as _CONV_META
 from .cufft import fft_plan
+from .embedding_bag import embedding_bag_plan
 from .grouped_mm import CUDA_META as _GROUPED_MM_META
 from .grouped_mm import grouped_mm_plan
 from .histograms import histogram_plan
 from .linalg import linalg_plan
 from .scans import CUDA_META as _SCAN_META
 from .scans import cummaxmin_plan
+from .selection import selection_plan
 from .sorting import sorting_plan
 from .unique import UNIQUE_OPS, unique_outputs, unique_plan
 from .vision import nms_plan
@@ -117,7 +128,7 @@ def cuda_outputs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: 
 
 def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
             max_threads_sm: int = 2048, cc: tuple[int, int] = (9, 0),
-            kwargs: dict[str, Any] | None = None) -> list[tuple[str, Any]]:
+            kwargs: dict[str, Any] | None = None, mask_counts: dict[int, int] | None = None) -> list[tuple[str, Any]]:
     """The order in which a CUDA kernel allocates: ("out", i), ("tmp", nbytes) or ("free", j).
 
     ``("free", j)`` frees the j-th "tmp" of the plan. SDPA kernels follow `vram.run.kernels.sdpa.op_plan`,
@@ -126,14 +137,15 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     `vram.run.kernels.reductions.reduction_plan` (staging buffers of multi-block launches, on a
     device of `sms` SMs of `max_threads_sm` threads), ``_grouped_mm`` `vram.run.kernels.grouped_mm` (by
     the capability `cc`), sorting, top-k, scans, sampling and ``nonzero`` `vram.run.kernels.sorting`
-    (which reads keyword-only arguments from `kwargs`); ops without special knowledge allocate their
-    outputs in output order.
+    (which reads keyword-only arguments from `kwargs`, and the entries of an indexing op's boolean
+    masks whose values the run knows from `mask_counts`, by position); ops without special knowledge
+    allocate their outputs in output order.
     """
     plan = _sdpa.op_plan(name, args, outs, sms, cc)
     if plan is None:
         plan = cudnn_plan(name, args, outs, cc)
     if plan is None:
-        plan = fft_plan(name, args, outs)
+        plan = fft_plan(name, args, outs, cc)
     if plan is None:
         plan = ctc_plan(name, args, outs, sms, max_threads_sm)
     if plan is None:
@@ -147,7 +159,11 @@ def op_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,
     if plan is None:
         plan = unique_plan(name, args, kwargs or {}, outs)
     if plan is None:
-        plan = sorting_plan(name, args, kwargs or {}, outs, sms, max_threads_sm)
+        plan = embedding_bag_plan(name, args, outs, sms)
+    if plan is None:
+        plan = selection_plan(name, args, kwargs or {}, outs)
+    if plan is None:
+        plan = sorting_plan(name, args, kwargs or {}, outs, sms, max_threads_sm, mask_counts)
     if plan is None:
         plan = _reductions.reduction_plan(name, args, outs, sms, max_threads_sm)
     if plan is None:

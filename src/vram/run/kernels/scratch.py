@@ -108,17 +108,9 @@ def _int32(v: int) -> int:
 def embedding_backward_plan(args: tuple[Any, ...], outs: list[Any], sms: int) -> list[tuple[str, Any]] | None:
     """``embedding_dense_backward_cuda`` (Embedding.cu): ``indices_.contiguous()`` and
     ``grad_.contiguous()`` copies of strided inputs; with at most 3,072 indices and no
-    ``scale_grad_by_freq``, only ``grad_weight = zeros``. Otherwise ``sorted_indices``,
-    ``orig_indices``, ``range = arange(num_indices)`` (freed after the radix sort), ``count``
-    when scaling by frequency, then ``embedding_backward_cuda_kernel`` (EmbeddingBackwardKernel.cu):
-    ``grad_weight``, ``segment_offsets[numel]``, a 0-dim int64 segment count, with
-    ``max_segments = min(numel, num_weights)``: ``partials_per_segment`` and its offsets
-    ``[max_segments]``, a 0-dim int64, ``partial_segment_offset[numel/10 + max_segments]``; then
-    either the fused atomic path (``sum_scatter_grid < SMs*4``, ``max_partial_segment >
-    4*sum_scatter_grid``, not deterministic: ``partial_to_segment_idx`` and, for half/bfloat16, a
-    float ``grad_weight_acc`` of the weight's shape) or ``grad_weight_per_segment
-    [max_partial_segment, stride]`` in opmath. Locals die in reverse declaration order. Index
-    tensors have the indices' dtype."""
+    ``scale_grad_by_freq``, only ``grad_weight = zeros``. Otherwise the sort (`_sort_indices`) and
+    ``embedding_backward_cuda_kernel`` (`_segments`). Locals die in reverse declaration order.
+    Index tensors have the indices' dtype."""
     if len(args) < 5 or len(outs) != 1:
         return None
     grad, indices, num_weights, _padding, scale = args[:5]
@@ -134,17 +126,37 @@ def embedding_backward_plan(args: tuple[Any, ...], outs: list[Any], sms: int) ->
         p.steps.append(("out", 0))
         p.free("grad", "indices")
         return p.steps
+    _sort_indices(p, n, isz, bool(scale))
+    _segments(p, grad, n, isz, int(num_weights), sms, bags=False)
+    p.free("count", "orig", "sorted", "grad", "indices")
+    return p.steps
+
+
+def _sort_indices(p: _Plan, n: int, isz: int, scale: bool, note: str = CUB_NOTE) -> None:
+    """``sorted_indices``, ``orig_indices``, ``range = arange(num_indices)`` (freed after cub's
+    radix sort), ``count`` when scaling by frequency (its cub scans named with the sort's)."""
     p.tmp("sorted", n * isz)
     p.tmp("orig", n * isz)
     p.tmp("range", n * isz)
-    p.steps.append(("note", CUB_NOTE))  # radix_sort_pairs' temp storage (and the later cub calls)
+    p.steps.append(("note", note))  # radix_sort_pairs' temp storage (and the later cub calls)
     p.free("range")
     if scale:
         p.tmp("count", n * isz)
+
+
+def _segments(p: _Plan, grad: torch.Tensor, n: int, isz: int, num_weights: int, sms: int, bags: bool) -> None:
+    """``embedding_backward_cuda_kernel`` (EmbeddingBackwardKernel.cu): ``grad_weight`` (the
+    output), ``segment_offsets[numel]``, a 0-dim int64 segment count, with ``max_segments =
+    min(numel, num_weights)``: ``partials_per_segment`` and its offsets ``[max_segments]``, a 0-dim
+    int64, ``partial_segment_offset[numel/10 + max_segments]``; then either the fused atomic path
+    (no ``offset2bag``: not for bags; ``sum_scatter_grid < SMs*4``, ``max_partial_segment >
+    4*sum_scatter_grid``, not deterministic: ``partial_to_segment_idx`` and, for half/bfloat16, a
+    float ``grad_weight_acc`` of the weight's shape) or ``grad_weight_per_segment
+    [max_partial_segment, stride]`` in opmath; its locals die in reverse declaration order."""
     p.steps.append(("out", 0))
     p.tmp("segment_offsets", n * isz)
     p.tmp("num_of_segments", 8)
-    max_segments = min(n, int(num_weights))
+    max_segments = min(n, num_weights)
     p.tmp("partials_per_segment", max_segments * isz)
     p.tmp("partials_per_segment_offset", max_segments * isz)
     p.tmp("num_of_partial_segments", 8)
@@ -154,22 +166,20 @@ def embedding_backward_plan(args: tuple[Any, ...], outs: list[Any], sms: int) ->
     stride_warped = -(-stride // WARP) * WARP
     block = min(stride_warped, MAX_BLOCK_SIZE)
     grid = _int32(-(-(max_segments * stride_warped) // block)) if block else 0
-    fused = (grid < sms * MAX_ATOMIC_ACCUM_BLOCKS_PER_SM and max_partial > grid * 4
+    fused = (not bags and grid < sms * MAX_ATOMIC_ACCUM_BLOCKS_PER_SM and max_partial > grid * 4
              and not torch.are_deterministic_algorithms_enabled())
     opmath = 8 if grad.dtype == torch.float64 else 4
     if fused:
         p.tmp("partial_to_segment_idx", max_partial * isz)
         if grad.dtype in (torch.float16, torch.bfloat16):
-            p.tmp("grad_weight_acc", int(num_weights) * stride * 4)
+            p.tmp("grad_weight_acc", num_weights * stride * 4)
             p.free("grad_weight_acc")
         p.free("partial_to_segment_idx")
     else:
         p.tmp("grad_weight_per_segment", max_partial * stride * opmath)
         p.free("grad_weight_per_segment")
     p.free("partial_segment_offset", "num_of_partial_segments", "partials_per_segment_offset",
-           "partials_per_segment", "num_of_segments", "segment_offsets", "count", "orig", "sorted",
-           "grad", "indices")
-    return p.steps
+           "partials_per_segment", "num_of_segments", "segment_offsets")
 
 
 def norm_backward_plan(name: str, args: tuple[Any, ...], outs: list[Any], sms: int,

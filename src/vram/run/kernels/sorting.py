@@ -11,7 +11,7 @@
 * ``cumsum`` / ``cumprod``: `scan_plan` (``native/ReduceOps.cpp`` ``impl_func_cum_ops``,
   ``native/cuda/ScanKernels.cpp``, ``ScanUtils.cuh`` ``scan_dim``).
 * ``multinomial`` without replacement or with one sample: `multinomial_plan` (``native/Distributions.cpp``
-  ``multinomial_out``).
+  ``multinomial_out``; with replacement: `vram.run.kernels.selection`).
 * ``nonzero``: `nonzero_plan` (``native/cuda/Nonzero.cu`` ``nonzero_cuda_out_impl``).
 * ``scatter_reduce(reduce="mean")``: `scatter_reduce_plan` (``native/TensorAdvancedIndexing.cpp``).
 
@@ -54,26 +54,15 @@ MB_BLOCKS_PER_SM = 65536 // (40 * MB_BLOCK_THREADS)
 
 #: ops with buffers beyond their outputs that no plan models yet: named, not charged
 UNMODELLED = {
-    "unique_consecutive": "torch.unique_consecutive(dim=...) (Unique.cu unique_dim_cuda_template): "
-                          "buffers beyond its outputs",
-    "unique_dim": "torch.unique(dim=...) (Unique.cu unique_dim_cuda_template): buffers beyond its outputs",
-    "unique_dim_consecutive": "torch.unique_consecutive(dim=...) (Unique.cu): buffers beyond its outputs",
-    "_embedding_bag_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
-    "_embedding_bag_dense_backward": "embedding_bag backward (EmbeddingBag.cu): sort buffers beyond its outputs",
     "index_reduce": "index_reduce (Indexing.cu): buffers beyond its outputs",
-    "kthvalue": "kthvalue (Sorting.cu): buffers beyond its outputs",
-    "median": "median (Sorting.cu): buffers beyond its outputs",
-    "nanmedian": "nanmedian (Sorting.cu): buffers beyond its outputs",
-    "mode": "mode (TensorModeKernel.cu): buffers beyond its outputs",
-    "_index_put_impl_": "index_put_(accumulate=True) with a boolean mask whose number of entries its value "
-                        "does not give, or host indices (Indexing.cu index_put_with_sort_kernel: the mask's "
-                        "nonzero, linear indices, their sorted copy and original positions, expanded values)",
-    "index": "x[mask, idx] with a mask beside other indices (TensorAdvancedIndexingUtils.h make_info: the "
-             "mask's nonzero, index copies)",
-    "index_put_": "x[mask] = v with a mask whose number of entries v does not give, or beside other indices "
-                  "(TensorAdvancedIndexing.cpp make_info: the mask's nonzero, index copies)",
-    "multinomial": "multinomial with replacement and more than one sample (MultinomialKernel.cu): "
-                   "buffers beyond its output",
+    "_index_put_impl_": "index_put_(accumulate=True) with a boolean mask whose values the run does not know "
+                        "and whose number of entries its value does not give, or host indices (Indexing.cu "
+                        "index_put_with_sort_kernel: the mask's nonzero, linear indices, their sorted copy and "
+                        "original positions, expanded values)",
+    "index": "x[mask, idx] with a mask beside other indices whose values the run does not know "
+             "(TensorAdvancedIndexingUtils.h make_info: the mask's nonzero, index copies)",
+    "index_put_": "x[mask] = v with a mask whose values the run does not know and whose number of entries v "
+                  "does not give (TensorAdvancedIndexing.cpp make_info: the mask's nonzero, index copies)",
 }
 
 
@@ -321,18 +310,14 @@ def multinomial_plan(args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[A
     ``_assert_async``, ``q = empty_like(self)`` (``exponential_`` and ``div_out`` write it in place),
     then ``argmax_out(result, q, -1, true)`` (or ``vals = empty(result.sizes())`` and ``topk_out``).
     Locals die in reverse: vals, q, zero_prob_condition, is_valid, self_min, self_max. With
-    replacement and more samples the stub runs: named (`UNMODELLED`)."""
+    replacement and more samples the stub runs (`vram.run.kernels.selection`)."""
     x = args[0] if args else None
     if not isinstance(x, torch.Tensor) or len(outs) != 1 or not isinstance(outs[0], torch.Tensor):
         return None
     n = int(_arg(args, kwargs, 1, "num_samples", 1))
-    replacement = bool(_arg(args, kwargs, 2, "replacement", False))
     p = _Plan()
     p.steps.append(("out", 0))
     if outs[0].numel() == 0:
-        return p.steps
-    if replacement and n != 1:
-        p.steps.append(("note", UNMODELLED["multinomial"]))
         return p.steps
     scalar = torch.empty((), dtype=x.dtype, device="meta")
     flag = torch.empty((), dtype=torch.bool, device="meta")
@@ -410,8 +395,10 @@ def nonzero_plan(args: tuple[Any, ...], outs: list[Any]) -> list[tuple[str, Any]
 
 
 def sorting_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any], sms: int,
-                 max_threads_sm: int) -> list[tuple[str, Any]] | None:
-    """The allocation order of an op this module knows (see the module doc), None for others."""
+                 max_threads_sm: int, known: dict[int, int] | None = None) -> list[tuple[str, Any]] | None:
+    """The allocation order of an op this module knows (see the module doc), None for others;
+    `known`: the entries of the boolean masks among an indexing op's indices whose values the run
+    knows, by position (`vram.run.kernels.indexing.mask_counts`)."""
     if name == "sort":
         return sort_plan(args, kwargs, outs)
     if name == "topk":
@@ -425,20 +412,20 @@ def sorting_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs:
     if name == "scatter_reduce":
         return scatter_reduce_plan(args, kwargs, outs)
     if name == "index":
-        got = index_plan(args, outs, nonzero_plan)
+        got = index_plan(args, outs, nonzero_plan, known)
         return got if got is not None else [("out", 0), ("note", UNMODELLED["index"])] if len(outs) == 1 else None
     if name == "_index_put_impl_" and not _arg(args, kwargs, 3, "accumulate", False):
-        put = put_plan(args, kwargs, nonzero_plan)
+        put = put_plan(args, kwargs, nonzero_plan, known)
         return put if put is not None else [("out", 0), ("note", UNMODELLED["index_put_"])]
     if name == "_index_put_impl_":
         modelled = index_put_plan(args, kwargs, outs, cub_note("index_put_(accumulate=True)"), nonzero_plan,
-                                  sms, max_threads_sm)
+                                  sms, max_threads_sm, known)
         if modelled is not None:
             return modelled
     if name == "aminmax" and args and isinstance(args[0], torch.Tensor):
         dim = kwargs.get("dim")
         return _reductions.reduction_plan(name, (args[0],) if dim is None else (args[0], dim), outs,
                                           sms, max_threads_sm)
-    if name in UNMODELLED and name != "multinomial":
+    if name in UNMODELLED:
         return [*(("out", i) for i in range(len(outs))), ("note", UNMODELLED[name])]
     return None

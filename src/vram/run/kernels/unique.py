@@ -7,7 +7,12 @@ case and shrunk with ``resize_``, which keeps the storage: ``data_out = at::empt
 (`unique_outputs` gives the meta outputs that storage); a bool input that is not consecutive
 reduces instead of sorting and makes ``output = empty({2})`` and ``counts = empty({2}, kLong)``
 always. The scratch in order is `unique_plan`'s; cub's temporary storage is named
-(`vram.run.kernels.sorting.cub_note`). ``unique(dim=...)`` is named, not modelled.
+(`vram.run.kernels.sorting.cub_note`).
+
+``unique(dim=...)`` / ``unique_consecutive(dim=...)`` run ``unique_dim_cuda_template`` (Unique.cu):
+exact outputs, the scratch of `unique_dim_plan`; Thrust's own temporary storage (its sort with a
+row comparator, scans, unique; ``at::cuda::ThrustAllocator`` through the caching allocator, sized
+by Thrust's CUDA backend) is named (`THRUST_NOTE`).
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from .scratch import _Plan
 from .sorting import cub_note, once
 
 UNIQUE_OPS = ("_unique2", "unique_consecutive")
+THRUST_NOTE = ("Thrust temporary storage in unique(dim=...) (its row sort, scans and unique, allocated through "
+               "at::cuda::ThrustAllocator and sized by Thrust's CUDA backend), freed within the call")
 
 
 def _flags(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, bool, bool] | None:
@@ -39,7 +46,14 @@ def _with_storage(t: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 
 def unique_outputs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
-    """The outputs with the storage CUDA gives them; other ops' `out` as it is."""
+    """The outputs with the storage CUDA gives them; other ops' `out` as it is. Along a dim, an
+    inverse or counts not asked for are ``empty({0})`` (``compute_unique``; the CPU kernel, whose
+    shapes the run computes, fills both)."""
+    along = _dim_flags(name, args, kwargs)
+    if along is not None and isinstance(out, tuple) and len(out) == 3:
+        values, inverse, count = out
+        return (values, inverse if along[2] else torch.empty((0,), dtype=torch.int64, device="meta"),
+                count if along[3] else torch.empty((0,), dtype=torch.int64, device="meta"))
     flags = _flags(name, args, kwargs) if name in UNIQUE_OPS else None
     x = args[0] if args else None
     if flags is None or not isinstance(x, torch.Tensor) or not isinstance(out, tuple) or len(out) != 3 or not x.numel():
@@ -54,6 +68,54 @@ def unique_outputs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out
     return values, inverse, count
 
 
+def _dim_flags(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, bool, bool, bool] | None:
+    """(dim, consecutive, return_inverse, return_counts) of a call along a dim, else None."""
+    def arg(i: int, key: str) -> Any:
+        return kwargs[key] if key in kwargs else (args[i] if len(args) > i else None)
+    if name == "unique_dim":
+        return int(arg(1, "dim")), False, bool(arg(3, "return_inverse")), bool(arg(4, "return_counts"))
+    if name == "unique_dim_consecutive":
+        return int(arg(1, "dim")), True, bool(arg(2, "return_inverse")), bool(arg(3, "return_counts"))
+    if name == "unique_consecutive" and arg(3, "dim") is not None:
+        return int(arg(3, "dim")), True, bool(arg(1, "return_inverse")), bool(arg(2, "return_counts"))
+    return None
+
+
+def unique_dim_plan(x: torch.Tensor, flags: tuple[int, bool, bool, bool]) -> list[tuple[str, Any]]:
+    """``unique_dim_cuda_template``: an empty slice dim returns its three outputs; otherwise
+    ``input_flat = self.moveaxis(dim, 0).contiguous()`` (a copy unless that is contiguous),
+    ``indices = arange(num_inp)`` (int64), Thrust's sort of them unless consecutive;
+    ``compute_unique``: with the inverse, ``inv_loc`` and the inverse output (``empty({num_inp})``
+    int64 each; ``inv_loc`` dies with its block), else ``empty({0})``; with counts, ``range =
+    arange(num_inp + 1)``, ``unique_by_key``, ``counts.resize_(num_out)`` (the output), ``range``
+    dying with its block; without, Thrust's in-place unique; then ``self.index_select(dim,
+    indices)`` (the values output); ``indices`` and ``input_flat`` die on return."""
+    dim, consecutive, inverse, counts = flags
+    dim %= max(x.dim(), 1)
+    n = x.size(dim) if x.dim() else 1
+    if n == 0 or x.numel() == 0:
+        return [("out", 0), ("out", 1), ("out", 2)]
+    p = _Plan()
+    if not x.movedim(dim, 0).is_contiguous():
+        p.tmp("input_flat", x.numel() * x.element_size())
+    p.tmp("indices", n * 8)
+    if not consecutive:
+        p.steps.append(("note", THRUST_NOTE))
+    if inverse:
+        p.tmp("inv_loc", n * 8)
+    p.steps.append(("out", 1))
+    if inverse:
+        p.steps.append(("note", THRUST_NOTE))
+        p.free("inv_loc")
+    if counts:
+        p.tmp("range", (n + 1) * 8)
+    p.steps += [("note", THRUST_NOTE), ("out", 2)]
+    p.free("range")
+    p.steps.append(("out", 0))
+    p.free("indices", "input_flat")
+    return once(p.steps)
+
+
 def unique_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                 outs: list[Any]) -> list[tuple[str, Any]] | None:
     """``unique_cuda_template``: ``self.expect_contiguous()``; a bool input not consecutive: a
@@ -64,8 +126,11 @@ def unique_plan(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     (int64, sorted) or ``inv_loc`` (int32, consecutive), freed after cub's scan; ``data_out``, an
     8-byte ``length``, counts (``resize_(num_inp)``), cub's unique or run-length encode; locals die
     in reverse (length; sorted_indices, sorted; the contiguous copy)."""
-    flags = _flags(name, args, kwargs) if name in UNIQUE_OPS else None
     x = args[0] if args else None
+    along = _dim_flags(name, args, kwargs)
+    if along is not None and isinstance(x, torch.Tensor) and len(outs) == 3:
+        return unique_dim_plan(x, along)
+    flags = _flags(name, args, kwargs) if name in UNIQUE_OPS else None
     if flags is None or not isinstance(x, torch.Tensor) or len(outs) != 3:
         return None
     consecutive, inverse, counts = flags
