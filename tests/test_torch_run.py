@@ -534,6 +534,31 @@ def test_autocast_norms_promote_and_normalize() -> None:
         assert F.normalize(h, dim=-1).dtype == torch.bfloat16  # autocast off: no casts
 
 
+def test_autocast_runs_rms_norm_and_upsampling_in_float32() -> None:
+    """torch 2.13's ``autocast_mode.h`` puts ``rms_norm``, ``native_layer_norm`` and the upsample
+    ops (``upsample_nearest2d``, ``upsample_bilinear2d``, their ``_aa`` and exact forms ...) on
+    CUDA's float32 list (``AT_FORALL_FP32``): a bf16 input is cast to a float32 copy, freed after
+    the op, and the output is float32. ``F.interpolate`` reaches them by mode (torch/nn/functional.py;
+    "area" is adaptive average pooling, not on the list)."""
+    with simulated_cuda():
+        x = torch.randn(2, 8, 16, 16, device="cuda").bfloat16()     # 8,192 B
+        w = torch.ones(16, device="cuda")
+        a0 = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = F.interpolate(x, scale_factor=2, mode="nearest")
+            assert y.dtype == torch.float32
+            # the float32 copy of x (16,384 B) and the output, 2·8·32·32·4 = 65,536 B; the copy dies
+            assert torch.cuda.max_memory_allocated() - a0 == 16384 + 65536
+            assert torch.cuda.memory_allocated() - a0 == 65536
+            assert F.interpolate(x, scale_factor=2, mode="bilinear", antialias=True).dtype == torch.float32
+            assert nn.Upsample(scale_factor=2, mode="bicubic")(x).dtype == torch.float32
+            assert F.interpolate(x, scale_factor=0.5, mode="area").dtype == torch.bfloat16
+            assert F.rms_norm(x, (16,), w).dtype == torch.float32
+            assert nn.RMSNorm(16, device="cuda")(x).dtype == torch.float32
+        assert F.interpolate(x, scale_factor=2).dtype == torch.bfloat16   # autocast off: no casts
+        del y
+
+
 def test_autocast_refuses_binary_cross_entropy_as_cuda_does() -> None:
     # autocast_mode.cpp registers binary_cross_entropy_banned for CUDA: an error, whatever the dtypes
     with simulated_cuda():

@@ -27,6 +27,13 @@ AUTOCAST_FP32 = frozenset({
     "log10", "log2", "log1p", "expm1", "rsqrt", "reciprocal", "pow", "acos", "asin", "cosh", "sinh",
     "tan", "erfinv", "softplus", "dist", "cdist", "pdist", "renorm", "__pow__", "__rpow__",
     "nll_loss2d", "multilabel_margin_loss", "frobenius_norm", "nuclear_norm"})
+#: float32-list ops that only some torch releases' ``autocast_mode.h`` (``AT_FORALL_FP32``) name: each
+#: is cast where the installed torch registers a CUDA autocast kernel for it (`registered_for_cuda`)
+AUTOCAST_FP32_SINCE = frozenset({
+    "native_layer_norm", "rms_norm", "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d",
+    "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d",
+    "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d",
+    "_upsample_bicubic2d_aa"})
 #: ops autocast gives ``dtype=torch.float32`` when no dtype is passed (fp32_set_opt_dtype; and
 #: ``norm``'s fp32_append_dtype, which has the same effect: computed and returned in float32)
 AUTOCAST_FP32_OPT_DTYPE = frozenset({"softmax", "log_softmax", "cumsum", "cumprod", "prod", "sum",
@@ -41,6 +48,38 @@ AUTOCAST_BANNED = {"binary_cross_entropy": (
 #: ops autocast runs in the widest floating type among their arguments (promote)
 AUTOCAST_PROMOTE = frozenset({"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler",
                               "grid_sample", "index_put", "index_put_", "tensordot", "scatter_add"})
+#: promote-list ops that only some releases name (``AT_FORALL_PROMOTE``), as `AUTOCAST_FP32_SINCE`
+AUTOCAST_PROMOTE_SINCE = frozenset({"vdot"})
+_REGISTERED: dict[str, bool] = {}
+
+
+def registered_for_cuda(name: str) -> bool:
+    """Whether the installed torch's CUDA autocast casts ``aten::name``: a CPU build registers the
+    AutocastCUDA kernels too (``autocast_mode.cpp``'s ``TORCH_LIBRARY_IMPL(aten, AutocastCUDA, m)``)."""
+    if name not in _REGISTERED:
+        try:
+            _REGISTERED[name] = torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "AutocastCUDA")
+        except RuntimeError:   # no such operator in this release
+            _REGISTERED[name] = False
+    return _REGISTERED[name]
+
+
+_INTERPOLATE_OPS = {"nearest": "upsample_nearest{}d", "nearest-exact": "_upsample_nearest_exact{}d",
+                    "linear": "upsample_linear1d", "bilinear": "upsample_bilinear2d",
+                    "trilinear": "upsample_trilinear3d", "bicubic": "upsample_bicubic2d"}
+
+
+def interpolate_op(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The upsample op ``F.interpolate`` calls for its arguments (torch/nn/functional.py: by mode
+    and the input's spatial dims; ``antialias`` picks the ``_aa`` kernels; "area" is adaptive
+    average pooling, no upsample op)."""
+    names = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias")
+    bound = dict(zip(names, args)) | kwargs
+    x, mode = bound.get("input"), bound.get("mode", "nearest")
+    if not isinstance(x, torch.Tensor) or mode not in _INTERPOLATE_OPS:
+        return None
+    op = _INTERPOLATE_OPS[mode].format(x.dim() - 2)
+    return f"_{op}_aa" if bound.get("antialias") and mode in ("bilinear", "bicubic") else op
 
 
 def autocast_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -53,11 +92,13 @@ def autocast_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     that order; inside a tensor list (``einsum``'s operands) they go left to right.
     fp32_set_opt_dtype ops get ``dtype=torch.float32`` when none is given.
     """
+    if name == "interpolate":   # a Python function: the cast is its upsample op's
+        name = interpolate_op(args, kwargs) or name
     if name in AUTOCAST_LOWER:
         to = torch.get_autocast_dtype("cuda")
-    elif name in AUTOCAST_FP32:
+    elif name in AUTOCAST_FP32 or (name in AUTOCAST_FP32_SINCE and registered_for_cuda(name)):
         to = torch.float32
-    elif name in AUTOCAST_PROMOTE:
+    elif name in AUTOCAST_PROMOTE or (name in AUTOCAST_PROMOTE_SINCE and registered_for_cuda(name)):
         floats = [t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and eligible(t)]
         if not floats:
             return args, kwargs
