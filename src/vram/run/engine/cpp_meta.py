@@ -162,11 +162,13 @@ def _overload(name: str) -> Any:
     return getattr(getattr(torch.ops.aten, packet), overload or "default", None)
 
 
-def activate() -> bool:
+def activate(symbolic: bool = False) -> bool:
     """Put the C++ meta kernels of `OPS` back on top (see the module); True if done. Once per
-    process, before a script runs (the library is without Python kernels for a moment)."""
+    process, before a script runs (the library is without Python kernels for a moment).
+    `symbolic`: even with `SYMBOLIC` imported, for a caller that calls `restore` (a comparison of
+    the kernels on concrete sizes)."""
     lib = _library()
-    if _ACTIVE or lib is None or SYMBOLIC in sys.modules:
+    if _ACTIVE or lib is None or (SYMBOLIC in sys.modules and not symbolic):
         return False
     names = [key.split("/")[1] for key in lib._op_impls if key.startswith("aten/") and key.endswith("/Meta")]
     if len(names) != len(lib._op_impls):
@@ -187,7 +189,8 @@ def activate() -> bool:
         if name not in cpp:
             lib.m.impl(name, "Meta", python[name], False)
     _ACTIVE.extend((name, python[name]) for name in sorted(cpp))
-    when_imported(SYMBOLIC, lambda module: restore())
+    if SYMBOLIC not in sys.modules:
+        when_imported(SYMBOLIC, lambda module: restore())
     return True
 
 
