@@ -52,7 +52,7 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
     from . import nccl
     from .ddp import refuse_local_used_map, verify_params_across_processes
     from .dtensor import device_state_on, rebuild_on_meta
-    from .functional import overrides
+    from .functional import overrides, wrapper_override
     from .gloo import BUILDING
     from .rank import stage_snapshots
     from .wrappers import make_wrapper_subclass
@@ -106,6 +106,12 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
     _SIMS.append(sim)
     ops = overrides(sim)
     sim.ops.update(ops)
+
+    def patch_functional(module: Any) -> None:
+        wrap = wrapper_override(module)
+        ops.update(wrap)
+        sim.ops.update(wrap)
+    waiting.append(when_imported("torch.distributed._functional_collectives", patch_functional))
 
     def restore() -> None:
         for op in ops:
