@@ -7,8 +7,8 @@ Each check runs in a fresh process (the switch is once per process, and undone w
 expecttest) make on meta tensors — forward, backward, in place and ``out=`` — with torch's Python
 kernels and with the C++ ones, and compares outputs (sizes, strides, dtype, storage offset and
 size), inputs after the call, warnings and exception types; where they differ on a sample, the C++
-kernel must give what the CPU kernel gives on CPU tensors of the same geometry. ``opinfo --list``
-prints the ops that pass, for `OPS` after a torch upgrade.
+kernel must give what the CPU kernel gives on CPU tensors of the same geometry (`_TENSOR_ITERATOR`).
+``opinfo --list`` prints the ops that pass with all of them switched, for `OPS` after a torch upgrade.
 """
 from __future__ import annotations
 
@@ -237,13 +237,16 @@ def _main(mode: str, *flags: str) -> None:
         print("same" if before == [torch._C._dispatch_dump(f"aten::{n}") for n in names] else "changed")
         return
     calls = _common_calls() if mode == "common" else _opinfo_calls()
-    if mode == "opinfo":
+    if "--list" in flags:  # every op reached on its C++ kernel, less those that differ, until none does
+        cpp_meta.OPS = frozenset(c[0] for c in calls)
+        while differ := _compare(calls):
+            cpp_meta.OPS -= set(differ)
+        print(sorted(cpp_meta.OPS))
+    elif mode == "opinfo":
         calls = [c for c in calls if c[0] in cpp_meta.OPS]
         unreached = cpp_meta.OPS - {c[0] for c in calls}
         assert not unreached, f"ops of OPS no sample reaches: {sorted(unreached)}"
     differ = _compare(calls)
-    if "--list" in flags:
-        print(sorted({c[0] for c in calls} - set(differ)))
     for name, why in sorted(differ.items()):
         print(name, len(why), why[0][:300])
     print("agree" if not differ else "differ")
