@@ -52,7 +52,7 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
     from . import nccl
     from .ddp import refuse_local_used_map, verify_params_across_processes
     from .dtensor import device_state_on, rebuild_on_meta
-    from .functional import overrides
+    from .functional import overrides, wrapper_override
     from .gloo import BUILDING
     from .rank import stage_snapshots
     from .wrappers import make_wrapper_subclass
@@ -104,8 +104,9 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
         import torch.cuda.memory
         put(torch.cuda.memory, "_dump_snapshot", staged)
     _SIMS.append(sim)
-    ops = overrides(sim)
-    sim.ops.update(ops)
+    sim.ops.update(ops := overrides(sim))
+    waiting.append(when_imported("torch.distributed._functional_collectives",
+                                 lambda module: _add_ops(sim, ops, wrapper_override(module))))
 
     def restore() -> None:
         for op in ops:
@@ -118,6 +119,12 @@ def install(sim: SimState, device_for: Callable[[int], Any]) -> Callable[[], Non
         undo()
 
     return restore
+
+
+def _add_ops(sim: SimState, ops: dict[Any, Any], more: dict[Any, Any]) -> None:
+    """`more` overrides in the run's table and in `ops`, the run's own (removed at its end)."""
+    ops.update(more)
+    sim.ops.update(more)
 
 
 def _patch_backends(put: Callable[[Any, str, Any], None]) -> None:

@@ -209,9 +209,9 @@ class FunctionalCollectives:
 
 def overrides(sim: SimState) -> dict[Any, Any]:
     """Op overload -> its CUDA behaviour, for `vram.run.memory.storages.SimState.ops` (run with the
-    dispatch mode on, so what they allocate is charged)."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
+    dispatch mode on, so what they allocate is charged). The ops are C++'s (Functional.cpp), but
+    for `wrapper_override`'s, added once ``torch.distributed._functional_collectives`` (a fifth of
+    a second to import) is."""
     c = FunctionalCollectives()
     ops = torch.ops._c10d_functional
     table: dict[Any, Callable[..., Any]] = {
@@ -241,5 +241,11 @@ def overrides(sim: SimState) -> dict[Any, Any]:
 
     result = {op: on_gpu(kernel) for op, kernel in table.items()}
     result[ops.wait_tensor.default] = on_gpu(c.registry.wait)
-    result[ops._wrap_tensor_autograd.default] = lambda t: AsyncCollectiveTensor(t)
     return result
+
+
+def wrapper_override(module: Any) -> dict[Any, Any]:
+    """``_wrap_tensor_autograd``, a custom op that ``torch.distributed._functional_collectives``
+    (`module`) defines, -> ``AsyncCollectiveTensor(t)``, a wrapper around the same storage."""
+    wrapper = module.AsyncCollectiveTensor
+    return {torch.ops._c10d_functional._wrap_tensor_autograd.default: lambda t: wrapper(t)}

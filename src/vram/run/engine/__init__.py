@@ -8,7 +8,8 @@ pinned host memory). One boxed fallback (`privateuse1`, ``torch.library.Library.
 each op on meta views of its inputs and gives every new output a storage made through DLPack
 (`dlpack`) at its simulated address, charged to the simulated allocator in the kernel's order
 (`vram.run.kernels.plan.op_plan`) and freed by the storage's deleter; a call seen before takes its
-meta run from `meta_cache` (torch's meta kernels are mostly Python), and each op's schema facts are
+meta run from `meta_cache` (torch's meta kernels are mostly Python; `cpp_meta` puts the C++ ones
+back where they give the same), and each op's schema facts are
 read once (`op_info`). No dispatch mode while the
 model trains: autograd sees plain tensors and takes the GPU's formulas (`formulas`: the backward
 kernels CUDA has). The function mode (`function_mode`; `privateuse1.BackendFunctionMode`) plays

@@ -29,7 +29,7 @@ from vram.run.memory.storages import ChargedStorage, SimState
 from vram.run.values import known
 from vram.run.values.placeholders import describe, needs_data, value_error
 
-from . import lazy, meta_cache, native, op_info, sparse_layouts, views
+from . import cpp_meta, lazy, meta_cache, native, op_info, sparse_layouts, views
 from . import reads as _reads
 from .dlpack import new_storage
 from .function_mode import FunctionMode
@@ -72,6 +72,7 @@ def register(devices: int = 1) -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     _setup_privateuseone_for_python_backend(NAME)
+    cpp_meta.activate()  # the ops' meta runs on torch's C++ kernels while nothing symbolic exists
     known.SIMULATED_DEVICE_TYPES.add(NAME)
     lib = torch.library.Library("_", "IMPL")  # noqa: TOR901 - a fallback for every namespace
     lib.fallback(_fallback, "PrivateUse1")

@@ -12,9 +12,10 @@ from . import formulas
 from .cuda_ops import cuda_kernel_ops
 
 COPY_FROM = torch.ops.aten._copy_from.default
-SET_SOURCE = frozenset(getattr(torch.ops.aten.set_, o) for o in ("source_Tensor", "source_Storage",
-                                                                  "source_Storage_storage_offset",
-                                                                  "source_Tensor_storage_offset"))
+_SET_OVERLOADS = ("source_Tensor", "source_Storage", "source_Storage_storage_offset", "source_Tensor_storage_offset")
+SET_SOURCE = frozenset(getattr(torch.ops.aten.set_, o) for o in _SET_OVERLOADS)
+#: the ops the fallback takes its own way (`COPY_FROM`, `SET_SOURCE`), by name
+_OWN_PATHS = frozenset({"aten::_copy_from", *(f"aten::set_.{o}" for o in _SET_OVERLOADS)})
 #: composite ops that reach ``*_overrideable`` kernels on a backend other than CPU/CUDA
 _OVERRIDEABLE = frozenset({"aten::convolution", "aten::convolution_backward", "aten::_convolution",
                            "aten::_convolution_double_backward"})
@@ -70,15 +71,20 @@ def structured_kernels(fallback: Any) -> Any:
             qualified in cuda and qualified in _DIFFERENTIABLE)
         if not whole and any(_has(qualified, k) for k in (_IMPLICIT, _EXPLICIT)):
             continue  # a composite that decomposes into ops that come here
-        op = getattr(getattr(torch.ops.aten, name), overload or "default")
-        if (whole and (op is COPY_FROM or op in SET_SOURCE)) or qualified[6:] in _sparse.DENSE_TO_SPARSE:
+        if (whole and qualified in _OWN_PATHS) or qualified[6:] in _sparse.DENSE_TO_SPARSE:
             continue  # (the dense-to-sparse conversions: `sparse_layouts`)
-        lib.impl(qualified[len("aten::"):], _whole(fallback, op), "PrivateUse1")
+        lib.impl(qualified[len("aten::"):], _whole(fallback, name, overload or "default"), "PrivateUse1")
     formulas.register(lib)
     return lib
 
 
-def _whole(fallback: Any, op: Any) -> Any:
+def _whole(fallback: Any, packet: str, overload: str) -> Any:
+    """The kernel that sends ``aten::packet.overload`` to `fallback`; its ``OpOverload`` looked up
+    on the first call (looking up all of them is a tenth of a second of every start)."""
+    found: list[Any] = []
+
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        return fallback(op, *args, **kwargs)
+        if not found:
+            found.append(getattr(getattr(torch.ops.aten, packet), overload))
+        return fallback(found[0], *args, **kwargs)
     return kernel
