@@ -31,7 +31,7 @@ from vram.run.values.placeholders import describe, needs_data, value_error
 
 from . import lazy, meta_cache, native, op_info, sparse_layouts, views
 from . import reads as _reads
-from .dlpack import new_storage
+from .dlpack import new_storage as _dlpack_storage
 from .function_mode import FunctionMode
 from .outputs import cublas_if_device, data_dependent
 from .whole_ops import COPY_FROM as _COPY_FROM
@@ -53,6 +53,9 @@ _CUDA_CONTIGUOUS = frozenset({"group_norm"})
 _STATE: list[BackendState] = []  # the running simulations, innermost last
 _LOCK = threading.RLock()  # the simulated allocators, shared by the autograd engine's device threads
 _LIB: list[Any] = []
+#: how new storages are made: ``_storages.cpp``'s ``new_storage`` once `register` has built it,
+#: else (and as the reference) `vram.run.engine.dlpack.new_storage`
+NEW_STORAGE: list[Any] = [_dlpack_storage]
 
 
 class EngineLimit(RuntimeError):
@@ -69,6 +72,9 @@ def register(devices: int = 1) -> None:
     native.load(devices)
     if _LIB:
         return
+    compiled = native.storages()
+    if compiled is not None:
+        NEW_STORAGE[0] = compiled.new_storage
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     _setup_privateuseone_for_python_backend(NAME)
@@ -160,10 +166,10 @@ class BackendState(SimState):
         nbytes = meta.untyped_storage().nbytes()
         ptr = self.malloc(idx, nbytes) if nbytes else 0
         if not ptr:
-            return new_storage(meta, known.engine_index(idx), ptr, _nothing, nbytes)
+            return NEW_STORAGE[0](meta, known.engine_index(idx), ptr, _nothing, nbytes)
         b = self.blocks[(idx, ptr)] = ChargedStorage(ptr, nbytes, idx, None)  # type: ignore[arg-type]
-        return new_storage(meta, known.engine_index(idx), ptr, lambda engine_idx, address: self._died(b, address),
-                           nbytes)
+        return NEW_STORAGE[0](meta, known.engine_index(idx), ptr,
+                              lambda engine_idx, address: self._died(b, address), nbytes)
 
     def _died(self, b: ChargedStorage, address: int) -> None:
         with _LOCK:
