@@ -6,9 +6,10 @@ device 0 only (engine.cpp ``start_device_threads``), and its Python hooks have n
 allocator (DDP's used-parameter map, reducer.cpp ``all_reduce_local_used_map``). ``_device.cpp``
 registers what a C++ backend would: a guard with as many devices as the simulation has and a
 current device per thread, and hooks whose pinned memory is host memory. The operators stay
-Python's (`vram.run.engine.privateuse1`). ``_storages.cpp``, a Python extension module built the
-same way, makes the engine's new storages (`storages`; `vram.run.engine.dlpack` is its reference
-and the fallback).
+Python's (`vram.run.engine.privateuse1`). ``_fast.cpp``, a Python extension module built the
+same way (`fast`), holds the compiled forms of parts of the engine's per-op path (new storages, a
+tensor's block's place, the meta cache's key), each beside its Python reference, which is the
+fallback.
 
 It is compiled once per torch build and source into ``$VRAM_CACHE_DIR`` (default
 ``~/.cache/vram``) with the C++ compiler ``$CXX`` (default ``c++``) against the installed torch's
@@ -34,15 +35,15 @@ from typing import Any
 import torch
 
 SOURCE = Path(__file__).with_name("_device.cpp")
-STORAGES_SOURCE = Path(__file__).with_name("_storages.cpp")
-#: the storages module's name (``PyInit_vram_engine_storages`` in ``_storages.cpp``)
-STORAGES_MODULE = "vram_engine_storages"
+FAST_SOURCE = Path(__file__).with_name("_fast.cpp")
+#: the compiled module's name (``PyInit_vram_engine_fast`` in ``_fast.cpp``)
+FAST_MODULE = "vram_engine_fast"
 #: the device count registered at first: a node's GPUs, so that a later simulation with more
 #: GPUs than the first finds autograd queues for them (the engine sizes them once per process)
 FLOOR = 8
 _LIB: list[ctypes.CDLL] = []
 _WHY_NOT: list[str] = []
-_STORAGES: list[Any] = []  # the storages module, or None where it cannot be built or loaded
+_FAST: list[Any] = []  # the compiled module, or None where it cannot be built or loaded
 
 
 def _cache_dir() -> Path:
@@ -128,20 +129,19 @@ def why_not() -> str:
     return _WHY_NOT[0] if _WHY_NOT else ""
 
 
-def storages() -> Any:
-    """The compiled storages module (``_storages.cpp``: ``new_storage``, as
-    `vram.run.engine.dlpack.new_storage` with `nbytes` given), built on first use; None where it
-    cannot be built or loaded (the engine then keeps the DLPack path)."""
-    if not _STORAGES:
+def fast() -> Any:
+    """The compiled module (``_fast.cpp``: ``new_storage``, ``place``, ``key``), built on first
+    use; None where it cannot be built or loaded (the engine then keeps the Python references)."""
+    if not _FAST:
         module = None
         try:
-            path = _built(STORAGES_SOURCE, "engine-storages", python=True)
-            loader = importlib.machinery.ExtensionFileLoader(STORAGES_MODULE, str(path))
-            spec = importlib.util.spec_from_loader(STORAGES_MODULE, loader)
+            path = _built(FAST_SOURCE, "engine-fast", python=True)
+            loader = importlib.machinery.ExtensionFileLoader(FAST_MODULE, str(path))
+            spec = importlib.util.spec_from_loader(FAST_MODULE, loader)
             if spec is not None:
                 module = importlib.util.module_from_spec(spec)
                 loader.exec_module(module)
         except (OSError, ImportError, subprocess.SubprocessError):
             module = None
-        _STORAGES.append(module)
-    return _STORAGES[0]
+        _FAST.append(module)
+    return _FAST[0]

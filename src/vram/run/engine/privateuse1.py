@@ -53,9 +53,11 @@ _CUDA_CONTIGUOUS = frozenset({"group_norm"})
 _STATE: list[BackendState] = []  # the running simulations, innermost last
 _LOCK = threading.RLock()  # the simulated allocators, shared by the autograd engine's device threads
 _LIB: list[Any] = []
-#: how new storages are made: ``_storages.cpp``'s ``new_storage`` once `register` has built it,
-#: else (and as the reference) `vram.run.engine.dlpack.new_storage`
+#: how new storages are made: ``_fast.cpp``'s ``new_storage`` once `register` has built it, else
+#: (and as the reference) `vram.run.engine.dlpack.new_storage`
 NEW_STORAGE: list[Any] = [_dlpack_storage]
+#: ``_fast.cpp``'s ``place`` once `register` has built it (`_block`)
+_PLACE: list[Any] = [None]
 
 
 class EngineLimit(RuntimeError):
@@ -72,9 +74,10 @@ def register(devices: int = 1) -> None:
     native.load(devices)
     if _LIB:
         return
-    compiled = native.storages()
+    compiled = native.fast()
     if compiled is not None:
-        NEW_STORAGE[0] = compiled.new_storage
+        NEW_STORAGE[0], _PLACE[0] = compiled.new_storage, compiled.place
+        meta_cache.use_compiled(compiled.key, NAME)
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     _setup_privateuseone_for_python_backend(NAME)
@@ -94,6 +97,22 @@ def _raw_device(t: torch.Tensor) -> torch.device:
 
 def _block(blocks: dict[tuple[int, int], ChargedStorage], empty: list[ChargedStorage],
            t: torch.Tensor) -> ChargedStorage | None:
+    """`BackendState.block_of` of a tensor, torch functions disabled: `_block_reference`, with the
+    tensor's device and storage address read by ``_fast.cpp``'s ``place`` where it is built."""
+    place = _PLACE[0]
+    where = NotImplemented if place is None else place(t)
+    if where is NotImplemented:
+        return _block_reference(blocks, empty, t)
+    if where is None:
+        return None
+    if _ENGINE_OWN[0]:
+        idx = known.engine_index(where[0])
+        return blocks.get((idx, where[1])) or empty[idx]
+    return blocks.get(where) or empty[where[0]]
+
+
+def _block_reference(blocks: dict[tuple[int, int], ChargedStorage], empty: list[ChargedStorage],
+                     t: torch.Tensor) -> ChargedStorage | None:
     """`BackendState.block_of` of a tensor, torch functions disabled."""
     d = t.device
     if d.type != NAME or not _HAS_STORAGE(t):  # a vmap BatchedTensor wraps one
