@@ -3,7 +3,8 @@ Python references: new storages against `vram.run.engine.dlpack.new_storage` (at
 a NumPy capsule: the same tensor, geometry, storage, device, dispatch keys and autograd state, the
 same death report, the same refusals), a tensor's block against
 `vram.run.engine.privateuse1._block_reference`, the meta cache's key against
-`vram.run.engine.meta_cache.key_reference`; and the same allocations for a training step with
+`vram.run.engine.meta_cache.key_reference`, views against `vram.run.engine.views.view_of_reference`;
+and the same allocations for a training step with
 each compiled part and without."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from vram.allocator import caching  # noqa: E402
-from vram.run.engine import dlpack, meta_cache, native, privateuse1  # noqa: E402
+from vram.run.engine import dlpack, meta_cache, native, privateuse1, views  # noqa: E402
 from vram.run.runtime import simulated_cuda  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(torch._C, "_acc"), reason="needs torch._C._acc (Python PrivateUse1)")
@@ -170,12 +171,13 @@ def test_a_training_step_allocates_alike(fast: Any, monkeypatch: pytest.MonkeyPa
     """The same step with the engine's compiled parts and with their Python references: the same
     mallocs and frees, in the same order."""
     assert privateuse1.NEW_STORAGE[0] is fast.new_storage and privateuse1._PLACE[0] is fast.place
-    assert meta_cache._COMPILED == [fast.key, privateuse1.NAME]
+    assert meta_cache._COMPILED == [fast.key, privateuse1.NAME] and views.COMPILED[0] is fast.view_of
     meta_cache.clear()
     ours = _events(monkeypatch)
     monkeypatch.setattr(privateuse1, "NEW_STORAGE", [dlpack.new_storage])
     monkeypatch.setattr(privateuse1, "_PLACE", [None])
     monkeypatch.setattr(meta_cache, "_COMPILED", [None, None])
+    monkeypatch.setattr(views, "COMPILED", [None])
     meta_cache.clear()
     reference = _events(monkeypatch)
     assert ours == reference
@@ -274,3 +276,40 @@ def test_keys_keep_calls_apart(fast: Any) -> None:
         with torch._C.DisableTorchFunction():
             keys = [fast.key(op, settings, args, kwargs) for op, args, kwargs in calls]
     assert keys[2] != keys[3] and None not in keys and len(set(keys)) == len(keys)
+
+
+def test_view_of_is_the_reference_view(fast: Any) -> None:
+    """``view_of`` gives the view `view_of_reference` gives (the CPU kernel of ``as_strided``), and
+    leaves views that change the dtype, subclasses and other TensorImpls to it."""
+    with simulated_cuda(gpu="24GiB"):
+        x = torch.empty(6, 4, device="cuda")
+        h = torch.empty(8, dtype=torch.float16, device="cuda")
+        p = torch.nn.Parameter(torch.empty(3, 5, device="cuda"))
+        cases = [(x, torch.empty(6, 4, device="meta").t()), (x, torch.empty(24, device="meta")[5:17:3]),
+                 (h, torch.empty(8, dtype=torch.float16, device="meta")[2:].view(2, 3)),
+                 (p, torch.empty(15, device="meta").as_strided((5, 3), (1, 5), 0)),
+                 (x[1:], torch.empty(0, device="meta")), (x, torch.empty((), device="meta"))]
+        with torch._C.DisableTorchFunction():
+            for src, meta in cases:
+                ours, reference = fast.view_of(src, meta), views.view_of_reference(src, meta)
+                assert _facts(ours) == _facts(reference)
+                assert _facts(views.view_of(src, meta)) == _facts(reference)
+            assert fast.view_of(h, torch.empty(4, dtype=torch.float32, device="meta")) is NotImplemented
+            assert fast.view_of(x.as_subclass(_Sub), torch.empty(4, device="meta")) is NotImplemented
+            assert fast.view_of(x, torch.empty(4, device="meta").as_subclass(_Sub)) is NotImplemented
+            complex_view = views.view_of(h, torch.empty(4, dtype=torch.float32, device="meta"))
+            assert complex_view.dtype == torch.float32 and complex_view.shape == (4,)
+
+
+def test_built_where_a_compiler_and_python_headers_are() -> None:
+    """Where ``c++`` and Python's headers are present the compiled module must build (a compile
+    error would otherwise leave every engine run on the slower references, silently)."""
+    import os
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None or \
+            not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        pytest.skip("no C++ compiler or no Python headers here")
+    assert native.fast() is not None

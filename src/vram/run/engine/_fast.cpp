@@ -3,7 +3,9 @@
 // (tests/test_engine_fast.py compares each with its reference):
 //  - new_storage: vram/run/engine/dlpack.py `new_storage`;
 //  - place: where vram/run/engine/privateuse1.py `_block_reference` looks a tensor's block up;
-//  - key: vram/run/engine/meta_cache.py `key_reference` (less the settings, passed in).
+//  - key: vram/run/engine/meta_cache.py `key_reference` (less the settings, passed in);
+//  - view_of: vram/run/engine/views.py `view_of_reference` for a view that keeps the dtype (the
+//    CPU kernel of as_strided, which `_op_dk(CPU, ...)` calls: at::cpu::as_strided).
 // Only tensors whose Python type is exactly torch.Tensor or nn.Parameter over a plain TensorImpl
 // (torch/csrc/autograd/python_variable.h THPVariable_CheckExact: a subclass may answer `device`
 // or `layout` in Python) are read here; for any other `place` and `key` return NotImplemented
@@ -27,7 +29,8 @@
 // (``Tensor._cdata``), which its Python object keeps alive for the call.
 #include <Python.h>
 
-#include <ATen/ops/from_blob.h>
+#include <ATen/ops/from_blob.h>  // ATen/core/Tensor.h first: the dispatch header below needs it
+#include <ATen/ops/as_strided_cpu_dispatch.h>
 #include <c10/core/ScalarType.h>
 
 #include <typeinfo>
@@ -375,6 +378,33 @@ PyObject* key(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
+// view_of(src, meta): a view of `src`'s storage with `meta`'s sizes, strides and offset, by the
+// CPU kernel of as_strided; NotImplemented where the dtypes differ or either tensor is one the
+// reference must read.
+PyObject* view_of(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "view_of(src: Tensor, meta: Tensor)");
+    return nullptr;
+  }
+  c10::TensorImpl* src = exact_impl(args[0]);
+  c10::TensorImpl* meta = src == nullptr ? nullptr : exact_impl(args[1]);
+  if (meta == nullptr) {
+    return PyErr_Occurred() ? nullptr : not_implemented();
+  }
+  if (src->dtype() != meta->dtype()) {
+    return not_implemented();
+  }
+  try {
+    at::Tensor base(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(src));
+    return THPVariable_Wrap(at::cpu::as_strided(base, meta->sizes(), meta->strides(), meta->storage_offset()));
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
 PyMethodDef methods[] = {
     {"new_storage", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&new_storage)), METH_FASTCALL,
      "A PrivateUse1 tensor viewed as `meta` over a new storage of `nbytes` at `address` on `device`; "
@@ -385,6 +415,8 @@ PyMethodDef methods[] = {
     {"key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&key)), METH_FASTCALL,
      "The meta cache's key of op(*args, **kwargs) under settings; None: not remembered; "
      "NotImplemented: the reference must make it."},
+    {"view_of", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&view_of)), METH_FASTCALL,
+     "A view of src's storage with meta's geometry (same dtype); NotImplemented: the reference must make it."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "vram_engine_fast", nullptr, -1, methods};

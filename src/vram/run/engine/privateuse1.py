@@ -76,7 +76,7 @@ def register(devices: int = 1) -> None:
         return
     compiled = native.fast()
     if compiled is not None:
-        NEW_STORAGE[0], _PLACE[0] = compiled.new_storage, compiled.place
+        NEW_STORAGE[0], _PLACE[0], views.COMPILED[0] = compiled.new_storage, compiled.place, compiled.view_of
         meta_cache.use_compiled(compiled.key, NAME)
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
