@@ -22,11 +22,11 @@
 // PyTorch frees it, under the GIL, with any pending Python error set aside and an error of its
 // own reported as unraisable, as CPython runs a finaliser (the DLPack path's `_Block.__del__`).
 //
-// Only ATen's from_blob and Python's headers are included (torch/csrc's Python headers take four
-// times as long to compile); the two functions of libtorch_python used are declared here as that
-// library exports them, so a torch whose exports differ fails to load this library (and the engine
-// keeps the Python path) rather than misbehaving. A tensor is read through its TensorImpl
-// (``Tensor._cdata``), which its Python object keeps alive for the call.
+// Only ATen's and Python's headers are included (torch/csrc's Python headers take four times as
+// long to compile); the two libtorch_python functions used are declared as it exports them, so a
+// torch whose exports differ fails to load this library (the engine keeps the Python path) rather
+// than misbehaving. A tensor is read through its TensorImpl (``Tensor._cdata``), which its Python
+// object keeps alive for the call.
 #include <Python.h>
 
 #include <ATen/ops/from_blob.h>  // ATen/core/Tensor.h first: the dispatch header below needs it
@@ -216,9 +216,7 @@ c10::TensorImpl* exact_impl(PyObject* obj) {
   return impl;
 }
 
-PyObject* not_implemented() {
-  Py_RETURN_NOTIMPLEMENTED;
-}
+PyObject* not_implemented() { Py_RETURN_NOTIMPLEMENTED; }
 
 // place(t): (device index, storage data address) of a PrivateUse1 tensor with a storage
 // (torch._C._has_storage: has_storage(); torch._C._data_address: storage().data()), None for
