@@ -33,7 +33,9 @@ straight to their view, the key's settings read without the config module, stora
 their data address, ...): warm fp32 1.66-2.45 -> 1.11-1.45 s (0.63x median of 5 pairs), bf16
 2.15-3.06 -> 1.45-2.09 s (0.72x), bf16 + checkpoint 2.53-3.58 -> 2.11-2.99 s (0.82x) (load average
 3-6; benchmarks/README.md, with ``benchmarks/estimate_allocations.py``, the allocation sequences
-compared before and after).
+compared before and after). Parts of that path were then compiled (``_fast.cpp``: new storages, a
+tensor's block, the meta cache's key, same-dtype views): warm fp32 0.71x, bf16 0.79x, bf16 +
+checkpoint 0.76x, cold 0.87x (medians of 5 alternating pairs, load average 2-11).
 
 The model (`gpt2_small`) is GPT-2 small as nanoGPT writes it: 12 layers, d_model 768, 12 heads,
 vocabulary 50,257, 1,024 positions, tied embedding / LM head, causal SDPA, tanh GELU (124.4 M

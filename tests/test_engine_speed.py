@@ -233,3 +233,35 @@ def test_current_stream_of_is_current_streams_id() -> None:
             assert memory.current_stream_of(1) == memory.current_stream(1).cuda_stream == side.cuda_stream != 0
             assert memory.current_stream_of(0) == 0
         assert memory.current_stream_of(1) == 0
+
+
+def test_default_device_is_read_from_the_threads_own_entry() -> None:
+    """The function mode reads ``set_default_device``'s context from the thread-local's own
+    ``__dict__`` (a missed ``getattr`` on a ``threading.local`` costs an exception): the same
+    answer as ``getattr`` in the thread that set it and in one that did not."""
+    import threading
+
+    local = torch._GLOBAL_DEVICE_CONTEXT
+    seen: list[Any] = []
+
+    def read() -> None:
+        seen.append((local.__dict__.get("device_context"), getattr(local, "device_context", None)))
+
+    try:
+        read()
+        torch.set_default_device("meta")
+        read()
+        other = threading.Thread(target=read)
+        other.start()
+        other.join()
+    finally:
+        torch.set_default_device(None)
+    assert seen[0] == (None, None) and seen[2] == (None, None)
+    assert seen[1][0] is not None and seen[1][0] is seen[1][1]
+    with simulated_cuda(gpu="24GiB"):
+        torch.set_default_device("cuda")
+        try:
+            x = torch.empty(4)
+        finally:
+            torch.set_default_device(None)
+        assert x.is_cuda and active_sim().block_of(x) is not None

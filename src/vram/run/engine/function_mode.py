@@ -269,7 +269,7 @@ class FunctionMode(TorchFunctionMode):
         the script's own meta tensors and large CPU factories made lazy host tensors."""
         sim = self.sim
         target, explicit_meta = None, False
-        default = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)  # set_default_device
+        default = torch._GLOBAL_DEVICE_CONTEXT.__dict__.get("device_context")  # set_default_device (a thread-local)
         if default is not None and kwargs.get("device") is None and func in _device_constructors():
             kwargs = dict(kwargs, device=default.device)  # its mode sits below this one: apply it here
         host_factory = False

@@ -38,6 +38,8 @@ _PYTHON_DISPATCHER = torch._C.DispatchKey.PythonDispatcher
 _SEEDED = torch.Tag.nondeterministic_seeded
 _CACHE: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
 _REMEMBERS: dict[Any, bool] = {}  # by OpOverload: may its calls be remembered?
+#: ``_fast.cpp``'s ``key`` and the device type it reads tensors of (PrivateUse1's name), once set
+_COMPILED: list[Any] = [None, None]
 
 
 def _remembers(op: Any) -> bool:
@@ -132,11 +134,30 @@ def _part(a: Any, device_type: str) -> Any:
     return None
 
 
+def use_compiled(compiled_key: Any, device_type: str) -> None:
+    """Make keys of calls on `device_type` (PrivateUse1's name) with ``_fast.cpp``'s ``key``, the
+    compiled form of `key_reference`."""
+    _COMPILED[:] = [compiled_key, device_type]
+
+
 def key(op: Any, args: Any, kwargs: Any, device_type: str) -> tuple[Any, ...] | None:
-    """What `op`'s meta run on these arguments depends on; None when it is not remembered."""
+    """What `op`'s meta run on these arguments depends on; None when it is not remembered.
+    `key_reference`'s, made by its compiled form where that is in use and can read the arguments."""
     if not enabled or not _remembers(op):
         return None
-    parts: list[Any] = [op, _settings()]
+    settings = _settings()
+    compiled, compiled_for = _COMPILED
+    if compiled is not None and device_type == compiled_for:
+        k = compiled(op, settings, args, kwargs)
+        if k is not NotImplemented:
+            return k  # type: ignore[no-any-return]
+    return key_reference(op, settings, args, kwargs, device_type)
+
+
+def key_reference(op: Any, settings: tuple[Any, ...], args: Any, kwargs: Any,
+                  device_type: str) -> tuple[Any, ...] | None:
+    """The key of a call whose op may be remembered: the op, the `settings`, each argument's `_part`."""
+    parts: list[Any] = [op, settings]
     for a in args:
         p = _part(a, device_type)
         if p is None:

@@ -31,7 +31,7 @@ from vram.run.values.placeholders import describe, needs_data, value_error
 
 from . import cpp_meta, lazy, meta_cache, native, op_info, sparse_layouts, views
 from . import reads as _reads
-from .dlpack import new_storage
+from .dlpack import new_storage as _dlpack_storage
 from .function_mode import FunctionMode
 from .outputs import cublas_if_device, data_dependent, mask_counts
 from .whole_ops import COPY_FROM as _COPY_FROM
@@ -53,6 +53,11 @@ _CUDA_CONTIGUOUS = frozenset({"group_norm"})
 _STATE: list[BackendState] = []  # the running simulations, innermost last
 _LOCK = threading.RLock()  # the simulated allocators, shared by the autograd engine's device threads
 _LIB: list[Any] = []
+#: how new storages are made: ``_fast.cpp``'s ``new_storage`` once `register` has built it, else
+#: (and as the reference) `vram.run.engine.dlpack.new_storage`
+NEW_STORAGE: list[Any] = [_dlpack_storage]
+#: ``_fast.cpp``'s ``place`` once `register` has built it (`_block`)
+_PLACE: list[Any] = [None]
 
 
 class EngineLimit(RuntimeError):
@@ -69,6 +74,10 @@ def register(devices: int = 1) -> None:
     native.load(devices)
     if _LIB:
         return
+    compiled = native.fast()
+    if compiled is not None:
+        NEW_STORAGE[0], _PLACE[0], views.COMPILED[0] = compiled.new_storage, compiled.place, compiled.view_of
+        meta_cache.use_compiled(compiled.key, NAME)
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     _setup_privateuseone_for_python_backend(NAME)
@@ -89,6 +98,22 @@ def _raw_device(t: torch.Tensor) -> torch.device:
 
 def _block(blocks: dict[tuple[int, int], ChargedStorage], empty: list[ChargedStorage],
            t: torch.Tensor) -> ChargedStorage | None:
+    """`BackendState.block_of` of a tensor, torch functions disabled: `_block_reference`, with the
+    tensor's device and storage address read by ``_fast.cpp``'s ``place`` where it is built."""
+    place = _PLACE[0]
+    where = NotImplemented if place is None else place(t)
+    if where is NotImplemented:
+        return _block_reference(blocks, empty, t)
+    if where is None:
+        return None
+    if _ENGINE_OWN[0]:
+        idx = known.engine_index(where[0])
+        return blocks.get((idx, where[1])) or empty[idx]
+    return blocks.get(where) or empty[where[0]]
+
+
+def _block_reference(blocks: dict[tuple[int, int], ChargedStorage], empty: list[ChargedStorage],
+                     t: torch.Tensor) -> ChargedStorage | None:
     """`BackendState.block_of` of a tensor, torch functions disabled."""
     d = t.device
     if d.type != NAME or not _HAS_STORAGE(t):  # a vmap BatchedTensor wraps one
@@ -161,10 +186,10 @@ class BackendState(SimState):
         nbytes = meta.untyped_storage().nbytes()
         ptr = self.malloc(idx, nbytes) if nbytes else 0
         if not ptr:
-            return new_storage(meta, known.engine_index(idx), ptr, _nothing, nbytes)
+            return NEW_STORAGE[0](meta, known.engine_index(idx), ptr, _nothing, nbytes)
         b = self.blocks[(idx, ptr)] = ChargedStorage(ptr, nbytes, idx, None)  # type: ignore[arg-type]
-        return new_storage(meta, known.engine_index(idx), ptr, lambda engine_idx, address: self._died(b, address),
-                           nbytes)
+        return NEW_STORAGE[0](meta, known.engine_index(idx), ptr,
+                              lambda engine_idx, address: self._died(b, address), nbytes)
 
     def _died(self, b: ChargedStorage, address: int) -> None:
         with _LOCK:

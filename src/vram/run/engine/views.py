@@ -12,9 +12,21 @@ _CPU = torch._C.DispatchKey.CPU
 _AS_STRIDED = torch.ops.aten.as_strided.default
 _VIEW_DTYPE = torch.ops.aten.view.dtype  # a CompositeExplicitAutograd kernel only (none for CPU)
 _EXPLICIT = torch._C.DispatchKey.CompositeExplicitAutograd
+#: ``_fast.cpp``'s ``view_of`` once the engine has built it (`vram.run.engine.privateuse1.register`)
+COMPILED: list[Any] = [None]
 
 
 def view_of(src: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """`view_of_reference`, made by its compiled form where that is in use and can read both."""
+    compiled = COMPILED[0]
+    if compiled is not None:
+        view = compiled(src, meta)
+        if view is not NotImplemented:
+            return view  # type: ignore[no-any-return]
+    return view_of_reference(src, meta)
+
+
+def view_of_reference(src: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     """A view of `src`'s storage with `meta`'s geometry and dtype. A view that changes the element
     type (``view_as_real``, ``view_as_complex``, ``view(dtype)``) goes through the whole storage
     seen as bytes, then the new dtype: ``as_strided`` alone keeps `src`'s element size."""
