@@ -151,13 +151,14 @@ def _placed(model: Any, sim: Any, tr: Tracker, parallel: Any, checkpoint: Any, c
     parameters and buffers marked, checkpointed as asked."""
     m = build_model(model, sim)
     tr.attach(m)
-    m = to_gpu(m, sim) if parallel is None else parallel.place(m, tr)
+    early = checkpoint if parallel is not None and parallel.checkpoints_before_sharding(compiled) else None
+    m = to_gpu(m, sim) if parallel is None else parallel.place(m, tr, early)
     m.train()
     for p in m.parameters():
         tr.mark(p, "parameters")
     for b in m.buffers():
         tr.mark(b, "buffers")
-    if checkpoint:
+    if checkpoint and early is None:
         apply_checkpoint(m, checkpoint, tr, None if parallel is None else parallel.blocks(m), compiled)
     return m
 

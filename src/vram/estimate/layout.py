@@ -40,7 +40,7 @@ import torch.nn as nn
 from vram.run.runtime import active_sim
 
 from .model import load_factory, sum_outputs, to_gpu
-from .trace import Tracker, checkpoint_targets
+from .trace import Tracker, checkpoint_targets, wrap_checkpointed
 
 __all__ = ["Layout", "RankPlan", "DIMS"]
 
@@ -114,9 +114,8 @@ class Layout:
         so the graphs between them take the unsharded, plain parameters). Tensor parallel's plan
         makes DTensors inside the traced code (``DTensor.from_local`` in ``ColwiseParallel``'s
         input hook), whose fake trace fails on the simulated GPU (``vram run`` fails the same
-        program); a pipeline stage is not compiled. With `checkpoint`, only ``--ddp``: compiled
-        FSDP2 blocks checkpointed as estimate checkpoints them allocate otherwise than
-        ``checkpoint_wrapper`` blocks by hand (from the first forward on)."""
+        program); a pipeline stage is not compiled. `checkpoint` with ``--ddp`` and ``--fsdp``
+        (there ``checkpoint_wrapper`` before ``fully_shard``: `checkpoints_before_sharding`)."""
         if mode is None:
             return
         if self.tp > 1:
@@ -125,9 +124,6 @@ class Layout:
         if self.pp > 1:
             raise ValueError("--compile with --pp is not modelled: estimate does not compile pipeline "
                              "stages (--ddp and --fsdp are modelled compiled)")
-        if checkpoint and self.fsdp > 1:
-            raise ValueError("--compile with --checkpoint and --fsdp is not modelled: compiled FSDP2 blocks "
-                             "checkpointed by estimate allocate unlike checkpoint_wrapper's (--ddp is modelled)")
 
     def coords(self, rank: int) -> dict[str, int]:
         """Row-major coordinates of `rank` on the mesh (as ``init_device_mesh`` lays ranks out)."""
@@ -200,8 +196,10 @@ class RankPlan:
         if self.layout.pp > 1:
             self.step = self._pipeline_step
 
-    def place(self, m: nn.Module, tr: Tracker) -> nn.Module:
-        """Split, parallelize and shard `m` (on meta, or as the factory built it) onto this GPU."""
+    def place(self, m: nn.Module, tr: Tracker, checkpoint: Any = None) -> nn.Module:
+        """Split, parallelize and shard `m` (on meta, or as the factory built it) onto this GPU;
+        `checkpoint` (a ``checkpoint=`` policy): its modules are wrapped by ``checkpoint_wrapper``
+        before ``fully_shard`` (`checkpoints_before_sharding`)."""
         lay = self.layout
         if lay.pp > 1:
             m = self._stage(m)
@@ -213,6 +211,8 @@ class RankPlan:
             from torch.distributed.fsdp import fully_shard
 
             dp = self.mesh["dp_replicate", "dp_shard"] if lay.ddp > 1 else self.mesh["dp_shard"]
+            if checkpoint:
+                wrap_checkpointed(m, checkpoint)
             for block in checkpoint_targets(m, True):
                 fully_shard(block, mesh=dp)
             fully_shard(m, mesh=dp)
@@ -235,6 +235,12 @@ class RankPlan:
             ddp._pre_forward = pre_forward  # type: ignore[method-assign]
             m = ddp
         return m
+
+    def checkpoints_before_sharding(self, compiled: bool) -> bool:
+        """Compiled FSDP2 blocks are checkpointed by ``checkpoint_wrapper`` before ``fully_shard``
+        (torchtitan's order, `wrap_checkpointed`), not by estimate's forward after it: the
+        graph breaks at each block's FSDP2 hooks and the block's own frame is compiled."""
+        return compiled and self.layout.fsdp > 1
 
     def _tag_fsdp_buffers(self, tr: Tracker) -> None:
         """FSDP2's collectives, as `_fsdp_param_group` calls them, allocate as their category."""
