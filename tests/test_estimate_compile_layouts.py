@@ -2,9 +2,9 @@
 against the same loop written by hand under ``vram run --nproc-per-node``: ``--ddp``
 (``torch.compile(DistributedDataParallel(model))``: Dynamo's DDPOptimizer splits the graph at the
 buckets, each piece compiled by vram's backend), ``--fsdp`` and HSDP (the ``fully_shard`` model
-compiled), each with and without ``--checkpoint``; tensor parallel (whose compiled graphs ``vram
-run`` runs eagerly) and pipelines (whose stages estimate does not compile) are refused with one
-line each."""
+compiled), each with and without ``--checkpoint``, and ``--pp`` (each stage's module compiled);
+tensor parallel (whose compiled graphs ``vram run`` runs eagerly) and a compiled, checkpointed
+pipeline are refused with one line each."""
 from __future__ import annotations
 
 import json
@@ -32,8 +32,8 @@ INPUT = ["--input", "64x256"]
     (["--tp", "2", "--tp-plan", "tiny_stack:tp_plan"], "--compile with --tp is not modelled: Dynamo's trace of "
                                                        "tensor parallel's DTensors fails"),
     (["--fsdp", "2", "--tp", "2", "--tp-plan", "tiny_stack:tp_plan"], "--compile with --tp is not modelled"),
-    (["--pp", "2"], "--compile with --pp is not modelled: estimate does not compile pipeline stages"),
-], ids=["tp", "fsdp-tp", "pp"])
+    (["--pp", "2", "--checkpoint"], "--compile with --pp and --checkpoint is not modelled"),
+], ids=["tp", "fsdp-tp", "pp-checkpoint"])
 def test_compile_with_a_layout_it_does_not_model_is_one_line(flags: list[str], message: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """Refused before any model is imported or rank launched (the CLI's own entry, in this process)."""
@@ -45,14 +45,15 @@ def test_compile_with_a_layout_it_does_not_model_is_one_line(flags: list[str], m
 
 
 def test_compile_with_a_layout_it_does_not_model_is_refused_from_python() -> None:
-    with pytest.raises(ValueError, match="--compile with --pp is not modelled"):
-        vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout={"pp": 2}, compile="default")
+    with pytest.raises(ValueError, match="--compile with --pp and --checkpoint is not modelled"):
+        vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout={"pp": 2}, compile="default", checkpoint=True)
     with pytest.raises(ValueError, match="--compile with --tp is not modelled"):
         Layout(tp=2, tp_plan="tiny_stack:tp_plan").check_compile("default")
     Layout(ddp=2).check_compile("default")    # modelled
     Layout(fsdp=2).check_compile("default")   # modelled
     Layout(ddp=2, fsdp=2).check_compile("default")   # modelled: HSDP
     Layout(pp=2).check_compile(None)          # not compiled: nothing to refuse
+    Layout(pp=2).check_compile("default")     # modelled: each stage's module compiled
     Layout(ddp=2).check_compile("default", checkpoint=True)   # modelled
     Layout(fsdp=2).check_compile("default", checkpoint=True)  # modelled: checkpoint_wrapper, then fully_shard
     Layout(ddp=2, fsdp=2).check_compile("default", checkpoint=True)
@@ -68,7 +69,7 @@ def _estimate_and_by_hand(mode: str, layout: dict[str, int], tmp_path: Path, mon
     """``vram.estimate("tiny_stack:stack", 64 x 256, layout=, compile="default")``, each simulated
     rank's recording (`distributed_programs/estimate_rank_recorded.py`), and each rank's allocation
     history of the loop by hand (`estimate_equivalent.py MODE --compile`: ``torch.compile`` of the
-    wrapped model; `checkpoint`: ``checkpoint_wrapper`` around
+    wrapped model, or of a pipeline stage's module; `checkpoint`: ``checkpoint_wrapper`` around
     each block before the wrapping) under ``vram run --nproc-per-node``, whose peaks on every rank
     are those of the estimate of the rank that stands for it. Neither runs a graph eagerly (``vram
     run`` says so when it does; the estimate says what its ranks say)."""
@@ -182,6 +183,20 @@ def test_hsdp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path
     assert got.stands_for == {0: [0, 1, 2, 3]}
     assert got.results[0].categories["parameters"] == 4 * 525568 * 4 // 2
     _same_allocations(got, recorded, hand)
+
+@pytest.mark.slow  # compiles each stage in the compile process, twice (estimate, by hand): about five minutes
+def test_pp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``layout={"pp": 2}``: ``pipeline()`` split at the blocks, each rank's stage module compiled
+    and called by its stage (``stage.submod = torch.compile(stage.submod)`` by hand) under
+    ``Schedule1F1B`` over two micro-batches. The stage's module is ``torch.export``'s: Dynamo's
+    graph of it calls ATen operators (``aten.linear.default``), one graph per stage, the backward
+    run by the schedule through the compiled graph's. The two stages allocate differently, so
+    each is simulated, and each equals its rank by hand event by event."""
+    got, recorded, hand = _estimate_and_by_hand("pp", {"pp": 2}, tmp_path, monkeypatch, capsys)
+    assert got.stands_for == {0: [0], 1: [1]}
+    _same_allocations(got, recorded, hand)
+
 
 def test_what_the_ranks_say_they_do_not_model_is_said_once() -> None:
     """A layout's ranks run in processes of their own, their stderr kept from the user: the

@@ -203,6 +203,8 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
                     hooks.append(opt.register_step_post_hook(lambda o, a, k: tr.mark_optimizer(o)))
                 if compile is not None:
                     m = tr.compiled(m, compile)
+                    if parallel is not None:
+                        parallel.run_compiled(m)
                 scaler = torch.amp.GradScaler("cuda") if amp_dtype is torch.float16 else None
                 inputs = None
                 for it in range(1, iterations + 1):

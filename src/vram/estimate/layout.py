@@ -114,16 +114,19 @@ class Layout:
         so the graphs between them take the unsharded, plain parameters). Tensor parallel's plan
         makes DTensors inside the traced code (``DTensor.from_local`` in ``ColwiseParallel``'s
         input hook), whose fake trace fails on the simulated GPU (``vram run`` fails the same
-        program); a pipeline stage is not compiled. `checkpoint` with ``--ddp`` and ``--fsdp``
-        (there ``checkpoint_wrapper`` before ``fully_shard``: `checkpoints_before_sharding`)."""
+        program). ``--pp``: each rank's stage module compiled, which its stage then calls
+        (`run_compiled`); not with `checkpoint` (not checked against a run by hand).
+        `checkpoint` with ``--ddp`` and ``--fsdp`` (there ``checkpoint_wrapper`` before
+        ``fully_shard``: `checkpoints_before_sharding`)."""
         if mode is None:
             return
         if self.tp > 1:
             raise ValueError("--compile with --tp is not modelled: Dynamo's trace of tensor parallel's DTensors "
-                             "fails on the simulated GPU, as under vram run (--ddp and --fsdp are modelled compiled)")
-        if self.pp > 1:
-            raise ValueError("--compile with --pp is not modelled: estimate does not compile pipeline "
-                             "stages (--ddp and --fsdp are modelled compiled)")
+                             "fails on the simulated GPU, as under vram run (--ddp, --fsdp and --pp are modelled "
+                             "compiled)")
+        if self.pp > 1 and checkpoint:
+            raise ValueError("--compile with --pp and --checkpoint is not modelled: a compiled pipeline stage's "
+                             "checkpointed blocks are not checked against a run by hand (--pp alone is modelled)")
 
     def coords(self, rank: int) -> dict[str, int]:
         """Row-major coordinates of `rank` on the mesh (as ``init_device_mesh`` lays ranks out)."""
@@ -287,6 +290,12 @@ class RankPlan:
                             loss_fn=lambda y, target: sum_outputs(y))
         self._pp_index = stage_index
         return self._pp_stage.submod
+
+    def run_compiled(self, compiled: nn.Module) -> None:
+        """A pipeline stage calls the compiled module in its schedule's forwards
+        (``stage.submod = torch.compile(stage.submod)``); other layouts call it from the step."""
+        if self.layout.pp > 1:
+            self._pp_stage.submod = compiled
 
     def blocks(self, m: nn.Module) -> list[nn.Module] | None:
         """A pipeline stage's blocks (its share of the split ModuleList, which torch.export turned
