@@ -2,9 +2,8 @@
 against the same loop written by hand under ``vram run --nproc-per-node``: ``--ddp``
 (``torch.compile(DistributedDataParallel(model))``: Dynamo's DDPOptimizer splits the graph at the
 buckets, each piece compiled by vram's backend), ``--fsdp`` and HSDP (the ``fully_shard`` model
-compiled), each with and without ``--checkpoint``, and ``--pp`` (each stage's module compiled);
-tensor parallel (whose compiled graphs ``vram run`` runs eagerly) and a compiled, checkpointed
-pipeline are refused with one line each."""
+compiled) and ``--pp`` (each stage's module compiled), each with and without ``--checkpoint``;
+tensor parallel (whose compiled graphs ``vram run`` runs eagerly) is refused in one line."""
 from __future__ import annotations
 
 import json
@@ -29,11 +28,10 @@ INPUT = ["--input", "64x256"]
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--tp", "2", "--tp-plan", "tiny_stack:tp_plan"], "--compile with --tp is not modelled: Dynamo's trace of "
-                                                       "tensor parallel's DTensors fails"),
+    (["--tp", "2", "--tp-plan", "tiny_stack:tp_plan"], "--compile with --tp is not modelled: tensor parallel's "
+                                                       "compiled graphs take DTensors"),
     (["--fsdp", "2", "--tp", "2", "--tp-plan", "tiny_stack:tp_plan"], "--compile with --tp is not modelled"),
-    (["--pp", "2", "--checkpoint"], "--compile with --pp and --checkpoint is not modelled"),
-], ids=["tp", "fsdp-tp", "pp-checkpoint"])
+], ids=["tp", "fsdp-tp"])
 def test_compile_with_a_layout_it_does_not_model_is_one_line(flags: list[str], message: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """Refused before any model is imported or rank launched (the CLI's own entry, in this process)."""
@@ -45,18 +43,16 @@ def test_compile_with_a_layout_it_does_not_model_is_one_line(flags: list[str], m
 
 
 def test_compile_with_a_layout_it_does_not_model_is_refused_from_python() -> None:
-    with pytest.raises(ValueError, match="--compile with --pp and --checkpoint is not modelled"):
-        vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout={"pp": 2}, compile="default", checkpoint=True)
+    with pytest.raises(ValueError, match="--compile with --tp is not modelled"):
+        vram.estimate("tiny_stack:stack", torch.Size([64, 256]), layout={"tp": 2, "tp_plan": "tiny_stack:tp_plan"},
+                      compile="default")
     with pytest.raises(ValueError, match="--compile with --tp is not modelled"):
         Layout(tp=2, tp_plan="tiny_stack:tp_plan").check_compile("default")
     Layout(ddp=2).check_compile("default")    # modelled
     Layout(fsdp=2).check_compile("default")   # modelled
     Layout(ddp=2, fsdp=2).check_compile("default")   # modelled: HSDP
     Layout(pp=2).check_compile(None)          # not compiled: nothing to refuse
-    Layout(pp=2).check_compile("default")     # modelled: each stage's module compiled
-    Layout(ddp=2).check_compile("default", checkpoint=True)   # modelled
-    Layout(fsdp=2).check_compile("default", checkpoint=True)  # modelled: checkpoint_wrapper, then fully_shard
-    Layout(ddp=2, fsdp=2).check_compile("default", checkpoint=True)
+    Layout(pp=2).check_compile("default")     # modelled: each stage's module compiled, --checkpoint too
 
 
 def _events(trace: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
@@ -185,15 +181,20 @@ def test_hsdp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path
     _same_allocations(got, recorded, hand)
 
 @pytest.mark.slow  # compiles each stage in the compile process, twice (estimate, by hand): about five minutes
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpoint"])
 def test_pp_compile_estimate_makes_the_allocations_of_the_run_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+                                                                      capsys: pytest.CaptureFixture[str],
+                                                                      checkpoint: bool) -> None:
     """``layout={"pp": 2}``: ``pipeline()`` split at the blocks, each rank's stage module compiled
     and called by its stage (``stage.submod = torch.compile(stage.submod)`` by hand) under
     ``Schedule1F1B`` over two micro-batches. The stage's module is ``torch.export``'s: Dynamo's
     graph of it calls ATen operators (``aten.linear.default``), one graph per stage, the backward
     run by the schedule through the compiled graph's. The two stages allocate differently, so
-    each is simulated, and each equals its rank by hand event by event."""
-    got, recorded, hand = _estimate_and_by_hand("pp", {"pp": 2}, tmp_path, monkeypatch, capsys)
+    each is simulated, and each equals its rank by hand event by event. With ``checkpoint=True``,
+    estimate's ``partial(checkpoint, forward)`` on each of the stage's blocks against
+    ``checkpoint_wrapper`` by hand (after ``build_stage``, before the compile): the stage's one
+    graph has a ``tag_activation_checkpoint`` region per block either way."""
+    got, recorded, hand = _estimate_and_by_hand("pp", {"pp": 2}, tmp_path, monkeypatch, capsys, checkpoint)
     assert got.stands_for == {0: [0], 1: [1]}
     _same_allocations(got, recorded, hand)
 

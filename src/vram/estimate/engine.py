@@ -283,7 +283,7 @@ def _summarise(run: _Run, gpu: int, context: int, others: int) -> dict[str, Any]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def check_compile(compile: str | None, parallel: Any, checkpoint: Any = False) -> None:  # noqa: A002
+def check_compile(compile: str | None, parallel: Any) -> None:  # noqa: A002
     """`compile` is a mode, and with a multi-GPU layout one `Layout.check_compile` models."""
     if compile is None:
         return
@@ -293,7 +293,7 @@ def check_compile(compile: str | None, parallel: Any, checkpoint: Any = False) -
         layout = getattr(parallel, "layout", None)
         if layout is None:
             raise ValueError("compile with a multi-GPU layout: parallel must be a vram.estimate.layout.RankPlan")
-        layout.check_compile(compile, bool(checkpoint))
+        layout.check_compile(compile)
 
 
 def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any, Any], None] | None = None,
@@ -332,7 +332,7 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
     If the steps run out of memory on `gpu`, ``fits`` is False, ``oom`` says where, and every
     figure comes from the same steps repeated on an unbounded GPU: what the step would need.
     """
-    check_compile(compile, parallel, checkpoint)
+    check_compile(compile, parallel)
     spec, ctx_b = resolve_gpu(gpu, arch), parse_size(context, "context")
     gpu_b = spec.total_memory
     kw = dict(step=step, optimizer=optimizer, loss=loss, amp=amp, checkpoint=checkpoint,
@@ -384,7 +384,7 @@ def _probe(model: Any, example_inputs: Any, *, gpu: int | str, context: int | st
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     kw.update(kwargs)
-    check_compile(kw["compile"], kw["parallel"], kw["checkpoint"])
+    check_compile(kw["compile"], kw["parallel"])
     card, ctx = resolve_gpu(gpu, arch), parse_size(context, "context")
     run = _run(model, example_inputs, gpu=card, context=ctx, keep=False, record=True, **kw)  # type: ignore[arg-type]
     if run.oom is not None:

@@ -105,28 +105,22 @@ class Layout:
             raise ValueError("a multi-GPU layout needs at least 2 GPUs (without --ddp/--fsdp/--tp/--pp, "
                              "vram estimate models one GPU)")
 
-    def check_compile(self, mode: str | None, checkpoint: bool = False) -> None:
+    def check_compile(self, mode: str | None) -> None:
         """One-line errors for the layouts ``--compile`` does not model. Modelled, each graph
         compiled as ``vram run`` compiles it: ``--ddp`` (``torch.compile(DistributedDataParallel(
         model))``: Dynamo's DDPOptimizer splits the graph at the buckets,
         ``torch/_dynamo/backends/distributed.py``) and ``--fsdp``, with ``--ddp`` too (HSDP)
         (``torch.compile`` of the ``fully_shard`` model: FSDP2's hooks are ``_dynamo_disable``d,
-        so the graphs between them take the unsharded, plain parameters). Tensor parallel's plan
-        makes DTensors inside the traced code (``DTensor.from_local`` in ``ColwiseParallel``'s
-        input hook), whose fake trace fails on the simulated GPU (``vram run`` fails the same
-        program). ``--pp``: each rank's stage module compiled, which its stage then calls
-        (`run_compiled`); not with `checkpoint` (not checked against a run by hand).
-        `checkpoint` with ``--ddp`` and ``--fsdp`` (there ``checkpoint_wrapper`` before
-        ``fully_shard``: `checkpoints_before_sharding`)."""
+        so the graphs between them take the unsharded, plain parameters), and ``--pp`` (each
+        rank's stage module compiled, which its stage then calls: `run_compiled`); ``--checkpoint``
+        with each (with ``--fsdp``, ``checkpoint_wrapper`` before ``fully_shard``:
+        `checkpoints_before_sharding`). Refused: tensor parallel, whose compiled graphs take
+        DTensors (and the device mesh), which ``vram run`` runs eagerly (a tensor subclass)."""
         if mode is None:
             return
         if self.tp > 1:
-            raise ValueError("--compile with --tp is not modelled: Dynamo's trace of tensor parallel's DTensors "
-                             "fails on the simulated GPU, as under vram run (--ddp, --fsdp and --pp are modelled "
-                             "compiled)")
-        if self.pp > 1 and checkpoint:
-            raise ValueError("--compile with --pp and --checkpoint is not modelled: a compiled pipeline stage's "
-                             "checkpointed blocks are not checked against a run by hand (--pp alone is modelled)")
+            raise ValueError("--compile with --tp is not modelled: tensor parallel's compiled graphs take DTensors, "
+                             "which vram run runs eagerly (--ddp, --fsdp and --pp are modelled compiled)")
 
     def coords(self, rank: int) -> dict[str, int]:
         """Row-major coordinates of `rank` on the mesh (as ``init_device_mesh`` lays ranks out)."""
