@@ -43,6 +43,24 @@ def test_a_function_made_inside_another_travels_by_its_modules_name() -> None:
         graph_nodes(graph)
 
 
+def test_an_operator_in_a_graph_travels_by_its_path_under_torch_ops() -> None:
+    """Dynamo's graph of a ``torch.export``-made module (a pipeline stage's ``InterpreterModule``s,
+    whose code calls ``torch.ops.aten.linear.default``) has operator overloads as targets, which do
+    not pickle (``OpOverload`` holds its schema's pybind11 functions): each is sent by its path
+    under ``torch.ops`` and is the same operator on the other side; so is an overload packet."""
+    aten = torch.ops.aten
+    with pytest.raises(Exception, match="not pickleable"):
+        pickle.dumps(aten.linear.default)
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    y = graph.call_function(aten.linear.default, (x, w))
+    graph.output(graph.call_function(aten.relu, (graph.call_function(aten.add.Tensor, (y, x)),)))
+    gm = graph_module(pickle.loads(pickle.dumps(graph_nodes(graph))))  # noqa: S301 - made here
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [aten.linear.default, aten.add.Tensor, aten.relu]
+    assert all(a is b for a, b in zip(targets, [aten.linear.default, aten.add.Tensor, aten.relu], strict=True))
+
+
 def test_a_torch_cuda_stand_in_in_a_graph_travels_as_torch_cudas_function() -> None:
     """``torch.cuda.get_device_capability`` is a graph node on a GPU
     (``trace_rules.torch_non_c_binding_in_graph_functions``); under the run it is the run's

@@ -35,8 +35,9 @@ p.add_argument("--checkpoint", action="store_true",
                help="checkpoint_wrapper (non-reentrant) around each block: after the TP plan, before DDP or "
                     "fully_shard (torchtitan's order); a pipeline stage's blocks after build_stage")
 p.add_argument("--compile", nargs="?", const="outer", choices=["outer", "inner"], default=None,
-               help="torch.compile the wrapped model (ddp: torch.compile(DistributedDataParallel(model)));"
-                    " ddp 'inner': DistributedDataParallel(torch.compile(model)), nanoGPT's train.py order")
+               help="torch.compile the wrapped model (ddp: torch.compile(DistributedDataParallel(model)); pp:"
+                    " the stage's module, which the schedule's stage then calls); ddp 'inner':"
+                    " DistributedDataParallel(torch.compile(model)), nanoGPT's train.py order")
 p.add_argument("--history", default=None,
                help="record the allocation history from the start and dump it here (.rankR added per rank)")
 p.add_argument("--tracker", action="store_true")
@@ -89,6 +90,8 @@ elif a.mode == "pp":
     model = stage.submod.to_empty(device=dev)
     if a.checkpoint:
         wrap_blocks(model.blocks)
+    if a.compile:
+        stage.submod = torch.compile(model)   # the stage runs its module compiled
     schedule = (Schedule1F1B if a.schedule == "1F1B" else ScheduleGPipe)(
         stage, n_microbatches=micro, loss_fn=lambda y, target: y.sum())
 else:
@@ -120,12 +123,14 @@ opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True if a.tracker el
 
 
 def pp_forward_backward(x):
-    """The schedule's step; the last stage's target and losses die with this call."""
+    """The schedule's step; the last stage's target and losses die with this call, after the
+    merged output the step returns (torchtitan's ``pp_forward_backward_step``: its labels outlive
+    the step call)."""
     if rank == 0:
         schedule.step(x)
     elif rank == a.world - 1:
-        losses = []
-        schedule.step(target=torch.zeros(a.batch, dtype=torch.int64, device=dev), losses=losses)
+        target, losses = torch.zeros(a.batch, dtype=torch.int64, device=dev), []
+        schedule.step(target=target, losses=losses)
     else:
         schedule.step()
 

@@ -358,7 +358,7 @@ def _add_estimate_parser(sub: Any) -> None:
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                    help="run the model under torch.compile (MODE: default, reduce-overhead, max-autotune, "
                         "max-autotune-no-cudagraphs; needs the 'compile' extra); activations are then the "
-                        "compiled graphs'; with --ddp, --fsdp (without --checkpoint), not --tp or --pp")
+                        "compiled graphs'; with --ddp, --fsdp and --pp (each rank's stage), not --tp")
     p.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-steps per optimizer step")
     p.add_argument("--iterations", type=int, default=3, metavar="N", help="training steps to run (default 3)")
     p.add_argument("--gpu", default=DEFAULT_GPU, help=GPU_HELP + f" (default {DEFAULT_GPU}, an H100's size)")

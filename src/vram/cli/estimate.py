@@ -120,7 +120,7 @@ def _run_layout(args: argparse.Namespace, shapes: list[tuple[list[int], Any]], m
     layout = Layout(ddp=args.ddp, fsdp=args.fsdp, tp=args.tp, pp=args.pp, tp_plan=args.tp_plan,
                     microbatches=args.microbatches, schedule=args.schedule)
     layout.check()
-    layout.check_compile(args.compile, args.checkpoint)
+    layout.check_compile(args.compile)
     if args.pp > 1:
         micro = layout.n_microbatches
         if shapes[0][0][0] % micro and not args.max_batch:

@@ -169,7 +169,7 @@ def estimate_layout(model: str, inputs: list[tuple[Any, ...]], layout: Layout, *
     from .model import load_factory
 
     layout.check()
-    layout.check_compile(kw.get("compile"), bool(kw.get("checkpoint")))
+    layout.check_compile(kw.get("compile"))
     if layout.pp > 1 and any(len(spec) > 2 for spec in inputs):
         raise ValueError("--pp feeds the first stage its inputs in forward's order: name no --input")
     if layout.pp > 1 and (kw.get("amp") or kw.get("grad_accum", 1) != 1):

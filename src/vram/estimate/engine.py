@@ -153,13 +153,14 @@ def _placed(model: Any, sim: Any, tr: Tracker, parallel: Any, checkpoint: Any, c
     parameters and buffers marked, checkpointed as asked."""
     m = build_model(model, sim)
     tr.attach(m)
-    m = to_gpu(m, sim) if parallel is None else parallel.place(m, tr)
+    early = checkpoint if parallel is not None and parallel.checkpoints_before_sharding(compiled) else None
+    m = to_gpu(m, sim) if parallel is None else parallel.place(m, tr, early)
     m.train()
     for p in m.parameters():
         tr.mark(p, "parameters")
     for b in m.buffers():
         tr.mark(b, "buffers")
-    if checkpoint:
+    if checkpoint and early is None:
         apply_checkpoint(m, checkpoint, tr, None if parallel is None else parallel.blocks(m), compiled)
     return m
 
@@ -204,6 +205,8 @@ def _run(model: Any, example_inputs: Any, *, step: Any, optimizer: Any, loss: An
                     hooks.append(opt.register_step_post_hook(lambda o, a, k: tr.mark_optimizer(o)))
                 if compile is not None:
                     m = tr.compiled(m, compile)
+                    if parallel is not None:
+                        parallel.run_compiled(m)
                 scaler = torch.amp.GradScaler("cuda") if amp_dtype is torch.float16 else None
                 inputs = None
                 for it in range(1, iterations + 1):
@@ -284,7 +287,7 @@ def _summarise(run: _Run, gpu: int, context: int, others: int) -> dict[str, Any]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def check_compile(compile: str | None, parallel: Any, checkpoint: Any = False) -> None:  # noqa: A002
+def check_compile(compile: str | None, parallel: Any) -> None:  # noqa: A002
     """`compile` is a mode, and with a multi-GPU layout one `Layout.check_compile` models."""
     if compile is None:
         return
@@ -294,7 +297,7 @@ def check_compile(compile: str | None, parallel: Any, checkpoint: Any = False) -
         layout = getattr(parallel, "layout", None)
         if layout is None:
             raise ValueError("compile with a multi-GPU layout: parallel must be a vram.estimate.layout.RankPlan")
-        layout.check_compile(compile, bool(checkpoint))
+        layout.check_compile(compile)
 
 
 def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any, Any], None] | None = None,
@@ -333,7 +336,7 @@ def estimate(model: Any, example_inputs: Any, *, step: Callable[[nn.Module, Any,
     If the steps run out of memory on `gpu`, ``fits`` is False, ``oom`` says where, and every
     figure comes from the same steps repeated on an unbounded GPU: what the step would need.
     """
-    check_compile(compile, parallel, checkpoint)
+    check_compile(compile, parallel)
     spec, ctx_b = resolve_gpu(gpu, arch), parse_size(context, "context")
     gpu_b = spec.total_memory
     kw = dict(step=step, optimizer=optimizer, loss=loss, amp=amp, checkpoint=checkpoint,
@@ -385,7 +388,7 @@ def probe(model: Any, example_inputs: Any, *, gpu: int | str, context: int | str
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     kw.update(kwargs)
-    check_compile(kw["compile"], kw["parallel"], kw["checkpoint"])
+    check_compile(kw["compile"], kw["parallel"])
     card, ctx = resolve_gpu(gpu, arch), parse_size(context, "context")
     run = _run(model, example_inputs, gpu=card, context=ctx, keep=False, record=True, **kw)  # type: ignore[arg-type]
     if run.oom is not None:

@@ -40,7 +40,7 @@ import torch.nn as nn
 from vram.run.runtime import active_sim
 
 from .model import load_factory, sum_outputs, to_gpu
-from .trace import Tracker, checkpoint_targets
+from .trace import Tracker, checkpoint_targets, wrap_checkpointed
 
 __all__ = ["Layout", "RankPlan", "DIMS"]
 
@@ -105,29 +105,22 @@ class Layout:
             raise ValueError("a multi-GPU layout needs at least 2 GPUs (without --ddp/--fsdp/--tp/--pp, "
                              "vram estimate models one GPU)")
 
-    def check_compile(self, mode: str | None, checkpoint: bool = False) -> None:
+    def check_compile(self, mode: str | None) -> None:
         """One-line errors for the layouts ``--compile`` does not model. Modelled, each graph
         compiled as ``vram run`` compiles it: ``--ddp`` (``torch.compile(DistributedDataParallel(
         model))``: Dynamo's DDPOptimizer splits the graph at the buckets,
         ``torch/_dynamo/backends/distributed.py``) and ``--fsdp``, with ``--ddp`` too (HSDP)
         (``torch.compile`` of the ``fully_shard`` model: FSDP2's hooks are ``_dynamo_disable``d,
-        so the graphs between them take the unsharded, plain parameters). Tensor parallel's plan
-        makes DTensors inside the traced code (``DTensor.from_local`` in ``ColwiseParallel``'s
-        input hook), whose fake trace fails on the simulated GPU (``vram run`` fails the same
-        program); a pipeline stage is not compiled. With `checkpoint`, only ``--ddp``: compiled
-        FSDP2 blocks checkpointed as estimate checkpoints them allocate otherwise than
-        ``checkpoint_wrapper`` blocks by hand (from the first forward on)."""
+        so the graphs between them take the unsharded, plain parameters), and ``--pp`` (each
+        rank's stage module compiled, which its stage then calls: `run_compiled`); ``--checkpoint``
+        with each (with ``--fsdp``, ``checkpoint_wrapper`` before ``fully_shard``:
+        `checkpoints_before_sharding`). Refused: tensor parallel, whose compiled graphs take
+        DTensors (and the device mesh), which ``vram run`` runs eagerly (a tensor subclass)."""
         if mode is None:
             return
         if self.tp > 1:
-            raise ValueError("--compile with --tp is not modelled: Dynamo's trace of tensor parallel's DTensors "
-                             "fails on the simulated GPU, as under vram run (--ddp and --fsdp are modelled compiled)")
-        if self.pp > 1:
-            raise ValueError("--compile with --pp is not modelled: estimate does not compile pipeline "
-                             "stages (--ddp and --fsdp are modelled compiled)")
-        if checkpoint and self.fsdp > 1:
-            raise ValueError("--compile with --checkpoint and --fsdp is not modelled: compiled FSDP2 blocks "
-                             "checkpointed by estimate allocate unlike checkpoint_wrapper's (--ddp is modelled)")
+            raise ValueError("--compile with --tp is not modelled: tensor parallel's compiled graphs take DTensors, "
+                             "which vram run runs eagerly (--ddp, --fsdp and --pp are modelled compiled)")
 
     def coords(self, rank: int) -> dict[str, int]:
         """Row-major coordinates of `rank` on the mesh (as ``init_device_mesh`` lays ranks out)."""
@@ -200,8 +193,10 @@ class RankPlan:
         if self.layout.pp > 1:
             self.step = self._pipeline_step
 
-    def place(self, m: nn.Module, tr: Tracker) -> nn.Module:
-        """Split, parallelize and shard `m` (on meta, or as the factory built it) onto this GPU."""
+    def place(self, m: nn.Module, tr: Tracker, checkpoint: Any = None) -> nn.Module:
+        """Split, parallelize and shard `m` (on meta, or as the factory built it) onto this GPU;
+        `checkpoint` (a ``checkpoint=`` policy): its modules are wrapped by ``checkpoint_wrapper``
+        before ``fully_shard`` (`checkpoints_before_sharding`)."""
         lay = self.layout
         if lay.pp > 1:
             m = self._stage(m)
@@ -213,6 +208,8 @@ class RankPlan:
             from torch.distributed.fsdp import fully_shard
 
             dp = self.mesh["dp_replicate", "dp_shard"] if lay.ddp > 1 else self.mesh["dp_shard"]
+            if checkpoint:
+                wrap_checkpointed(m, checkpoint)
             for block in checkpoint_targets(m, True):
                 fully_shard(block, mesh=dp)
             fully_shard(m, mesh=dp)
@@ -235,6 +232,12 @@ class RankPlan:
             ddp._pre_forward = pre_forward  # type: ignore[method-assign]
             m = ddp
         return m
+
+    def checkpoints_before_sharding(self, compiled: bool) -> bool:
+        """Compiled FSDP2 blocks are checkpointed by ``checkpoint_wrapper`` before ``fully_shard``
+        (torchtitan's order, `wrap_checkpointed`), not by estimate's forward after it: the
+        graph breaks at each block's FSDP2 hooks and the block's own frame is compiled."""
+        return compiled and self.layout.fsdp > 1
 
     def _tag_fsdp_buffers(self, tr: Tracker) -> None:
         """FSDP2's collectives, as `_fsdp_param_group` calls them, allocate as their category."""
@@ -281,6 +284,12 @@ class RankPlan:
                             loss_fn=lambda y, target: sum_outputs(y))
         self._pp_index = stage_index
         return self._pp_stage.submod
+
+    def run_compiled(self, compiled: nn.Module) -> None:
+        """A pipeline stage calls the compiled module in its schedule's forwards
+        (``stage.submod = torch.compile(stage.submod)``); other layouts call it from the step."""
+        if self.layout.pp > 1:
+            self._pp_stage.submod = compiled
 
     def blocks(self, m: nn.Module) -> list[nn.Module] | None:
         """A pipeline stage's blocks (its share of the split ModuleList, which torch.export turned

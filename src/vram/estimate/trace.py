@@ -387,5 +387,21 @@ def apply_checkpoint(model: nn.Module, policy: Any, tr: Tracker, blocks: list[nn
         m.forward = forward
 
 
+def wrap_checkpointed(model: nn.Module, policy: Any) -> None:
+    """Replace each `checkpoint_targets` module in its parent by ``checkpoint_wrapper(module)``
+    (non-reentrant ``torch.utils.checkpoint``), as torchtitan's ``apply_ac`` does before
+    ``fully_shard``: FSDP2's hooks then run around the wrapper, whose ``forward`` frame Dynamo
+    compiles on its own (the hooks are ``_dynamo_disable``d, so the graph breaks at each block)
+    and traces as a ``tag_activation_checkpoint`` region. A ``functools.partial(checkpoint,
+    forward)`` there would be a frame of ``checkpoint`` itself, which is ``_disable_dynamo``d
+    (torch/utils/checkpoint.py): the block would run eagerly."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    parents = {id(child): (parent, name) for parent in model.modules() for name, child in parent.named_children()}
+    for m in {id(m): m for m in checkpoint_targets(model, policy)}.values():
+        parent, name = parents[id(m)]
+        setattr(parent, name, checkpoint_wrapper(m))
+
+
 def unpack(t: torch.Tensor) -> torch.Tensor:
     return t

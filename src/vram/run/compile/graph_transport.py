@@ -6,11 +6,11 @@ constant arguments (``torch.arange(512, device=...)``) then runs at trace time a
 tensor constant, which is not the graph Dynamo traced. So the nodes themselves are sent: op,
 name, target (functions pickle by their qualified name; one made inside another function, as
 ``torch.nn.functional.max_pool2d`` is by ``boolean_dispatch``, is sent by the name its module gives
-it: `FunctionRef`) and arguments, other nodes named, and the innermost module of Dynamo's
-``nn_module_stack`` (its source path and class name: the class itself may not import in the
-compile process), which AOTAutograd copies to the nodes it traces from each node (``fx.proxy``'s
-preserved node meta), so the compiled forward can say which module made each tensor it saves
-(`module_of`).
+it: `FunctionRef`; an operator by its path under ``torch.ops``: `Operator`) and arguments, other
+nodes named, and the innermost module of Dynamo's ``nn_module_stack`` (its source path and class
+name: the class itself may not import in the compile process), which AOTAutograd copies to the
+nodes it traces from each node (``fx.proxy``'s preserved node meta), so the compiled forward can
+say which module made each tensor it saves (`module_of`).
 """
 from __future__ import annotations
 
@@ -49,11 +49,30 @@ class FunctionRef:
         return getattr(importlib.import_module(module), name)
 
 
+class Operator:
+    """An ATen or custom operator, an overload (``torch.ops.aten.linear.default``) or its packet
+    (``torch.ops.aten.linear``), which do not pickle (their schema's pybind11 functions), by its
+    path under ``torch.ops`` (``"aten.linear.default"``, its ``str``). Dynamo's graph of a
+    ``torch.export``-made module calls them (a pipeline stage's ``InterpreterModule``s)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def resolve(self) -> Any:
+        found: Any = torch.ops
+        for part in self.path.split("."):
+            found = getattr(found, part)
+        return found
+
+
 def _sent_target(target: Any) -> Any:
-    """A node's target as it travels: a higher-order operator by name, a function made inside
-    another by its module's name for it (ValueError when the module does not hold it there)."""
+    """A node's target as it travels: a higher-order operator by name, an operator by its path
+    under ``torch.ops``, a function made inside another by its module's name for it (ValueError
+    when the module does not hold it there)."""
     if isinstance(target, torch._ops.HigherOrderOperator):
         return HigherOrder(target.name())
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return Operator(str(target))
     if callable(target) and "<locals>" in getattr(target, "__qualname__", ""):
         try:
             ref = FunctionRef(torch.fx.node._get_qualified_name(target))
@@ -124,7 +143,7 @@ def graph_module(sent: dict[str, Any]) -> torch.fx.GraphModule:
     for op, name, target, args, kwargs, module in nodes:
         if isinstance(target, HigherOrder):
             target = getattr(torch.ops.higher_order, target.name)
-        elif isinstance(target, FunctionRef):
+        elif isinstance(target, (FunctionRef, Operator)):
             target = target.resolve()
         if op == "call_function" and _device_constant(target, args, kwargs):
             env[name] = _constant_on_device(graph, name, args, kwargs)
