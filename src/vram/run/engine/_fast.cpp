@@ -99,7 +99,8 @@ bool has_dlpack_code(c10::ScalarType t) {
     case c10::ScalarType::BFloat16: case c10::ScalarType::Long: case c10::ScalarType::Int:
     case c10::ScalarType::Short: case c10::ScalarType::Char: case c10::ScalarType::Byte:
     case c10::ScalarType::UInt16: case c10::ScalarType::UInt32: case c10::ScalarType::UInt64:
-    case c10::ScalarType::Bool: case c10::ScalarType::ComplexFloat: case c10::ScalarType::ComplexDouble:
+    case c10::ScalarType::Bool: case c10::ScalarType::ComplexHalf: case c10::ScalarType::ComplexFloat:
+    case c10::ScalarType::ComplexDouble:
       return true;
     default:
       return false;
