@@ -82,3 +82,28 @@ def test_a_cpu_kernel_short_of_host_memory_stops_the_run_in_one_line(tmp_path: P
     assert len(err) == 1, err
     assert err[0].startswith("vram run: --values real: vramhh.grow") and "could not allocate host memory" in err[0]
     assert "the CPU copies of the simulated GPU's values hold 0 MiB" in err[0] and "is available" in err[0]
+
+
+def test_roi_align_on_the_host_samples_a_bounded_group_of_rois_at_a_time(monkeypatch) -> None:
+    """Adaptive sampling (``sampling_ratio=0``) samples each of the 7 × 7 bins at every row and
+    column of the input: 3 × 49 × 60 × 50 floats (1.7 MiB) per roi. With a 4 MiB bound, two rois
+    per call of torchvision's ``_roi_align``; the outputs are those of one call, bit for bit."""
+    from vram.run.cuda import vision_ops
+    from vram.run.cuda.compat import define_torchvision_ops
+
+    define_torchvision_ops()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(2, 3, 60, 50, generator=gen)
+    rois = torch.cat([torch.randint(0, 2, (37, 1), generator=gen).float(), torch.rand(37, 2, generator=gen) * 20,
+                      20 + torch.rand(37, 2, generator=gen) * 30], 1)
+    whole = vision_ops._roi_align_python()(x, rois, 1.0, 7, 7, 0, False)
+    python, groups = vision_ops._roi_align_python(), []
+
+    def counted(inp, r, *rest):
+        groups.append(r.size(0))
+        return python(inp, r, *rest)
+    monkeypatch.setattr(vision_ops, "_roi_align_python", lambda: counted)
+    monkeypatch.setattr(vision_ops, "ROI_SAMPLES_BYTES", 4 << 20)
+    out = vision_ops.roi_align_cpu(x, rois, 1.0, 7, 7, 0, False)
+    assert torch.equal(out, whole)
+    assert groups == [2] * 18 + [1]

@@ -64,9 +64,25 @@ def _roi_align_python() -> Any:
     return getattr(fn, "__wrapped__", fn)  # the function, not its torch.compile wrapper
 
 
+#: bytes of the samples tensor (``[rois, C, PH, PW, IY, IX]``) one call of torchvision's Python
+#: ``_roi_align`` builds; the rois are taken in groups that keep it under this
+ROI_SAMPLES_BYTES = 64 << 20
+
+
 def roi_align_cpu(input: torch.Tensor, rois: torch.Tensor, spatial_scale: float, pooled_height: int,
                   pooled_width: int, sampling_ratio: int, aligned: bool) -> torch.Tensor:
-    return _roi_align_python()(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
+    """torchvision's Python ``_roi_align`` over groups of rois. It samples each bin at IY × IX
+    points, with adaptive sampling (``sampling_ratio <= 0``) at every row and column of the
+    input, masked (Mask R-CNN's target masks: gigabytes for a few hundred rois at once); each
+    roi's output is computed from its own samples, the same for any group it is in."""
+    fn = _roi_align_python()
+    iy, ix = (sampling_ratio, sampling_ratio) if sampling_ratio > 0 else (input.size(2), input.size(3))
+    per_roi = input.size(1) * pooled_height * pooled_width * iy * ix * input.element_size()
+    group = max(1, ROI_SAMPLES_BYTES // max(per_roi, 1))
+    if rois.size(0) <= group:
+        return fn(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
+    return torch.cat([fn(input, rois[i:i + group], spatial_scale, pooled_height, pooled_width, sampling_ratio,
+                         aligned) for i in range(0, rois.size(0), group)])
 
 
 def roi_align_backward_cpu(grad: torch.Tensor, rois: torch.Tensor, spatial_scale: float, pooled_height: int,
