@@ -84,26 +84,33 @@ def test_a_cpu_kernel_short_of_host_memory_stops_the_run_in_one_line(tmp_path: P
     assert "the CPU copies of the simulated GPU's values hold 0 MiB" in err[0] and "is available" in err[0]
 
 
-def test_roi_align_on_the_host_samples_a_bounded_group_of_rois_at_a_time(monkeypatch) -> None:
-    """Adaptive sampling (``sampling_ratio=0``) samples each of the 7 × 7 bins at every row and
-    column of the input: 3 × 49 × 60 × 50 floats (1.7 MiB) per roi. With a 4 MiB bound, two rois
-    per call of torchvision's ``_roi_align``; the outputs are those of one call, bit for bit."""
+def test_roi_align_on_the_host_is_the_cuda_kernel_roi_by_roi() -> None:
+    """``roi_align_forward_kernel_impl`` (torchvision/csrc/ops/cuda/roi_align_kernel.cu): each
+    bin the mean of its bilinear samples, a sample beyond [-1, size] counting 0. Rois inside the
+    map: what torchvision's Python ``_roi_align`` gives (bit for bit with a fixed sampling ratio;
+    with adaptive sampling it sums a grid padded with zeros, in another order: to 1e-6). A 1 × 1 bin over x in
+    [-4, 4] of a map of ones, 2 × 2 samples: x = -2 (outside: 0) and x = 2 (1), so 0.5. And a Mask
+    R-CNN target mask (one roi, 28 × 28, adaptive sampling over a 320 × 320 mask) no longer
+    samples every row and column per bin: well under a second."""
+    import time
+
     from vram.run.cuda import vision_ops
     from vram.run.cuda.compat import define_torchvision_ops
 
     define_torchvision_ops()
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(2, 3, 60, 50, generator=gen)
-    rois = torch.cat([torch.randint(0, 2, (37, 1), generator=gen).float(), torch.rand(37, 2, generator=gen) * 20,
-                      20 + torch.rand(37, 2, generator=gen) * 30], 1)
-    whole = vision_ops._roi_align_python()(x, rois, 1.0, 7, 7, 0, False)
-    python, groups = vision_ops._roi_align_python(), []
-
-    def counted(inp, r, *rest):
-        groups.append(r.size(0))
-        return python(inp, r, *rest)
-    monkeypatch.setattr(vision_ops, "_roi_align_python", lambda: counted)
-    monkeypatch.setattr(vision_ops, "ROI_SAMPLES_BYTES", 4 << 20)
-    out = vision_ops.roi_align_cpu(x, rois, 1.0, 7, 7, 0, False)
-    assert torch.equal(out, whole)
-    assert groups == [2] * 18 + [1]
+    starts, sizes = torch.rand(37, 2, generator=gen) * 20, 1 + torch.rand(37, 2, generator=gen) * 70
+    rois = torch.cat([torch.randint(0, 2, (37, 1), generator=gen).float(), starts, starts + sizes], 1)
+    for ratio in (0, 2):
+        for aligned in (False, True):
+            expected = vision_ops._roi_align_python()(x, rois, 0.5, 7, 7, ratio, aligned)
+            out = vision_ops.roi_align_cpu(x, rois, 0.5, 7, 7, ratio, aligned)
+            assert torch.equal(out, expected) if ratio else torch.allclose(out, expected, rtol=0, atol=1e-6)
+    ones = torch.ones(1, 1, 8, 8)
+    out = vision_ops.roi_align_cpu(ones, torch.tensor([[0.0, -4.0, 2.0, 4.0, 6.0]]), 1.0, 1, 1, 2, False)
+    assert out.item() == 0.5
+    mask = (torch.rand(1, 1, 320, 320, generator=gen) > 0.5).float()
+    t = time.perf_counter()
+    vision_ops.roi_align_cpu(mask, torch.tensor([[0.0, 10.0, 20.0, 200.0, 220.0]]), 1.0, 28, 28, 0, False)
+    assert time.perf_counter() - t < 5  # the whole-grid sampling took 18 s and 3.5 GiB
