@@ -15,7 +15,8 @@ the bilinear interpolation as whole tensors, a memory profile no GPU run has) or
 - *the host* (a host run, values computed on the CPU): ``nms`` as ``cpu/nms_kernel.cpp`` runs it
   (a stable descending sort of the scores, greedy suppression where IoU > threshold),
   ``roi_align`` as the CUDA kernel computes it, roi by roi (`roi_align_cpu`), and
-  ``_roi_align_backward`` as the vector-Jacobian product of torchvision's own Python ``_roi_align``. The other ops have no host kernel here: a host call says so.
+  ``_roi_align_backward`` as the vector-Jacobian product of torchvision's own Python
+  ``_roi_align``. The other ops have no host kernel here: a host call says so.
 """
 from __future__ import annotations
 
