@@ -88,7 +88,7 @@ from .kernels.fastpath import patch_fast_paths
 from .memory.host_rng import patch_rng
 from .memory.storage_api import patch_storages
 from .memory.storages import SimState
-from .values import known
+from .values import host_heap, known
 from .values.limits import HostMemoryError
 from .values.placeholders import DataDependentError, ValueReport
 from .values.rerun import ValuesNeeded
@@ -223,6 +223,7 @@ def simulated_cuda(gpu: int | str | GpuPreset = "80GiB", context: int | str = 0,
     sim.strict_values = strict_values
     if values == "real":
         sim.real_values, sim.value_limit = True, sys.maxsize
+        host_heap.give_back_freed()  # freed copies and kernel temporaries go back to the system
     restores = _install_patches(sim, function)
     _ACTIVE.append(sim)
     try:

@@ -13,9 +13,10 @@ the bilinear interpolation as whole tensors, a memory profile no GPU run has) or
   ``_meta_registrations``); ``nms``'s output size comes from its CPU kernel over the values;
 - *autograd*: torchvision's own formulas (``_autograd_registrations.py``: each backward kernel);
 - *the host* (a host run, values computed on the CPU): ``nms`` as ``cpu/nms_kernel.cpp`` runs it
-  (a stable descending sort of the scores, greedy suppression where IoU > threshold), and
-  ``roi_align`` / ``_roi_align_backward`` as torchvision's own Python ``_roi_align`` and its
-  vector-Jacobian product. The other ops have no host kernel here: a host call says so.
+  (a stable descending sort of the scores, greedy suppression where IoU > threshold),
+  ``roi_align`` as the CUDA kernel computes it, roi by roi (`roi_align_cpu`), and
+  ``_roi_align_backward`` as the vector-Jacobian product of torchvision's own Python
+  ``_roi_align``. The other ops have no host kernel here: a host call says so.
 """
 from __future__ import annotations
 
@@ -64,9 +65,61 @@ def _roi_align_python() -> Any:
     return getattr(fn, "__wrapped__", fn)  # the function, not its torch.compile wrapper
 
 
+def _bilinear_axis(pos: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+    """One axis of ``bilinear_interpolate`` (roi_align_kernel.cu): whether each sample lies in
+    [-1, size], its low and high indices, and the weights of each."""
+    inside = (pos >= -1.0) & (pos <= size)
+    pos = pos.clamp_min(0)
+    low = pos.to(torch.int64)
+    last = low >= size - 1
+    low = torch.where(last, size - 1, low)
+    high = torch.where(last, size - 1, low + 1)
+    pos = torch.where(last, low.to(pos.dtype), pos)
+    lw = pos - low.to(pos.dtype)
+    return inside, low, high, 1.0 - lw, lw
+
+
+def _roi_align_one(image: torch.Tensor, roi: torch.Tensor, scale: float, ph: int, pw: int, ratio: int,
+                   aligned: bool) -> torch.Tensor:
+    """``roi_align_forward_kernel_impl`` (torchvision/csrc/ops/cuda/roi_align_kernel.cu) for one
+    roi over its image ``[C, H, W]``: each bin's samples summed in the kernel's order (rows, then
+    columns within a row), divided by their count. Arithmetic in the input's dtype."""
+    dtype, (_, h, w) = image.dtype, image.shape
+    offset = 0.5 if aligned else 0.0
+    start_w, start_h, end_w, end_h = (roi[i] * scale - offset for i in (1, 2, 3, 4))
+    roi_w, roi_h = end_w - start_w, end_h - start_h
+    if not aligned:
+        roi_w, roi_h = roi_w.clamp_min(1.0), roi_h.clamp_min(1.0)
+    bin_h, bin_w = roi_h / ph, roi_w / pw
+    grid_h = ratio if ratio > 0 else int(torch.ceil(roi_h / ph))
+    grid_w = ratio if ratio > 0 else int(torch.ceil(roi_w / pw))
+    count = max(grid_h * grid_w, 1)
+    rows, cols = torch.arange(ph, dtype=dtype), torch.arange(pw, dtype=dtype)
+    out = torch.zeros(image.size(0), ph, pw, dtype=dtype)
+    for iy in range(grid_h):
+        y_in, y_lo, y_hi, hy, ly = _bilinear_axis(start_h + rows * bin_h + torch.tensor(iy + .5, dtype=dtype)
+                                                  * bin_h / grid_h, h)
+        lo_rows, hi_rows = image[:, y_lo], image[:, y_hi]  # [C, PH, W]
+        for ix in range(grid_w):
+            x_in, x_lo, x_hi, hx, lx = _bilinear_axis(start_w + cols * bin_w + torch.tensor(ix + .5, dtype=dtype)
+                                                      * bin_w / grid_w, w)
+            val = (hy[:, None] * hx * lo_rows[:, :, x_lo] + hy[:, None] * lx * lo_rows[:, :, x_hi]
+                   + ly[:, None] * hx * hi_rows[:, :, x_lo] + ly[:, None] * lx * hi_rows[:, :, x_hi])
+            out += torch.where(y_in[:, None] & x_in, val, 0)
+    return out / count
+
+
 def roi_align_cpu(input: torch.Tensor, rois: torch.Tensor, spatial_scale: float, pooled_height: int,
                   pooled_width: int, sampling_ratio: int, aligned: bool) -> torch.Tensor:
-    return _roi_align_python()(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
+    """``roi_align`` as the CUDA kernel computes it, roi by roi (`_roi_align_one`): host memory of
+    one bin grid's samples at a time. (torchvision's Python ``_roi_align`` samples every bin at
+    every row and column of the input under adaptive sampling: gigabytes for one roi of a
+    Mask R-CNN target mask.)"""
+    out = torch.zeros(rois.size(0), input.size(1), pooled_height, pooled_width, dtype=input.dtype)
+    for k in range(rois.size(0)):
+        out[k] = _roi_align_one(input[int(rois[k, 0])], rois[k], spatial_scale, pooled_height, pooled_width,
+                                sampling_ratio, aligned)
+    return out
 
 
 def roi_align_backward_cpu(grad: torch.Tensor, rois: torch.Tensor, spatial_scale: float, pooled_height: int,

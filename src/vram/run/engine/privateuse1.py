@@ -13,7 +13,7 @@ pin the storage.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -145,6 +145,9 @@ class BackendState(SimState):
         blocks, empty = self.blocks, self._empty
         with torch._C.DisableTorchFunction():
             return [_block(blocks, empty, t) if isinstance(t, torch.Tensor) else None for t in tensors]
+
+    def charged(self) -> Iterable[ChargedStorage]:
+        return self.blocks.values()
 
     def storage_block(self, storage: Any) -> ChargedStorage | None:
         device = raw_device(storage)

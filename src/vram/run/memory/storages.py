@@ -4,7 +4,7 @@ the `SimState` both modes share (see `vram.run.runtime` for the design)."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,7 +14,7 @@ from vram.allocator.errors import OutOfMemoryError as _SimOOM
 from vram.devices.host import available_memory as host_available
 from vram.frontend import memory as _memory
 from vram.run.cuda.api import DeviceProperties
-from vram.run.values.limits import VALUE_LIMIT, HostMemoryError
+from vram.run.values.limits import VALUE_LIMIT, HostMemoryError, refusal
 from vram.run.values.placeholders import ValueReport, value_error
 
 from .lazy_host import LazyHost
@@ -276,10 +276,21 @@ class SimState:
         pending, self.unchecked_bytes = self.unchecked_bytes, 0
         available = host_available()
         if available is not None and available - pending < HOST_RESERVE:
-            raise HostMemoryError(
-                f"--values real: the CPU copies of the simulated GPU's values need {pending / 2**20:,.0f} MiB "
-                f"more host memory, but only {available / 2**20:,.0f} MiB is available ({HOST_RESERVE >> 20:,} "
-                "MiB is kept free); run without --values real (placeholders) or with a smaller model")
+            raise HostMemoryError(self.host_refusal(
+                f"{pending / 2**20:,.0f} MiB more are needed and {HOST_RESERVE >> 20:,} MiB is kept free", available))
+
+    def charged(self) -> Iterable[ChargedStorage]:
+        """The live charged storages."""
+        return self.live.values()
+
+    def values_held(self) -> int:
+        """Bytes of host memory the live storages' value copies hold (pieces being filled included)."""
+        return sum((b.value.nbytes() if b.value is not None else 0)
+                   + (b.filling[0].nbytes() if b.filling is not None else 0) for b in list(self.charged()))
+
+    def host_refusal(self, need: str, available: int | None = None) -> str:
+        """`vram.run.values.limits.refusal` for this run (`available`: read now when not given)."""
+        return refusal(need, self.values_held(), host_available() if available is None else available)
 
     def zeros(self, nbytes: int) -> torch.UntypedStorage:
         """A zeroed value copy of `nbytes` (what a real-values run takes uninitialized memory to hold)."""

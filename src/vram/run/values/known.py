@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from . import real_values
 from .flat import map_call, tensors_of
-from .limits import DERIVED_LIMIT, VALUE_LIMIT, HostMemoryError
+from .limits import DERIVED_LIMIT, VALUE_LIMIT, HostMemoryError, cannot_allocate
 
 if TYPE_CHECKING:  # the run state is passed in; values sit below the storages that hold them
     from vram.run.memory.storages import ChargedStorage, SimState
@@ -309,6 +309,8 @@ def propagate(sim: SimState, func: Any, args: Any, kwargs: Any, out: Any, inputs
     except HostMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - no CPU kernel, or a CPU-only failure: the values are unknown
+        if sim.real_values and cannot_allocate(e):  # never unknown for want of host memory: refused
+            raise HostMemoryError(sim.host_refusal(f"{func} on the CPU could not allocate host memory")) from e
         _forget(targets, written, f"{func} failed on the CPU: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
         return
     results = tensors_of(result)

@@ -15,3 +15,18 @@ DERIVED_LIMIT = 1 << 20
 
 class HostMemoryError(Exception):
     """The CPU copies of a real-values run (`vram.run.values.real_values`) do not fit in host memory."""
+
+
+def cannot_allocate(e: BaseException) -> bool:
+    """Is `e` a CPU allocation that failed (``MemoryError``, or c10's ``DefaultCPUAllocator:
+    can't allocate memory``, c10/core/impl/alloc_cpu.cpp, raised as a RuntimeError)?"""
+    return isinstance(e, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(e)
+
+
+def refusal(need: str, held: int, available: int | None) -> str:
+    """The one line that stops a real-values run short of host memory: what it needed, the bytes
+    its value copies hold, what the host has left, and how to go on."""
+    left = "unknown" if available is None else f"{available / 2**20:,.0f} MiB"
+    return (f"--values real: {need}; the CPU copies of the simulated GPU's values hold {held / 2**20:,.0f} MiB "
+            f"of host memory and {left} is available; run without --values real (placeholders), "
+            "with a smaller model or input, or where the host has more memory")
