@@ -92,6 +92,7 @@ def _probe(preset: str) -> dict[str, object]:
     return result
 
 
+@pytest.mark.slow
 @needs_triton
 def test_inductors_cost_model_reads_the_simulated_cards_figures() -> None:
     """``get_device_tflops``: the datasheet table by exact name (an L4: 242 fp16, 30.3 fp32), else

@@ -210,6 +210,7 @@ def test_what_the_ranks_say_they_do_not_model_is_said_once() -> None:
     assert rank_notices(err) == [eager, "vram run: options= is not modelled"]
 
 
+@pytest.mark.slow
 def test_checkpointed_fsdp_blocks_are_compiled_in_their_wrappers_frames() -> None:
     """Compiled FSDP2 with checkpointing: the graph breaks at each block's ``_dynamo_disable``d
     FSDP2 hooks, so each block's own frame is what Dynamo compiles. After `wrap_checkpointed`
