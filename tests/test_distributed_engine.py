@@ -144,6 +144,7 @@ def test_storage_resize_allocates_then_frees_as_cuda(rank1: Any) -> None:
         assert torch.cuda.memory_allocated(1) == 0
 
 
+@pytest.mark.slow
 def test_ddp_find_unused_parameters_runs_on_the_gpus_formulas_and_prints_once(tmp_path: Path,
                                                                                single: dict[str, int]) -> None:
     """``find_unused_parameters=True`` on the default engine, no rerun: the backward allocates what

@@ -156,6 +156,7 @@ def _nccl_line(tmp_path: Path, kind: str) -> str:
     return m.group(1)
 
 
+@pytest.mark.slow
 def test_launched_program_with_only_functional_collectives_counts_nccl(tmp_path: Path) -> None:
     """Under ``vram run --nproc-per-node 2``, a program whose only collective is functional shows
     the same NCCL memory per rank as one calling ``dist.all_gather_into_tensor``."""

@@ -129,6 +129,7 @@ def test_launcher_summary_adds_context_and_nccl(tmp_path: Path) -> None:
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_estimate_layout_reports_nvidia_smi_per_rank() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     r = subprocess.run([sys.executable, "-m", "vram", "estimate", "tiny_stack:stack", "--input", "64x256",
