@@ -104,10 +104,16 @@ def rank_notices(err: str) -> list[str]:
     estimate says it."""
     said: dict[str, None] = {}
     for line in err.splitlines():
-        text = line.partition("]:")[2] if line.startswith("[rank") else ""
+        text = _rank_line(line)[1]
         if text.startswith("vram run: "):
             said[text] = None
     return list(said)
+
+
+def _rank_line(line: str) -> tuple[str, str]:
+    """(rank, text) of a ``[rankR]:text`` line the launcher forwarded; ("", "") for any other line."""
+    rank, sep, text = line.partition("]:")
+    return (rank[5:], text) if sep and rank.startswith("[rank") else ("", "")
 
 
 class _RankErrors(io.StringIO):
@@ -119,9 +125,9 @@ class _RankErrors(io.StringIO):
         self.progress = progress
 
     def write(self, text: str) -> int:
-        rank, sep, line = text.partition("]:")
-        if self.progress is not None and sep and rank.startswith("[rank") and line.startswith("max-batch: "):
-            print(f"max-batch: rank {rank[5:]}: {line[len('max-batch: '):]}", end="", file=self.progress, flush=True)
+        rank, line = _rank_line(text)
+        if self.progress is not None and line.startswith("max-batch: "):
+            print(f"max-batch: rank {rank}: {line[len('max-batch: '):]}", end="", file=self.progress, flush=True)
         return super().write(text)
 
 
